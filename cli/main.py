@@ -1,0 +1,27 @@
+"""The ``plugtron`` command."""
+
+from __future__ import annotations
+
+import click
+
+from .plugins_cmd import plugins
+from .topology import topology
+from .train import train
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli():
+    """plugtron: a Megatron-style trainer built as a small core plus plugins."""
+
+
+cli.add_command(train)
+cli.add_command(plugins)
+cli.add_command(topology)
+
+
+def main():
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""The ``train`` flags, generated from the config dataclasses (one list for CLI, config files
+and docs)."""
+
+from __future__ import annotations
+
+import click
+
+from plugtron.core.config import TrainConfig, apply_values, flag_fields, load_config_file
+from plugtron.core.presets import PRESETS
+
+
+def _param_name(section: str, name: str) -> str:
+    return f"{section}__{name}"
+
+
+def config_options(func):
+    """Decorate a click command with one option per config field."""
+    for flag in reversed(flag_fields()):
+        dest = _param_name(flag.section, flag.name)
+        if flag.is_flag:
+            spelling = f"{flag.flag}/{flag.negative}" if flag.negative else flag.flag
+            func = click.option(spelling, *flag.aliases, dest, default=None,
+                                help=flag.help)(func)
+            continue
+        kind = click.Choice(flag.choices) if flag.choices else {
+            int: int, float: float, list: str}.get(flag.type, str)
+        func = click.option(flag.flag, *flag.aliases, dest, type=kind, default=None,
+                            multiple=flag.type is list, show_default=False,
+                            help=f"{flag.help} [default: {flag.default}]")(func)
+    return func
+
+
+def build_config(params: dict, config_file: str | None, preset: str | None) -> TrainConfig:
+    """dataclass defaults < preset < config file < flags."""
+    config = TrainConfig()
+    if preset:
+        apply_values(config, PRESETS[preset], f"preset {preset!r}")
+    if config_file:
+        apply_values(config, load_config_file(config_file), f"config file {config_file!r}")
+    given = {}
+    for flag in flag_fields():
+        value = params.get(_param_name(flag.section, flag.name))
+        if value is None or (flag.type is list and len(value) == 0):
+            continue
+        given[flag.name] = list(value) if flag.type is list else value
+    apply_values(config, given, "command line")
+    return config

@@ -1,0 +1,27 @@
+"""Entry of one launched rank: ``python -m plugtron.cli.rank CONFIG_JSON``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from plugtron.core.config import TrainConfig
+from plugtron.core.errors import PlugtronError
+from plugtron.core.training import pretrain
+
+from .launch import report_user_error
+
+
+def main(argv: list[str]) -> int:
+    with open(argv[0]) as f:
+        config = TrainConfig.from_dict(json.load(f))
+    try:
+        pretrain(config)
+    except PlugtronError as exc:
+        report_user_error(str(exc))
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,361 @@
+"""Run configuration as dataclasses.
+
+Every field that a user may set carries its CLI flag in its metadata (``flag``, ``aliases``,
+``help``, ``choices``), so the CLI, the config-file reader and the docs share one list. Flag names
+follow Megatron-LM. A config file (YAML or TOML) is flat: its keys are flag names without the
+leading dashes (``num-layers: 4``) or field names (``num_layers: 4``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import ConfigError
+
+
+def opt(default: Any, flag: str, help: str, aliases: tuple[str, ...] = (), choices=None,
+        is_flag: bool = False, negative: str | None = None):
+    """A config field with its CLI flag (``negative`` is the flag that sets a bool to False)."""
+    meta = {"flag": flag, "aliases": aliases, "help": help, "choices": choices,
+            "is_flag": is_flag, "negative": negative}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = opt(4, "--num-layers", "Number of transformer layers.")
+    hidden_size: int = opt(128, "--hidden-size", "Transformer hidden size.")
+    ffn_hidden_size: int | None = opt(None, "--ffn-hidden-size",
+                                      "MLP hidden size (default 4 x hidden).")
+    num_attention_heads: int = opt(4, "--num-attention-heads", "Number of attention heads.")
+    num_query_groups: int | None = opt(None, "--num-query-groups",
+                                       "Key/value groups for grouped-query attention "
+                                       "(default: one per head).")
+    kv_channels: int | None = opt(None, "--kv-channels", "Per-head size (default hidden/heads).")
+    seq_length: int = opt(128, "--seq-length", "Tokens per sample.")
+    max_position_embeddings: int | None = opt(None, "--max-position-embeddings",
+                                              "Size of the learned position table "
+                                              "(default seq-length).")
+    vocab_size: int | None = opt(None, "--vocab-size",
+                                 "Vocabulary size where the tokenizer does not fix it.")
+    make_vocab_size_divisible_by: int = opt(128, "--make-vocab-size-divisible-by",
+                                            "Pad the vocabulary to a multiple of this times tp.")
+    position_embedding_type: str = opt("learned_absolute", "--position-embedding-type",
+                                       "Position encoding.",
+                                       choices=("learned_absolute", "rope"))
+    rotary_base: int = opt(10000, "--rotary-base", "Base of the rotary frequencies.")
+    normalization: str = opt("LayerNorm", "--normalization", "Norm type.",
+                             choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = opt(1e-5, "--norm-epsilon", "Epsilon of the norms.")
+    swiglu: bool = opt(False, "--swiglu", "SwiGLU MLP instead of GeLU.", is_flag=True)
+    untie_embeddings_and_output_weights: bool = opt(
+        False, "--untie-embeddings-and-output-weights",
+        "Separate output layer instead of reusing the word embedding.", is_flag=True)
+    add_bias_linear: bool = opt(True, "--add-bias-linear", "Biases in linear layers.",
+                                is_flag=True, negative="--disable-bias-linear")
+    hidden_dropout: float = opt(0.1, "--hidden-dropout", "Dropout after attention and MLP.")
+    attention_dropout: float = opt(0.1, "--attention-dropout", "Dropout of attention weights.")
+    init_method_std: float = opt(0.02, "--init-method-std",
+                                 "Std of the normal init; output projections use "
+                                 "std / sqrt(2 x layers).")
+    parallel_output: bool = opt(True, "--parallel-output",
+                                "Keep logits vocab-sharded into the loss.", is_flag=True,
+                                negative="--no-parallel-output")
+    label_smoothing: float = opt(0.0, "--label-smoothing", "Label smoothing of the loss.")
+
+    # Derived by finalize(); not flags.
+    padded_vocab_size: int | None = None
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = opt(1, "--tensor-model-parallel-size",
+                                          "Tensor-parallel size.", aliases=("--tp",))
+    pipeline_model_parallel_size: int = opt(1, "--pipeline-model-parallel-size",
+                                            "Pipeline-parallel size.", aliases=("--pp",))
+    virtual_pipeline_model_parallel_size: int | None = opt(
+        None, "--virtual-pipeline-model-parallel-size",
+        "Model chunks per pipeline rank (interleaving).", aliases=("--vp",))
+    context_parallel_size: int = opt(1, "--context-parallel-size", "Context-parallel size.",
+                                     aliases=("--cp",))
+    expert_model_parallel_size: int = opt(1, "--expert-model-parallel-size",
+                                          "Expert-parallel size.", aliases=("--ep",))
+    expert_tensor_parallel_size: int | None = opt(
+        None, "--expert-tensor-parallel-size",
+        "Tensor-parallel size inside experts (default tp).", aliases=("--etp",))
+    sequence_parallel: bool = opt(False, "--sequence-parallel",
+                                  "Shard activations along the sequence outside tp regions.",
+                                  is_flag=True)
+    microbatch_group_size_per_vp_stage: int | None = opt(
+        None, "--microbatch-group-size-per-vp-stage",
+        "Microbatches run per virtual stage before moving on (default pp).")
+    decoder_first_pipeline_num_layers: int | None = opt(
+        None, "--decoder-first-pipeline-num-layers", "Layers on the first pipeline stage.")
+    decoder_last_pipeline_num_layers: int | None = opt(
+        None, "--decoder-last-pipeline-num-layers", "Layers on the last pipeline stage.")
+    use_distributed_optimizer: bool = opt(False, "--use-distributed-optimizer",
+                                          "Alias of --optimizer distributed-adam.", is_flag=True)
+    overlap_grad_reduce: bool = opt(False, "--overlap-grad-reduce",
+                                    "Start bucket reductions during backward.", is_flag=True)
+    overlap_param_gather: bool = opt(False, "--overlap-param-gather",
+                                     "Overlap the parameter all-gather with the next forward.",
+                                     is_flag=True)
+    ddp_bucket_size: int | None = opt(None, "--ddp-bucket-size",
+                                      "Elements per gradient bucket (default: about 40M).")
+    accumulate_allreduce_grads_in_fp32: bool = opt(
+        True, "--accumulate-allreduce-grads-in-fp32",
+        "Accumulate and reduce gradients in fp32 under bf16/fp16.", is_flag=True,
+        negative="--no-accumulate-allreduce-grads-in-fp32")
+
+
+@dataclass
+class TrainingConfig:
+    micro_batch_size: int = opt(8, "--micro-batch-size", "Samples per microbatch.")
+    global_batch_size: int | None = opt(32, "--global-batch-size",
+                                        "Samples per iteration over all dp ranks "
+                                        "(micro x microbatches x dp).")
+    train_iters: int = opt(300, "--train-iters", "Training iterations.")
+    lr: float = opt(3e-3, "--lr", "Peak learning rate.")
+    min_lr: float = opt(3e-4, "--min-lr", "Learning rate at the end of decay.")
+    lr_warmup_iters: int = opt(20, "--lr-warmup-iters", "Linear warmup iterations.")
+    lr_decay_iters: int | None = opt(None, "--lr-decay-iters",
+                                     "Iterations of decay (default train-iters).")
+    lr_decay_style: str = opt("cosine", "--lr-decay-style", "Learning-rate decay.",
+                              choices=("constant", "linear", "cosine"))
+    weight_decay: float = opt(0.01, "--weight-decay", "Decoupled weight decay "
+                              "(not on norms and biases).")
+    adam_beta1: float = opt(0.9, "--adam-beta1", "Adam beta1.")
+    adam_beta2: float = opt(0.95, "--adam-beta2", "Adam beta2.")
+    adam_eps: float = opt(1e-8, "--adam-eps", "Adam epsilon.")
+    sgd_momentum: float = opt(0.9, "--sgd-momentum", "SGD momentum.")
+    clip_grad: float = opt(1.0, "--clip-grad", "Clip by global grad norm (0 disables).")
+    seed: int = opt(1234, "--seed", "Random seed.")
+    eval_interval: int = opt(100, "--eval-interval", "Evaluate every N iterations (0: never).")
+    eval_iters: int = opt(4, "--eval-iters", "Validation batches per evaluation.")
+    log_interval: int = opt(10, "--log-interval", "Console log every N iterations.")
+    bf16: bool = opt(False, "--bf16", "bf16 parameters with fp32 main parameters.",
+                     is_flag=True)
+    fp16: bool = opt(False, "--fp16", "fp16 parameters with a dynamic loss scaler.",
+                     is_flag=True)
+    initial_loss_scale: float = opt(2.0 ** 16, "--initial-loss-scale", "fp16 initial scale.")
+    min_loss_scale: float = opt(1.0, "--min-loss-scale", "fp16 smallest scale.")
+    loss_scale_window: int = opt(1000, "--loss-scale-window",
+                                 "fp16: steps without overflow before the scale grows.")
+    hysteresis: int = opt(2, "--hysteresis", "fp16: overflows tolerated before backing off.")
+
+
+@dataclass
+class DataConfig:
+    data_path: list = opt([], "--data-path", "Files or folders of data (repeatable).")
+    split: str = opt("969,30,1", "--split", "Train,valid,test weights over documents.")
+
+
+@dataclass
+class PluginConfig:
+    model: str = opt("gpt", "--model", "Model plugin (entry point in plugtron.models).")
+    schedule: str = opt("auto", "--schedule",
+                        "Pipeline schedule (plugtron.schedules), or auto from pp and vp.")
+    optimizer: str = opt("adam", "--optimizer", "Optimizer (plugtron.optimizers).")
+    layer_backend: str = opt("local", "--layer-backend",
+                             "Tensor-parallel layer backend (plugtron.layer_backends).")
+    data: str = opt("text", "--data", "Dataset provider (plugtron.datasets).")
+    disabled: list = opt([], "-p", "Disable an extension plugin: -p no:NAME (repeatable).")
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = opt(None, "--save", "Directory to save checkpoints in.")
+    save_interval: int | None = opt(None, "--save-interval", "Save every N iterations.")
+    load: str | None = opt(None, "--load", "Checkpoint (or directory of them) to resume from.")
+    async_save: bool = opt(False, "--async-save", "Write checkpoints in the background.",
+                           is_flag=True)
+
+
+@dataclass
+class LoggingConfig:
+    metrics_file: str | None = opt(None, "--metrics-file",
+                                   "Append one JSON object per iteration and evaluation.")
+    log_num_zeros_in_grad: bool = opt(False, "--log-num-zeros-in-grad",
+                                      "Count zero gradient elements each step.", is_flag=True)
+    progress: bool = opt(True, "--progress", "Progress bar on rank 0.", is_flag=True,
+                         negative="--no-progress")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+    "data": DataConfig,
+    "plugins": PluginConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+}
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    plugins: PluginConfig = field(default_factory=PluginConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    #: Values of options declared by extension plugins (``plugtron_options``).
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "TrainConfig":
+        config = cls()
+        for section, values in data.items():
+            if section == "extra":
+                config.extra = dict(values)
+                continue
+            target = getattr(config, section, None)
+            if target is None:
+                continue
+            names = {f.name for f in dataclasses.fields(target)}
+            for key, value in values.items():
+                if key in names:
+                    setattr(target, key, value)
+        return config
+
+
+# --------------------------------------------------------------------------- flag table
+
+
+@dataclass(frozen=True)
+class FlagField:
+    """One user-settable field: where it lives and how it is spelled on the command line."""
+
+    section: str
+    name: str
+    flag: str
+    aliases: tuple
+    help: str
+    choices: tuple | None
+    is_flag: bool
+    negative: str | None
+    type: Any
+    default: Any
+
+
+def _field_type(f: dataclasses.Field) -> Any:
+    annotation = str(f.type)
+    if annotation.startswith("list"):
+        return list
+    for name, typ in (("bool", bool), ("int", int), ("float", float), ("str", str)):
+        if annotation.startswith(name):
+            return typ
+    return str
+
+
+def flag_fields() -> list[FlagField]:
+    """Every settable field of every section, in declaration order."""
+    out = []
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            meta = f.metadata
+            if "flag" not in meta:
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out.append(FlagField(section, f.name, meta["flag"], tuple(meta["aliases"]),
+                                 meta["help"], meta["choices"], meta["is_flag"],
+                                 meta["negative"], _field_type(f), default))
+    return out
+
+
+def _coerce(flag: FlagField, value: Any, source: str) -> Any:
+    if value is None:
+        return None
+    try:
+        if flag.type is bool:
+            if isinstance(value, str):
+                lowered = value.lower()
+                if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(value)
+                return lowered in ("true", "1", "yes")
+            return bool(value)
+        if flag.type is list:
+            return list(value) if isinstance(value, (list, tuple)) else [value]
+        if flag.type is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return flag.type(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {flag.flag} must be of type {flag.type.__name__}, "
+                          f"got {value!r}") from None
+
+
+def apply_values(config: TrainConfig, values: dict, source: str) -> None:
+    """Set fields from ``{key: value}`` where a key is a flag name (dashes) or field name."""
+    by_key = {}
+    for flag in flag_fields():
+        for spelling in (flag.flag, *flag.aliases):
+            by_key[spelling.lstrip("-").replace("-", "_")] = flag
+        by_key[flag.name] = flag
+    for key, value in values.items():
+        flag = by_key.get(str(key).lstrip("-").replace("-", "_"))
+        if flag is None:
+            raise ConfigError(f"{source}: unknown setting {key!r}; run `plugtron train --help` "
+                              f"for the settings that exist")
+        value = _coerce(flag, value, source)
+        if flag.choices and value is not None and value not in flag.choices:
+            raise ConfigError(f"{source}: {flag.flag} {value!r} is not one of "
+                              f"{', '.join(flag.choices)}")
+        setattr(getattr(config, flag.section), flag.name, value)
+
+
+def load_config_file(path: str) -> dict:
+    """Read a flat YAML or TOML config file into ``{key: value}``; sections are flattened."""
+    import pathlib
+
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {path!r} does not exist")
+    text = file.read_text()
+    try:
+        if file.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    except Exception as exc:  # a parse error is the user's to fix
+        raise ConfigError(f"config file {path!r} could not be parsed: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path!r} must hold a mapping of settings")
+    flat = {}
+    for key, value in data.items():
+        if key in SECTIONS and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+# --------------------------------------------------------------------------- derived values
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's padding: a multiple of ``divisible_by * tp`` so each tp rank gets equal rows."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def num_microbatches(config: TrainConfig, dp_size: int) -> int:
+    t = config.training
+    return t.global_batch_size // (t.micro_batch_size * dp_size)

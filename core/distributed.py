@@ -1,0 +1,47 @@
+"""Joining the world of ranks: torchrun's environment, backend and device choice."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class WorldInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+
+def launched_externally() -> bool:
+    """True under torchrun (or any launcher that sets the usual variables)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_distributed(timeout_s: int = 600) -> WorldInfo:
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    use_cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}") if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    elif local_world > 1:
+        # Ranks share the cores; oversubscribing threads makes every rank slower.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if world_size > 1 and not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s))
+    return WorldInfo(rank, world_size, local_rank, local_world, device)
+
+
+def shutdown() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,93 @@
+"""Finishing gradients after the backward pass: sync, scale, norm, clip."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import comm
+from .sharding import is_tensor_parallel
+
+
+def grad_of(param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient the optimizer reads: fp32 ``main_grad`` where the DDP buffer keeps one."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
+def finalize_model_grads(model_chunks, parallel, num_tokens: torch.Tensor | None) -> None:
+    """Megatron's order: data-parallel sync; tp all-reduce of sequence-parallel params; tied
+    embedding grads summed between first and last stage; divide by the global token count."""
+    for chunk in model_chunks:
+        chunk.finish_grad_sync()
+    _allreduce_marked(model_chunks, "sequence_parallel", parallel.tp_group)
+    if parallel.pp_size > 1:
+        _allreduce_marked(model_chunks, "shared_embedding", parallel.embedding_group)
+    if num_tokens is not None:
+        total = num_tokens.detach().clone().float()
+        # The count lives on the last stage; the others hold 0 and get it by the pp sum.
+        comm.all_reduce(total, parallel.pp_group)
+        comm.all_reduce(total, parallel.dp_cp_group)
+        scale = 1.0 / max(total.item(), 1.0)
+        for chunk in model_chunks:
+            for p in chunk.parameters():
+                g = grad_of(p)
+                if g is not None:
+                    g.mul_(scale)
+
+
+def _allreduce_marked(model_chunks, attribute: str, group) -> None:
+    if comm.group_size(group) == 1:
+        return
+    grads = [grad_of(p) for chunk in model_chunks for p in chunk.parameters()
+             if getattr(p, attribute, False) and grad_of(p) is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def counts_for_norm(param: torch.Tensor, parallel) -> bool:
+    """Count each element once: tp-replicated params only on tp rank 0, the tied output
+    weight only on the first stage."""
+    if not is_tensor_parallel(param) and parallel.tp_rank != 0:
+        return False
+    if getattr(param, "shared_embedding", False) and not parallel.is_pipeline_first_stage():
+        return False
+    return True
+
+
+def local_sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+
+
+def global_norm(sq_norm: torch.Tensor, parallel, extra_groups=()) -> float:
+    """sqrt of the squared norms summed over the model-parallel group (and ``extra_groups``,
+    e.g. the distributed optimizer's shard group)."""
+    total = sq_norm.detach().clone().float()
+    comm.all_reduce(total, parallel.mp_group)
+    for group in extra_groups:
+        comm.all_reduce(total, group)
+    return math.sqrt(max(total.item(), 0.0))
+
+
+def clip_(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> None:
+    if max_norm <= 0 or not math.isfinite(total_norm):
+        return
+    coef = max_norm / (total_norm + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+
+
+def count_zeros(grads: list[torch.Tensor], parallel) -> int:
+    zeros = torch.tensor(float(sum(int((g == 0).sum()) for g in grads)))
+    comm.all_reduce(zeros, parallel.mp_group)
+    return int(zeros.item())

@@ -1,0 +1,48 @@
+"""How a parameter is sharded, declared on the parameter itself.
+
+Every layer that creates a parameter says how the full (layout-free) tensor maps onto this rank,
+so that grad norms count each element once and checkpoints can store global tensors that load
+into any layout. Attributes (absent means "replicated, not sharded"):
+
+* ``tensor_model_parallel`` (bool): sharded over the tensor-parallel group.
+* ``partition_dim`` (int): the dimension that is split.
+* ``partition_chunks`` (int): the full tensor is ``partition_chunks`` equal blocks along
+  ``partition_dim`` (e.g. SwiGLU's [gate; up]) and each block is split across tp separately.
+* ``sequence_parallel`` (bool): replicated over tp but fed sequence-sharded activations, so its
+  gradient must be all-reduced over tp when grads are finalised.
+* ``shared_embedding`` (bool): the word embedding and the output layer are one tensor held on the
+  first and last pipeline stage; gradients are summed over the embedding group.
+* ``allreduce`` (bool, default True): reduced over data parallel (False for expert params, which
+  reduce over the expert data-parallel group).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def set_tensor_parallel(param: torch.nn.Parameter, dim: int, chunks: int = 1) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_chunks = chunks
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def shard_of(full: torch.Tensor, dim: int, rank: int, size: int, chunks: int = 1) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim`` (per chunk when ``chunks`` > 1)."""
+    if size == 1:
+        return full
+    blocks = full.chunk(chunks, dim=dim)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
+
+
+def unshard(shards: list[torch.Tensor], dim: int, chunks: int = 1) -> torch.Tensor:
+    """Inverse of ``shard_of`` given every rank's shard in rank order."""
+    if len(shards) == 1:
+        return shards[0]
+    per_rank = [s.chunk(chunks, dim=dim) for s in shards]
+    return torch.cat([torch.cat([r[c] for r in per_rank], dim=dim) for c in range(chunks)],
+                     dim=dim)

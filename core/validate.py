@@ -1,0 +1,78 @@
+"""Checks on a whole configuration, run before any rank is launched where possible.
+
+Each failure names the values and the rule, so the user can fix the command line.
+"""
+
+from __future__ import annotations
+
+from .config import TrainConfig
+from .errors import ConfigError
+from .pipeline_layout import chunk_layers
+
+
+def _positive(name: str, value) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{name} must be at least 1, got {value}")
+
+
+def validate(config: TrainConfig, world_size: int) -> None:
+    from .parallel_context import validate_sizes
+
+    m, p, t = config.model, config.parallel, config.training
+    for name, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                        ("--num-attention-heads", m.num_attention_heads),
+                        ("--seq-length", m.seq_length), ("--micro-batch-size", t.micro_batch_size),
+                        ("--global-batch-size", t.global_batch_size),
+                        ("--train-iters", t.train_iters), ("--ddp-bucket-size", p.ddp_bucket_size),
+                        ("--num-query-groups", m.num_query_groups),
+                        ("--ffn-hidden-size", m.ffn_hidden_size)):
+        _positive(name, value)
+    tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                  p.context_parallel_size)
+    validate_sizes(world_size, tp, pp, cp, p.expert_model_parallel_size,
+                   p.expert_tensor_parallel_size, p.virtual_pipeline_model_parallel_size)
+    dp = world_size // (tp * pp * cp)
+
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    if heads % groups:
+        raise ConfigError(f"--num-attention-heads {heads} is not divisible by "
+                          f"--num-query-groups {groups}")
+    if m.kv_channels is None and m.hidden_size % heads:
+        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by "
+                          f"--num-attention-heads {heads} (or give --kv-channels)")
+    if heads % tp or groups % tp:
+        raise ConfigError(f"--num-attention-heads {heads} and --num-query-groups {groups} must "
+                          f"both be divisible by --tp {tp}")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % tp:
+        raise ConfigError(f"--ffn-hidden-size {ffn} is not divisible by --tp {tp}")
+    if p.sequence_parallel and m.seq_length % (tp * cp):
+        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tp {tp} x --cp "
+                          f"{cp}, which --sequence-parallel needs")
+    if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
+        raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is smaller "
+                          f"than --seq-length {m.seq_length}")
+    for name, value in (("--hidden-dropout", m.hidden_dropout),
+                        ("--attention-dropout", m.attention_dropout)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {value}")
+
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {t.global_batch_size} must be a multiple of "
+                          f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp} "
+                          f"= {t.micro_batch_size * dp}")
+    if t.bf16 and t.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; choose one")
+    if t.lr < 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({t.lr})")
+    if t.eval_interval < 0 or t.eval_iters < 0:
+        raise ConfigError("--eval-interval and --eval-iters must be >= 0")
+
+    vp = p.virtual_pipeline_model_parallel_size
+    for rank in range(pp):
+        for stage in range(vp or 1):
+            chunk_layers(m.num_layers, pp, rank, vp, stage if vp else None,
+                         p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    if config.checkpoint.save_interval is not None and not config.checkpoint.save:
+        raise ConfigError("--save-interval needs --save DIR")

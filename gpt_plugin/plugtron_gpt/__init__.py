@@ -1,0 +1,1 @@
+"""plugtron-gpt: the GPT model plugin (decoder-only transformer, Megatron-Core style)."""

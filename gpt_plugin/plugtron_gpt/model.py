@@ -1,0 +1,123 @@
+"""GPTModel: one pipeline chunk of a decoder-only transformer.
+
+The first chunk owns the embedding, the last the final norm, output layer and loss; the others
+take their input through ``set_input_tensor``. Every tensor-parallel piece comes from the layer
+backend the run selected, and the decoder is composed from layer types found by symbol.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from plugtron.core.init import normal_init
+from plugtron.core.layers import load_layer_types
+from plugtron.core.pipeline_layout import chunk_layers
+
+from .attention import dropout
+from .rope import rotary_freqs
+
+#: The symbols of one GPT transformer layer: attention then MLP.
+GPT_LAYER = "*-"
+WORD_EMBEDDING_KEY = "embedding.word_embeddings.weight"
+
+
+class GPTEmbedding(torch.nn.Module):
+    def __init__(self, config, backend, seed: int):
+        super().__init__()
+        m = config.model
+        self.backend = backend
+        init = normal_init(m.init_method_std, seed, WORD_EMBEDDING_KEY)
+        self.word_embeddings = backend.vocab_parallel_embedding(m.padded_vocab_size,
+                                                                m.hidden_size, init_method=init)
+        self.position_embeddings = None
+        if m.position_embedding_type == "learned_absolute":
+            self.position_embeddings = torch.nn.Embedding(
+                m.max_position_embeddings or m.seq_length, m.hidden_size)
+            with torch.no_grad():
+                self.position_embeddings.weight.copy_(normal_init(
+                    m.init_method_std, seed, "embedding.position_embeddings.weight")(
+                    tuple(self.position_embeddings.weight.shape)))
+        self.dropout = m.hidden_dropout
+
+    def forward(self, tokens, position_ids):
+        hidden = self.word_embeddings(tokens)
+        if self.position_embeddings is not None:
+            hidden = hidden + self.position_embeddings(position_ids)
+        hidden = self.backend.scatter_to_sequence_parallel(hidden)
+        return dropout(hidden, self.dropout, self.training, self.backend)
+
+
+class GPTModel(torch.nn.Module):
+    def __init__(self, config, backend, parallel, pre_process: bool, post_process: bool,
+                 vp_stage: int | None = None, layer_symbols: str = GPT_LAYER):
+        super().__init__()
+        m, p = config.model, config.parallel
+        seed = config.training.seed
+        self.config, self.backend, self.parallel = config, backend, parallel
+        self.pre_process, self.post_process = pre_process, post_process
+        self.input_tensor = None
+        self.layer_range = chunk_layers(m.num_layers, parallel.pp_size, parallel.pp_rank,
+                                        p.virtual_pipeline_model_parallel_size, vp_stage,
+                                        p.decoder_first_pipeline_num_layers,
+                                        p.decoder_last_pipeline_num_layers)
+        if pre_process:
+            self.embedding = GPTEmbedding(config, backend, seed)
+        layer_types = load_layer_types(layer_symbols)
+        self.layers = torch.nn.ModuleList(
+            layer_types[symbol](config, backend, parallel, index + 1, seed)
+            for index in self.layer_range for symbol in layer_symbols)
+        self.use_rotary = m.position_embedding_type == "rope"
+        self.head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+        if post_process:
+            self.final_layernorm = backend.norm(m.hidden_size)
+            self.output_layer = None
+            if m.untie_embeddings_and_output_weights or not pre_process:
+                key = ("output_layer.weight" if m.untie_embeddings_and_output_weights
+                       else WORD_EMBEDDING_KEY)
+                # Tied across stages: the same key gives the output layer the embedding's init.
+                self.output_layer = backend.vocab_parallel_embedding(
+                    m.padded_vocab_size, m.hidden_size,
+                    init_method=normal_init(m.init_method_std, seed, key))
+        if not m.untie_embeddings_and_output_weights and parallel.pp_size > 1:
+            for weight in self.shared_embedding_weights():
+                weight.shared_embedding = True
+
+    def shared_embedding_weights(self) -> list[torch.nn.Parameter]:
+        out = []
+        if self.pre_process:
+            out.append(self.embedding.word_embeddings.weight)
+        if self.post_process and self.output_layer is not None:
+            out.append(self.output_layer.weight)
+        return out
+
+    def output_weight(self) -> torch.Tensor:
+        if self.output_layer is not None:
+            return self.output_layer.weight
+        return self.embedding.word_embeddings.weight
+
+    def set_input_tensor(self, tensor) -> None:
+        if isinstance(tensor, (list, tuple)):
+            tensor = tensor[0]
+        self.input_tensor = tensor
+
+    def forward(self, tokens, position_ids, labels=None):
+        hidden = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
+        rotary = None
+        if self.use_rotary:
+            rotary = rotary_freqs(tokens.shape[1], self.head_dim, self.config.model.rotary_base,
+                                  tokens.device)
+        for layer in self.layers:
+            hidden = layer(hidden, rotary)
+        if not self.post_process:
+            return hidden
+        hidden = self.final_layernorm(hidden)
+        m = self.config.model
+        logits = self.backend.output_logits(hidden, self.output_weight(), m.parallel_output)
+        if labels is None:
+            return logits
+        if not m.parallel_output:
+            return F.cross_entropy(logits[..., :m.vocab_size].float().flatten(0, 1),
+                                   labels.flatten(), reduction="none",
+                                   label_smoothing=m.label_smoothing).view_as(labels)
+        return self.backend.cross_entropy(logits, labels, m.vocab_size, m.label_smoothing)

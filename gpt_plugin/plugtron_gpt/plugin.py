@@ -1,0 +1,44 @@
+"""The ``gpt`` model plugin: model_provider, forward_step and loss_func hooks."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from plugtron.core.hookspecs import hookimpl
+from plugtron.core.step_info import check_finite
+
+from .model import GPTModel
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked sum of per-token losses, the token count, and the report."""
+    mask = loss_mask.reshape(-1).float()
+    losses = output_tensor.reshape(-1).float()
+    loss_sum = (losses * mask).sum()
+    num_tokens = mask.sum()
+    check_finite(loss_sum, "lm loss")
+    report = {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach()])}
+    return loss_sum, num_tokens, report
+
+
+class GPTPlugin:
+    @hookimpl
+    def model_provider(self, config, pre_process, post_process, vp_stage, layer_backend,
+                       parallel):
+        return GPTModel(config, layer_backend, parallel, pre_process, post_process, vp_stage)
+
+    @hookimpl
+    def forward_step(self, data_iterator, model):
+        batch = next(data_iterator)
+        device = next(model.parameters()).device
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        position_ids = batch["position_ids"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True)
+        output = model(tokens, position_ids, labels=labels)
+        return output, partial(loss_func, batch["loss_mask"].to(device))
+
+    @hookimpl
+    def loss_func(self, loss_mask, output_tensor):
+        return loss_func(loss_mask, output_tensor)

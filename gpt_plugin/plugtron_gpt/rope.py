@@ -1,0 +1,24 @@
+"""Rotary position embeddings (rotate-half form, as Megatron-Core and Llama use)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotary_freqs(seq_length: int, dim: int, base: float, device=None) -> torch.Tensor:
+    """Angles ``[seq, dim]`` for positions 0..seq-1 (each frequency used twice)."""
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv)
+    return torch.cat([angles, angles], dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([-second, first], dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """``x``: ``[b, s, heads, d]``; ``freqs``: ``[s, d]``."""
+    cos = freqs.cos()[None, :, None, :].to(x.dtype)
+    sin = freqs.sin()[None, :, None, :].to(x.dtype)
+    return x * cos + _rotate_half(x) * sin

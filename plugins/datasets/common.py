@@ -1,0 +1,182 @@
+"""What the built-in dataset providers share: the split-by-weights rule and the windowed dataset.
+
+A provider turns its source (synthetic documents, text files) into one token stream per split,
+with an end-of-document token after each document, and hands the stream to
+:class:`TokenWindowDataset`, which cuts it into samples of ``seq_length + 1`` tokens. Keeping that
+here means every provider produces samples with exactly the same layout and epoch order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from plugtron.core.errors import ConfigError
+
+
+def seeded_rng(seed: int, *tags: int) -> np.random.Generator:
+    """A numpy generator for ``(seed, *tags)``: one independent stream per purpose and split.
+
+    ``SeedSequence`` wants non-negative integers, so a negative user seed is mapped onto 64 bits.
+    """
+    return np.random.default_rng([int(seed) & (2**64 - 1), *tags])
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every token id, to keep streams small in memory."""
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.int32)
+
+
+# --------------------------------------------------------------------------- splits
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """Megatron's ``--split`` ("969,30,1" or "98/2/0") as normalised (train, valid, test) weights.
+
+    Fewer than three weights are padded with zeros, as in Megatron.
+    """
+    text = str(split).replace("/", ",")
+    try:
+        weights = [float(part) for part in text.split(",") if part.strip() != ""]
+    except ValueError:
+        raise ConfigError(f"--split {split!r} must be up to three comma-separated numbers, "
+                          f"e.g. 969,30,1") from None
+    if not weights or len(weights) > 3:
+        raise ConfigError(f"--split {split!r} must be one to three comma-separated numbers, "
+                          f"e.g. 969,30,1")
+    if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) == 0:
+        raise ConfigError(f"--split {split!r}: weights must be finite, non-negative and not all "
+                          f"zero")
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    return tuple(w / total for w in weights)  # type: ignore[return-value]
+
+
+def split_counts(num_items: int, weights: Sequence[float]) -> list[int]:
+    """How many of ``num_items`` documents each split gets.
+
+    Largest-remainder rounding, so the counts always add up to ``num_items``. Then every split
+    with a positive weight that rounded to nothing takes one document from the largest split,
+    provided there are enough documents for each such split to have one: a 969,30,1 split of a
+    small corpus still gets a validation and a test document.
+    """
+    exact = [w * num_items for w in weights]
+    counts = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (counts[i] - exact[i], i))
+    for i in by_remainder[: num_items - sum(counts)]:
+        counts[i] += 1
+    wanted = [i for i, w in enumerate(weights) if w > 0]
+    if num_items >= len(wanted):
+        for i in wanted:
+            if counts[i] == 0:
+                donor = max(range(len(counts)), key=lambda j: (counts[j], -j))
+                counts[donor] -= 1
+                counts[i] += 1
+    return counts
+
+
+def split_documents(num_documents: int, weights: Sequence[float],
+                    rng: np.random.Generator) -> list[np.ndarray]:
+    """Document indices of each split: shuffle once, then cut into contiguous slices.
+
+    Shuffling first keeps a corpus that is sorted by topic (a folder per subject) from putting a
+    whole topic in the test split; slicing keeps every document in exactly one split.
+    """
+    order = rng.permutation(num_documents)
+    bounds = np.cumsum([0, *split_counts(num_documents, weights)])
+    return [order[bounds[i]:bounds[i + 1]] for i in range(len(weights))]
+
+
+def concat_documents(documents: Sequence[np.ndarray], eod: int, dtype: np.dtype) -> np.ndarray:
+    """One stream: each document followed by ``eod``, written once into a preallocated array."""
+    stream = np.empty(sum(len(d) for d in documents) + len(documents), dtype=dtype)
+    position = 0
+    for document in documents:
+        stream[position:position + len(document)] = document
+        position += len(document)
+        stream[position] = eod
+        position += 1
+    return stream
+
+
+# --------------------------------------------------------------------------- samples
+
+
+def make_sample(window: np.ndarray) -> dict[str, torch.Tensor]:
+    """A sample from ``seq_length + 1`` consecutive tokens: the labels are the tokens shifted by one.
+
+    The loss mask is all ones (Megatron's default; ``--eod-mask-loss`` is off), and position ids
+    count from 0 in every sample (Megatron's default; no ``--reset-position-ids``).
+    """
+    window = torch.from_numpy(window.astype(np.int64))
+    seq_length = window.numel() - 1
+    return {
+        "tokens": window[:-1].clone(),
+        "labels": window[1:].clone(),
+        "loss_mask": torch.ones(seq_length, dtype=torch.float32),
+        "position_ids": torch.arange(seq_length, dtype=torch.int64),
+    }
+
+
+class TokenWindowDataset:
+    """Map-style dataset of ``seq_length + 1``-token windows over one token stream.
+
+    One epoch is the ``n = (len(stream) - 1) // seq_length`` non-overlapping windows (window ``w``
+    starts at ``w * seq_length``; consecutive windows share one token so every token is a label
+    once). Epoch ``e`` visits them in a permutation seeded by ``(seed, split_index, e)``, so
+    sample ``i`` is window ``perm_e[i % n]`` with ``e = i // n``, which any rank can compute alone.
+    The length is a whole number of epochs that covers ``num_samples``: asking for more samples
+    than the stream holds wraps into further, differently shuffled epochs.
+
+    A stream shorter than one window is repeated until it fills one, so a split with a single
+    short document still yields a sample. The stream stays in its compact dtype; tensors are
+    built per sample in ``__getitem__``.
+    """
+
+    def __init__(self, stream: np.ndarray, seq_length: int, num_samples: int, seed: int,
+                 split_index: int):
+        if seq_length < 1:
+            raise ConfigError(f"--seq-length must be at least 1, got {seq_length}")
+        if len(stream) == 0:
+            raise ValueError("a TokenWindowDataset needs a non-empty token stream")
+        if len(stream) < seq_length + 1:
+            stream = np.tile(stream, math.ceil((seq_length + 1) / len(stream)))
+        self.stream = stream
+        self.seq_length = seq_length
+        self.seed = seed
+        self.split_index = split_index
+        self.windows_per_epoch = (len(stream) - 1) // seq_length
+        self.num_epochs = max(1, math.ceil(num_samples / self.windows_per_epoch))
+        self._cached_epoch: int | None = None
+        self._cached_order: np.ndarray | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.stream)
+
+    def __len__(self) -> int:
+        return self.num_epochs * self.windows_per_epoch
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        # Samples are read in order, so caching the current epoch's permutation is enough.
+        if epoch != self._cached_epoch:
+            rng = seeded_rng(self.seed, self.split_index, epoch)
+            self._cached_order = rng.permutation(self.windows_per_epoch)
+            self._cached_epoch = epoch
+        return self._cached_order
+
+    def window_start(self, index: int) -> int:
+        """Offset into the stream of sample ``index``'s first token."""
+        epoch, position = divmod(index, self.windows_per_epoch)
+        return int(self._epoch_order(epoch)[position]) * self.seq_length
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = int(index)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range for a dataset of {len(self)}")
+        start = self.window_start(index)
+        return make_sample(self.stream[start:start + self.seq_length + 1])

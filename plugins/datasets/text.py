@@ -1,0 +1,160 @@
+"""``--data text``: train on plain text files with a byte-level tokenizer.
+
+Every file is one document; its bytes are its tokens (0..255) and the end-of-document token is
+256, so the vocabulary is fixed at 257 and no tokenizer files are needed. ``--data-path`` names
+files or folders; without one, the corpus is the Python standard library's own source, which is
+on every machine that runs plugtron and is large enough (about 12 MB) to train a small model on.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+from plugtron.core.errors import ConfigError
+from plugtron.core.hookspecs import hookimpl
+
+from .common import TokenWindowDataset, concat_documents, parse_split, seeded_rng, split_documents
+
+#: Suffixes read when walking a folder; a file named directly is read whatever its suffix.
+TEXT_SUFFIXES = frozenset({
+    ".txt", ".md", ".rst", ".tex", ".csv", ".tsv", ".json", ".jsonl", ".xml", ".html", ".css",
+    ".yaml", ".yml", ".toml", ".cfg", ".ini",
+    ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".cu", ".java", ".js", ".ts", ".go", ".rs",
+    ".sh", ".sql", ".r", ".jl", ".lua", ".rb", ".pl", ".swift", ".kt", ".scala", ".hs",
+})
+#: Folders never walked into: caches and hidden folders (.git, .venv) are not a user's corpus.
+SKIPPED_FOLDERS = frozenset({"__pycache__", "node_modules"})
+#: Standard-library folders left out of the default corpus: installed packages and test suites.
+STDLIB_SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "tests",
+                                    "idle_test"})
+
+_SHUFFLE_TAG = 303
+
+
+class ByteTokenizer:
+    """Bytes as tokens: ``encode`` gives the UTF-8 bytes, ``eod`` (256) ends a document."""
+
+    vocab_size = 257
+    eod = 256
+    #: How ``decode`` shows the end-of-document token.
+    eod_text = "<|eod|>"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``: broken UTF-8 becomes U+FFFD, EOD shows as ``eod_text``, and any id
+        past the vocabulary (a padded-vocabulary row a model sampled) as U+FFFD."""
+        if hasattr(ids, "tolist"):
+            ids = ids.tolist()
+        pieces: list[str] = []
+        pending = bytearray()
+        for token in ids:
+            token = int(token)
+            if 0 <= token < 256:
+                pending.append(token)
+                continue
+            pieces.append(pending.decode("utf-8", errors="replace"))
+            pending.clear()
+            pieces.append(self.eod_text if token == self.eod else "\ufffd")
+        pieces.append(pending.decode("utf-8", errors="replace"))
+        return "".join(pieces)
+
+
+# --------------------------------------------------------------------------- corpus
+
+
+def _walk(folder: Path, suffixes: frozenset[str], skipped: frozenset[str]) -> list[Path]:
+    """Files under ``folder`` with one of ``suffixes``, in sorted order for determinism."""
+    found = []
+    for directory, subdirectories, files in os.walk(folder):
+        subdirectories[:] = sorted(d for d in subdirectories
+                                   if d not in skipped and not d.startswith("."))
+        found.extend(Path(directory, name) for name in sorted(files)
+                     if Path(name).suffix.lower() in suffixes)
+    return found
+
+
+def corpus_files(data_path: Sequence[str]) -> list[Path]:
+    """The files of the corpus: the named files, and the text files under the named folders.
+
+    With no ``data_path``, the standard library's ``*.py`` files of the running interpreter.
+    """
+    if not data_path:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        return _walk(stdlib, frozenset({".py"}), SKIPPED_FOLDERS | STDLIB_SKIPPED_FOLDERS)
+    files: list[Path] = []
+    for entry in data_path:
+        path = Path(entry).expanduser()
+        if path.is_dir():
+            files.extend(_walk(path, TEXT_SUFFIXES, SKIPPED_FOLDERS))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise ConfigError(f"--data-path {entry!r} does not exist (give text files or "
+                              f"folders of them)")
+    return files
+
+
+def read_document(path: Path) -> np.ndarray | None:
+    """The file's bytes as tokens, or ``None`` for a file that is empty, unreadable or binary
+    (a NUL byte is the usual sign; text files do not contain one)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if not data or b"\0" in data:
+        return None
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def _describe(data_path: Sequence[str]) -> str:
+    if data_path:
+        return "--data-path " + " ".join(repr(p) for p in data_path)
+    return f"the standard library at {sysconfig.get_paths()['stdlib']!r}"
+
+
+class TextDataset:
+    """Dataset provider ``text`` (entry point in ``plugtron.datasets``)."""
+
+    tokenizer = ByteTokenizer()
+
+    @hookimpl
+    def dataset_provider(self, config, split_sizes):
+        """Build (train, valid, test) from text files, split by documents.
+
+        Documents are shuffled with ``--seed`` and cut by ``--split`` weights, so no file is in
+        two splits. A split asked for 0 samples, or left without documents, is ``None``. Sets
+        ``config.model.vocab_size`` to 257; a larger value set by the user is kept (the extra rows
+        are never a target), a smaller one cannot hold the bytes and is an error.
+        """
+        tokenizer = self.tokenizer
+        if config.model.vocab_size is None:
+            config.model.vocab_size = tokenizer.vocab_size
+        elif config.model.vocab_size < tokenizer.vocab_size:
+            raise ConfigError(f"--data text uses a byte-level tokenizer of "
+                              f"{tokenizer.vocab_size} tokens; --vocab-size "
+                              f"{config.model.vocab_size} is smaller (leave it unset)")
+        weights = parse_split(config.data.split)
+        data_path = config.data.data_path or []
+        data_path = [data_path] if isinstance(data_path, (str, os.PathLike)) else list(data_path)
+        documents = [doc for doc in map(read_document, corpus_files(data_path)) if doc is not None]
+        if not documents:
+            raise ConfigError(f"no text documents found in {_describe(data_path)} (files must "
+                              f"be non-empty text; folders are searched for "
+                              f"{', '.join(sorted(TEXT_SUFFIXES))})")
+        seed = config.training.seed
+        split_indices = split_documents(len(documents), weights, seeded_rng(seed, _SHUFFLE_TAG))
+        datasets = []
+        for split_index, (num_samples, indices) in enumerate(zip(split_sizes, split_indices)):
+            if num_samples <= 0 or len(indices) == 0:
+                datasets.append(None)
+                continue
+            stream = concat_documents([documents[i] for i in indices], tokenizer.eod, np.uint16)
+            datasets.append(TokenWindowDataset(stream, config.model.seq_length, num_samples,
+                                               seed, split_index))
+        return tuple(datasets)

@@ -1,0 +1,28 @@
+"""Extension ``logging``: tells the user on rank 0 what the run is made of."""
+
+from __future__ import annotations
+
+from plugtron.core.hookspecs import hookimpl
+from plugtron.core.plugin_manager import selected_drivers
+
+
+class ConsoleLog:
+    def __init__(self):
+        self.rank = 0
+
+    @hookimpl
+    def plugtron_process_groups_ready(self, parallel):
+        self.rank = parallel.rank
+
+    @hookimpl
+    def plugtron_train_start(self, config, state):
+        if self.rank != 0:
+            return
+        m, p = config.model, config.parallel
+        drivers = ", ".join(f"{k}={v}" for k, v in selected_drivers(config).items())
+        print(f"plugtron: {drivers}, layer_backend={config.plugins.layer_backend}", flush=True)
+        print(f"plugtron: {m.num_layers} layers, hidden {m.hidden_size}, heads "
+              f"{m.num_attention_heads}, seq {m.seq_length}, vocab {m.vocab_size} (padded "
+              f"{m.padded_vocab_size}); tp {p.tensor_model_parallel_size} pp "
+              f"{p.pipeline_model_parallel_size} cp {p.context_parallel_size}; starting at "
+              f"iteration {state.iteration}", flush=True)

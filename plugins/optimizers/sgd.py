@@ -1,0 +1,20 @@
+"""Optimizer ``sgd``: SGD with momentum and weight decay (not on norms and biases)."""
+
+from __future__ import annotations
+
+import torch
+
+from plugtron.core.hookspecs import hookimpl
+from plugtron.core.optimizer import TorchOptimizer
+
+
+class SGD:
+    @hookimpl
+    def build_optimizer(self, config, model_chunks, parallel):
+        t = config.training
+
+        def make(groups):
+            return torch.optim.SGD(groups, lr=t.lr, momentum=t.sgd_momentum,
+                                   weight_decay=t.weight_decay, foreach=True)
+
+        return TorchOptimizer(model_chunks, config, parallel, make)
