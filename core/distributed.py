@@ -23,7 +23,21 @@ def launched_externally() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def single_process(device: str = "cpu") -> WorldInfo:
+    """A world of one, e.g. for a reference run inside a process that is part of a bigger
+    world."""
+    return WorldInfo(0, 1, 0, 1, torch.device(device))
+
+
 def init_distributed(timeout_s: int = 600) -> WorldInfo:
+    """Join the world torchrun describes, or the one already initialised in this process."""
+    if torch.distributed.is_initialized():
+        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        device = torch.device("cpu")
+        if torch.distributed.get_backend() == "nccl":
+            device = torch.device(f"cuda:{torch.cuda.current_device()}")
+        return WorldInfo(rank, world_size, int(os.environ.get("LOCAL_RANK", rank)),
+                         int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), device)
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))

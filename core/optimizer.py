@@ -55,13 +55,14 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
 
 
 def named_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
-    """(chunk-qualified name, param) for every trainable parameter of this rank."""
+    """(name, param) for every trainable parameter of this rank. Models name parameters by
+    global layer index, so names are unique across chunks and the same in every layout."""
     out = []
-    for index, chunk in enumerate(model_chunks):
+    for chunk in model_chunks:
         module = getattr(chunk, "module", chunk)
         for name, param in module.named_parameters():
             if param.requires_grad:
-                out.append((f"chunk{index}.{name}", param))
+                out.append((name, param))
     return out
 
 

@@ -96,8 +96,9 @@ def build_model_chunks(config, pm, backend, parallel, device) -> list:
     return chunks
 
 
-def setup(config: TrainConfig, extra_plugins=()) -> Run:
-    world = init_distributed()
+def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None) -> Run:
+    """Build everything one rank needs. ``world`` defaults to the torchrun/initialised world."""
+    world = world or init_distributed()
     parallel = build_parallel(config, world)
     step_info.current.rank = world.rank
     pm = build_plugin_manager(config, extra_plugins)
@@ -243,9 +244,9 @@ def after_step(run: Run, iteration: int) -> None:
     """Per-iteration work after the step (checkpoints hook in here)."""
 
 
-def pretrain(config: TrainConfig, extra_plugins=()) -> dict:
+def pretrain(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None) -> dict:
     """Build everything for this rank and train; returns the summary record."""
-    run = setup(config, extra_plugins)
+    run = setup(config, extra_plugins, world)
     metrics = MetricsLogger(config, run.world.rank, run.state.iteration)
     try:
         summary = train(run, metrics)

@@ -64,9 +64,13 @@ class GPTModel(torch.nn.Module):
         if pre_process:
             self.embedding = GPTEmbedding(config, backend, seed)
         layer_types = load_layer_types(layer_symbols)
-        self.layers = torch.nn.ModuleList(
-            layer_types[symbol](config, backend, parallel, index + 1, seed)
-            for index in self.layer_range for symbol in layer_symbols)
+        # Keyed by the global layer index, so parameter names do not depend on the layout:
+        # decoder.<layer>.<sub-layer>.<...> is the same tensor under every tp/pp/vp split.
+        self.decoder = torch.nn.ModuleDict({
+            str(index): torch.nn.ModuleList(
+                layer_types[symbol](config, backend, parallel, index + 1, seed)
+                for symbol in layer_symbols)
+            for index in self.layer_range})
         self.use_rotary = m.position_embedding_type == "rope"
         self.head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
         if post_process:
@@ -107,8 +111,9 @@ class GPTModel(torch.nn.Module):
         if self.use_rotary:
             rotary = rotary_freqs(tokens.shape[1], self.head_dim, self.config.model.rotary_base,
                                   tokens.device)
-        for layer in self.layers:
-            hidden = layer(hidden, rotary)
+        for sublayers in self.decoder.values():
+            for layer in sublayers:
+                hidden = layer(hidden, rotary)
         if not self.post_process:
             return hidden
         hidden = self.final_layernorm(hidden)
