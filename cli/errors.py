@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 import click
-
 from plugtron.core.errors import PlugtronError
 
 

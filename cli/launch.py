@@ -14,8 +14,15 @@ ERROR_FILE_ENV = "PLUGTRON_ERROR_FILE"
 def launch_local_ranks(config_json: str, nproc: int) -> None:
     """Run ``plugtron.cli.rank`` on ``nproc`` local ranks; a user error raised in a rank comes
     back as ``PlugtronError`` with the rank's message."""
+    import logging
+
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
+
+    # The ranks print their own errors; the launcher's failure report would repeat them.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # Share the cores between the local ranks (and keep torchrun from warning about it).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
 
     with tempfile.TemporaryDirectory(prefix="plugtron-launch-") as tmp:
         config_path = os.path.join(tmp, "config.json")

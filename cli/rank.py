@@ -6,6 +6,7 @@ import json
 import sys
 
 from plugtron.core.config import TrainConfig
+from plugtron.core.distributed import shutdown
 from plugtron.core.errors import PlugtronError
 from plugtron.core.training import pretrain
 
@@ -18,8 +19,11 @@ def main(argv: list[str]) -> int:
     try:
         pretrain(config)
     except PlugtronError as exc:
+        # No goodbye barrier: other ranks may be stuck waiting for this one; the launcher
+        # stops them.
         report_user_error(str(exc))
         return 2
+    shutdown()
     return 0
 
 

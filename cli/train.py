@@ -5,17 +5,18 @@ from __future__ import annotations
 import os
 
 import click
-
+from plugtron.core import registry
 from plugtron.core.distributed import launched_externally
 from plugtron.core.errors import ConfigError
 from plugtron.core.plugin_manager import selected_drivers
 from plugtron.core.presets import PRESETS
 from plugtron.core.validate import validate
-from plugtron.core import registry
 
 from .errors import user_errors
 from .launch import launch_local_ranks
-from .options import build_config, config_options
+from .options import apply_extra, build_config, config_options, extension_options, extra_options
+
+EXTENSION_OPTIONS = extension_options()
 
 
 def check_plugins(config) -> None:
@@ -38,11 +39,13 @@ def check_data_paths(config) -> None:
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
               help="Launch this many local ranks (through torch.distributed.run).")
 @config_options
+@extra_options(EXTENSION_OPTIONS)
 @user_errors
 def train(config_file, preset, nproc_per_node, **params):
     """Train a model. Under torchrun (or any launcher setting RANK/WORLD_SIZE) each rank joins
     that world; otherwise --nproc-per-node local ranks are started."""
     config = build_config(params, config_file, preset)
+    apply_extra(config, EXTENSION_OPTIONS, params)
     external = launched_externally()
     if external and nproc_per_node > 1:
         raise ConfigError("--nproc-per-node cannot be used under torchrun: the launcher "

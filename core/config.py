@@ -120,7 +120,7 @@ class TrainingConfig:
     global_batch_size: int | None = opt(32, "--global-batch-size",
                                         "Samples per iteration over all dp ranks "
                                         "(micro x microbatches x dp).")
-    train_iters: int = opt(300, "--train-iters", "Training iterations.")
+    train_iters: int = opt(200, "--train-iters", "Training iterations.")
     lr: float = opt(3e-3, "--lr", "Peak learning rate.")
     min_lr: float = opt(3e-4, "--min-lr", "Learning rate at the end of decay.")
     lr_warmup_iters: int = opt(20, "--lr-warmup-iters", "Linear warmup iterations.")
@@ -234,6 +234,18 @@ class TrainConfig:
 
 
 # --------------------------------------------------------------------------- flag table
+
+
+@dataclass(frozen=True)
+class ExtraOption:
+    """An option an extension plugin adds to ``plugtron train`` (hook ``plugtron_options``);
+    its value reaches plugins as ``config.extra[name]``."""
+
+    name: str  # e.g. "wandb-project"; the flag is --wandb-project
+    help: str
+    default: Any = None
+    type: type = str
+    is_flag: bool = False
 
 
 @dataclass(frozen=True)

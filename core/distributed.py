@@ -57,5 +57,10 @@ def init_distributed(timeout_s: int = 600) -> WorldInfo:
 
 
 def shutdown() -> None:
+    """Leave the world together: a rank tearing down its connections while another still
+    uses them aborts the other (gloo)."""
     if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+        try:
+            torch.distributed.barrier()
+        finally:
+            torch.distributed.destroy_process_group()

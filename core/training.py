@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm, data, grads, step_info
+from . import comm, data, grads, registry, step_info
 from .config import TrainConfig, num_microbatches, padded_vocab_size
 from .ddp import DistributedDataParallel
 from .distributed import WorldInfo, init_distributed
@@ -17,7 +17,6 @@ from .metrics import MetricsLogger, Throughput
 from .parallel_context import ParallelContext
 from .plugin_manager import build_plugin_manager
 from .random import seed_everything
-from . import registry
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from plugtron.core.init import normal_init, scaled_normal_init
 
 from .attention import dropout

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from plugtron.core.init import normal_init
 from plugtron.core.layers import load_layer_types
 from plugtron.core.pipeline_layout import chunk_layers

@@ -5,7 +5,6 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.step_info import check_finite
 

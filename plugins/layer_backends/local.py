@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from plugtron.core.errors import ConfigError
 from plugtron.core.layer_backend import LayerBackend
 from plugtron.core.sharding import set_tensor_parallel, shard_of

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.optimizer import TorchOptimizer
 

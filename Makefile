@@ -1,0 +1,29 @@
+# The two set-up commands of the README: `make train` and `make test`.
+# Each creates .venv (if missing) and installs plugtron, plugtron-gpt and their dependencies.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: train test install clean
+
+$(STAMP): setup.cfg gpt_plugin/setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]' -e ./gpt_plugin
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Train the default small GPT on the Python standard library's source (ARGS="..." adds flags).
+train: $(STAMP)
+	$(VENV)/bin/plugtron train $(ARGS)
+
+## Run the whole test suite.
+test: $(STAMP)
+	$(PY) -m pytest -q $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info gpt_plugin/*.egg-info

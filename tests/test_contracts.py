@@ -1,0 +1,206 @@
+"""One test per hook (``test_hook_<name>``): the built-in plugins honour each contract, and
+lifecycle hooks fire at their documented points."""
+
+from __future__ import annotations
+
+import torch
+
+from plugtron.core import registry
+from plugtron.core.config import ExtraOption
+from plugtron.core.distributed import single_process
+from plugtron.core.hookspecs import hookimpl
+from plugtron.core.optimizer import StepResult
+from plugtron.core.parallel_context import ParallelContext
+from plugtron.core.plugin_manager import build_plugin_manager
+from plugtron.core.training import finalize_model_config, setup, split_sizes
+
+from .utils import tiny_config, train_in_process
+
+
+def _pm(config):
+    return build_plugin_manager(config)
+
+
+def _built(config=None):
+    config = config or tiny_config()
+    run = setup(config, world=single_process())
+    return config, run
+
+
+def test_hook_dataset_provider():
+    config = tiny_config()
+    pm = _pm(config)
+    train, valid, test = pm.hook.dataset_provider(config=config, split_sizes=(16, 8, 8),
+                                                  parallel=None)
+    assert len(train) >= 16
+    sample = train[0]
+    assert set(sample) >= {"tokens", "labels", "loss_mask", "position_ids"}
+    assert sample["tokens"].shape == (config.model.seq_length,)
+    assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
+
+
+def test_hook_model_provider():
+    config = tiny_config()
+    parallel = ParallelContext.build(1, 0)
+    pm = _pm(config)
+    pm.hook.dataset_provider(config=config, split_sizes=split_sizes(config), parallel=parallel)
+    finalize_model_config(config, parallel)
+    backend = registry.load("layer_backend", "local")(config, parallel)
+    model = pm.hook.model_provider(config=config, pre_process=True, post_process=True,
+                                   vp_stage=None, layer_backend=backend, parallel=parallel)
+    tokens = torch.randint(0, 100, (2, 16))
+    logits = model(tokens, torch.arange(16).expand(2, 16))
+    assert logits.shape == (2, 16, config.model.padded_vocab_size)
+    middle = pm.hook.model_provider(config=config, pre_process=False, post_process=False,
+                                    vp_stage=None, layer_backend=backend, parallel=parallel)
+    hidden = torch.randn(2, 16, config.model.hidden_size)
+    middle.set_input_tensor(hidden)
+    assert middle(tokens, None).shape == hidden.shape
+
+
+def test_hook_forward_step():
+    config, run = _built()
+    iterator = iter([{k: v.unsqueeze(0) for k, v in run.datasets[0][0].items()}])
+    output, closure = run.pm.hook.forward_step(data_iterator=iterator, model=run.model_chunks[0])
+    assert output.shape == (1, config.model.seq_length)  # per-token losses on the last stage
+    loss_sum, num_tokens, report = closure(output)
+    assert num_tokens.item() == config.model.seq_length
+    assert torch.allclose(loss_sum, output.sum())
+    assert torch.allclose(report["lm loss"], torch.stack([loss_sum, num_tokens]).detach())
+
+
+def test_hook_loss_func():
+    config, run = _built()
+    losses = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0, 0.0]])
+    loss_sum, num_tokens, report = run.pm.hook.loss_func(loss_mask=mask, output_tensor=losses)
+    assert loss_sum.item() == 4.0 and num_tokens.item() == 2.0
+    assert report["lm loss"].tolist() == [4.0, 2.0]
+
+
+def test_hook_forward_backward():
+    config, run = _built()
+    from plugtron.core.training import data_iterators, run_schedule
+
+    reports = run_schedule(run, data_iterators(run, run.datasets[0], 0), forward_only=False)
+    assert len(reports) == run.num_microbatches == 4
+    assert all(r["num_tokens"].item() == 2 * 16 for r in reports)
+    assert all(p.grad is not None for p in run.model_chunks[0].parameters())
+
+
+def test_hook_schedule_actions():
+    config = tiny_config()
+    pm = _pm(config)
+    actions = pm.hook.schedule_actions(pp_rank=0, pp_size=1, num_chunks=1, num_microbatches=2,
+                                       config=config)
+    assert [str(a) for a in actions] == ["F0", "B0", "F1", "B1"]
+
+
+def test_hook_build_optimizer():
+    config, run = _built()
+    groups = run.optimizer.param_groups
+    decayed = {id(p) for g in groups if g["weight_decay"] > 0 for p in g["params"]}
+    for name, param in run.model_chunks[0].module.named_parameters():
+        if param.ndim == 1 or name.endswith(".bias"):
+            assert id(param) not in decayed, f"{name} must not be decayed"
+    for p in run.model_chunks[0].parameters():
+        p.grad = torch.ones_like(p)
+    result = run.optimizer.step()
+    assert isinstance(result, StepResult) and result.stepped and result.grad_norm > 0
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    @hookimpl
+    def plugtron_configure(self, config):
+        self.calls.append("configure")
+
+    @hookimpl
+    def plugtron_process_groups_ready(self, parallel):
+        self.calls.append("groups")
+
+    @hookimpl
+    def plugtron_model_built(self, config, model_chunks, parallel):
+        self.calls.append("model")
+
+    @hookimpl
+    def plugtron_train_start(self, config, state):
+        self.calls.append("start")
+
+    @hookimpl
+    def plugtron_step_end(self, iteration, metrics):
+        self.calls.append(f"step{iteration}")
+
+    @hookimpl
+    def plugtron_train_end(self, config, state, summary):
+        self.calls.append("end")
+
+
+def _lifecycle_calls():
+    from plugtron.core.training import pretrain
+
+    recorder = Recorder()
+    pretrain(tiny_config(train_iters=2), extra_plugins=[recorder], world=single_process())
+    return recorder.calls
+
+
+def test_hook_plugtron_configure():
+    assert _lifecycle_calls()[0] == "configure"
+
+
+def test_hook_plugtron_process_groups_ready():
+    # Historic: a plugin registered after the groups were built still hears about them.
+    assert "groups" in _lifecycle_calls()
+
+
+def test_hook_plugtron_model_built():
+    calls = _lifecycle_calls()
+    assert calls.index("model") < calls.index("start")
+
+
+def test_hook_plugtron_train_start():
+    calls = _lifecycle_calls()
+    assert calls.index("start") < calls.index("step1")
+
+
+def test_hook_plugtron_step_end():
+    records, _ = train_in_process(tiny_config(train_iters=3), world=single_process())
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert {"lm_loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s",
+            "consumed_samples"} <= set(records[0])
+
+
+def test_hook_plugtron_train_end():
+    assert _lifecycle_calls()[-1] == "end"
+
+
+def test_hook_plugtron_options():
+    from plugtron.core.plugin_manager import new_plugin_manager
+
+    class WithOption:
+        @hookimpl
+        def plugtron_options(self):
+            return [ExtraOption("wandb-project", "project name", default="p")]
+
+    pm = new_plugin_manager()
+    pm.register(WithOption())
+    options = [o for group in pm.hook.plugtron_options() for o in group]
+    assert options[0].name == "wandb-project"
+
+    import click
+
+    from plugtron.cli.options import apply_extra, extra_options
+
+    @click.command()
+    @extra_options(options)
+    def cmd(**params):
+        config = tiny_config()
+        apply_extra(config, options, params)
+        click.echo(config.extra["wandb-project"])
+
+    from click.testing import CliRunner
+
+    assert CliRunner().invoke(cmd, ["--wandb-project", "x"]).output.strip() == "x"
+    assert CliRunner().invoke(cmd, []).output.strip() == "p"
