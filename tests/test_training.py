@@ -38,8 +38,9 @@ def test_gradient_accumulation_equals_one_big_microbatch():
 
 
 def test_loss_decreases_on_learnable_mock_data():
-    values, _, _ = losses(tiny_config(train_iters=30, lr=1e-2))
-    assert sum(values[-5:]) / 5 < sum(values[:5]) / 5 - 0.15
+    values, _, _ = losses(tiny_config(train_iters=50, lr=1e-2, vocab_size=32,
+                                      make_vocab_size_divisible_by=32))
+    assert sum(values[-5:]) / 5 < sum(values[:5]) / 5 - 0.2
 
 
 def test_sgd_trains():
