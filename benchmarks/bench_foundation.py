@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import platform
 import time
 
 import torch
 import torch.nn.functional as F
-
 from plugtron.core.config import TrainConfig, apply_values
 from plugtron.core.distributed import single_process
 from plugtron.core.metrics import MetricsLogger

@@ -154,9 +154,10 @@ def forward_backward(
     :returns: the list of ``report`` dicts, one per microbatch, on the last pipeline stage; an
         empty list on other stages. The report of each microbatch carries ``num_tokens`` too.
 
-    A schedule must: call ``model_chunk.set_input_tensor`` before each forward on stages after the
-    first; call the loss closure on the last stage; run backward from ``loss_sum * loss_scale``; wrap all but the last microbatch of each chunk in the
-    chunk's ``no_sync()``; and execute its actions in the order that ``schedule_actions`` returns.
+    A schedule must: call ``model_chunk.set_input_tensor`` before each forward on stages after
+    the first; call the loss closure on the last stage; run backward from ``loss_sum *
+    loss_scale``; wrap all but the last microbatch of each chunk in the chunk's ``no_sync()``;
+    and execute its actions in the order that ``schedule_actions`` returns.
     Called once per iteration on every rank.
     """
 

@@ -7,7 +7,6 @@ import json
 
 import pytest
 from click.testing import CliRunner
-
 from plugtron.cli.main import cli
 
 TINY = ["--preset", "tiny", "--data", "mock", "--vocab-size", "64", "--train-iters", "2",
@@ -21,7 +20,8 @@ def invoke(args):
 @pytest.mark.parametrize("args,message", [
     (["--tp", "3"], "world size 1 is not divisible by tp 3"),
     (["--nproc-per-node", "2", "--tp", "4"], "world size 2 is not divisible by tp 4"),
-    (["--num-attention-heads", "3"], "--hidden-size 64 is not divisible by --num-attention-heads 3"),
+    (["--num-attention-heads", "3"],
+     "--hidden-size 64 is not divisible by --num-attention-heads 3"),
     (["--num-query-groups", "3"], "not divisible by --num-query-groups 3"),
     (["--global-batch-size", "6"], "must be a multiple of --micro-batch-size 4"),
     (["--schedule", "zigzag"], "unknown schedule 'zigzag'; available: no-pipelining (plugtron"),

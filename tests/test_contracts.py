@@ -4,7 +4,6 @@ lifecycle hooks fire at their documented points."""
 from __future__ import annotations
 
 import torch
-
 from plugtron.core import registry
 from plugtron.core.config import ExtraOption
 from plugtron.core.distributed import single_process
@@ -190,7 +189,6 @@ def test_hook_plugtron_options():
     assert options[0].name == "wandb-project"
 
     import click
-
     from plugtron.cli.options import apply_extra, extra_options
 
     @click.command()

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from plugtron.core import registry
 from plugtron.core.parallel_context import ParallelContext
 from plugtron.core.step_info import NonFiniteLossError

@@ -4,7 +4,6 @@ contract hook."""
 from __future__ import annotations
 
 import pytest
-
 from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.plugin_manager import (

@@ -57,7 +57,8 @@ def test_pp4_embedding_is_first_and_last_stage():
 
 
 @pytest.mark.parametrize("layout", [{"tp": 2, "pp": 2}, {"tp": 2, "cp": 2}, {"pp": 4, "ep": 2},
-                                    {"tp": 4, "ep": 2, "etp": 1}, {"cp": 2, "pp": 2, "ep": 4, "etp": 1}])
+                                    {"tp": 4, "ep": 2, "etp": 1},
+                                    {"cp": 2, "pp": 2, "ep": 4, "etp": 1}])
 def test_every_kind_partitions_the_world(layout):
     for kind, groups in rank_groups(8, **layout).items():
         flat = sorted(r for grp in groups for r in grp)

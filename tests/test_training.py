@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from plugtron.core.distributed import single_process
 from plugtron.core.lr_schedule import LRScheduler
 

@@ -30,7 +30,8 @@ def _layout(rank, world_size):
     return {"tp": ctx.tp_ranks, "pp": ctx.pp_ranks, "dp": ctx.dp_ranks, "emb": ctx.embedding_ranks,
                 "tp_rank": ctx.tp_rank, "pp_rank": ctx.pp_rank, "dp_rank": ctx.dp_rank,
                 "first": ctx.is_pipeline_first_stage(), "last": ctx.is_pipeline_last_stage(),
-                "prev": ctx.pp_prev_rank, "next": ctx.pp_next_rank, "emb_group": ctx.in_embedding_group}
+                "prev": ctx.pp_prev_rank, "next": ctx.pp_next_rank,
+                "emb_group": ctx.in_embedding_group}
 
 
 def _sums_over_groups(rank, world_size):
