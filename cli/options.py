@@ -19,8 +19,9 @@ def config_options(func):
         dest = _param_name(flag.section, flag.name)
         if flag.is_flag:
             spelling = f"{flag.flag}/{flag.negative}" if flag.negative else flag.flag
+            # is_flag: without it a lone --flag would swallow the next argument as its value.
             func = click.option(spelling, *flag.aliases, dest, default=None,
-                                help=flag.help)(func)
+                                is_flag=True, help=flag.help)(func)
             continue
         kind = click.Choice(flag.choices) if flag.choices else {
             int: int, float: float, list: str}.get(flag.type, str)
