@@ -26,6 +26,11 @@ function                                       forward         backward
 ``reduce_scatter_to_sequence_parallel_region`` reduce-scatter  all-gather
 =============================================  ==============  ===========================
 
+:func:`sequence_parallel_linear` fuses the sequence all-gather with the column-parallel matmul so
+that only this rank's sequence shard is kept for backward (Megatron's SP linear): the gathered
+input is rebuilt in backward by a second all-gather, trading communication for activation
+memory.
+
 Collectives never modify their input or the incoming gradient in place: autograd may hand the
 same gradient tensor to several consumers (a residual add does), so reductions work on copies.
 """
@@ -33,6 +38,7 @@ same gradient tensor to several consumers (a residual add does), so reductions w
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import comm
 
@@ -202,3 +208,35 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group,
     if _alone(group):
         return x
     return _ReduceScatterToSequence.apply(x, group, _dim(x, seq_dim))
+
+
+class _SequenceParallelLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, dim):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
+        return F.linear(comm.all_gather_tensor(x, group, dim), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = comm.reduce_scatter_tensor(grad.matmul(weight), ctx.group, ctx.dim)
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[1]:
+            full = comm.all_gather_tensor(x, ctx.group, ctx.dim)
+            grad_weight = flat_grad.t().matmul(full.reshape(-1, full.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = flat_grad.sum(dim=0)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             group, seq_dim: int = 1) -> torch.Tensor:
+    """``F.linear(gather_from_sequence_parallel_region(x), weight, bias)`` that keeps only the
+    sequence shard ``x`` for backward: the weight gradient re-gathers it, the input gradient
+    is reduce-scattered back to the shard."""
+    if _alone(group):
+        return F.linear(x, weight, bias)
+    return _SequenceParallelLinear.apply(x, weight, bias, group, _dim(x, seq_dim))

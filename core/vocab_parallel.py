@@ -65,10 +65,9 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, group, sequence_
     summed over tp). ``parallel_output=False`` gathers every column on every rank.
     """
     if sequence_parallel:
-        hidden = tpc.gather_from_sequence_parallel_region(hidden, group)
+        logits = tpc.sequence_parallel_linear(hidden, weight, None, group)
     else:
-        hidden = tpc.copy_to_tensor_parallel_region(hidden, group)
-    logits = F.linear(hidden, weight)
+        logits = F.linear(tpc.copy_to_tensor_parallel_region(hidden, group), weight)
     if not parallel_output:
         logits = tpc.gather_from_tensor_parallel_region(logits, group)
     return logits

@@ -69,11 +69,12 @@ class ColumnParallelLinear(_TPLayer):
         self.partition_chunks = partition_chunks
 
     def forward(self, x):
+        bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
-            x = tpc.gather_from_sequence_parallel_region(x, self.tp_group)
+            out = tpc.sequence_parallel_linear(x, self.weight, bias, self.tp_group)
         else:
             x = tpc.copy_to_tensor_parallel_region(x, self.tp_group)
-        out = F.linear(x, self.weight, None if self.skip_bias_add else self.bias)
+            out = F.linear(x, self.weight, bias)
         if self.gather_output:
             out = tpc.gather_from_tensor_parallel_region(out, self.tp_group,
                                                          chunks=self.partition_chunks)

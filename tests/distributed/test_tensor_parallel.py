@@ -133,6 +133,27 @@ def test_collectives_forward_and_backward(pool):
             assert torch.equal(got, want), f"rank {rank}: {name}: {got} != {want}"
 
 
+def _sp_linear(rank, world_size):
+    """The fused SP linear (keeps only the sequence shard) against gather + F.linear."""
+    g = _ctx(rank, world_size, 4).tp_group
+    gen = torch.Generator().manual_seed(rank)
+    x, w, b = torch.randn(2, 3, 8, generator=gen), torch.randn(5, 8), torch.randn(5)
+    grad = torch.randn(2, 12, 5, generator=gen)
+    fused = [_leaf(t) for t in (x, w, b)]
+    plain = [_leaf(t) for t in (x, w, b)]
+    tpc.sequence_parallel_linear(*fused, g).backward(grad)
+    F.linear(tpc.gather_from_sequence_parallel_region(plain[0], g), *plain[1:]).backward(grad)
+    out = tpc.sequence_parallel_linear(x, w, b, g)
+    ref = F.linear(tpc.gather_from_sequence_parallel_region(x, g), w, b)
+    return [(out - ref).abs().max().item()] + [
+        (f.grad - p.grad).abs().max().item() for f, p in zip(fused, plain)]
+
+
+def test_sequence_parallel_linear_matches_gather_then_linear(pool):
+    for errors in pool.run(_sp_linear):
+        assert max(errors) < 1e-5, errors
+
+
 def test_collectives_are_identity_without_a_group():
     x = torch.randn(2, 4, 3, requires_grad=True)
     for fn in (tpc.copy_to_tensor_parallel_region, tpc.reduce_from_tensor_parallel_region,
