@@ -23,7 +23,9 @@ def check_plugins(config) -> None:
     """Unknown or broken plugins are reported before any rank starts."""
     for role, name in selected_drivers(config).items():
         registry.load(role, name)
-    registry.load("layer_backend", config.plugins.layer_backend)
+    backend_cls = registry.load("layer_backend", config.plugins.layer_backend)
+    if hasattr(backend_cls, "check_available"):
+        backend_cls.check_available()  # e.g. te without transformer-engine or CUDA
 
 
 def check_data_paths(config) -> None:

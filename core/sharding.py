@@ -46,3 +46,31 @@ def unshard(shards: list[torch.Tensor], dim: int, chunks: int = 1) -> torch.Tens
     per_rank = [s.chunk(chunks, dim=dim) for s in shards]
     return torch.cat([torch.cat([r[c] for r in per_rank], dim=dim) for c in range(chunks)],
                      dim=dim)
+
+
+def mark_sequence_parallel(module: torch.nn.Module) -> None:
+    """Declare every parameter of ``module`` replicated over tp but fed sequence-sharded
+    activations (norms, row-parallel biases under SP): finalize sums their grads over tp."""
+    for param in module.parameters():
+        param.sequence_parallel = True
+
+
+def gather_tensor_parallel(param: torch.Tensor, tp_group) -> torch.Tensor:
+    """The full (tp-unsharded) tensor of ``param``, the same on every rank of ``tp_group``.
+
+    A collective over ``tp_group`` for sharded params (every tp rank must call it, for the same
+    params in the same order); replicated params come back as they are.
+    """
+    from . import comm
+
+    tensor = param.detach()
+    if not is_tensor_parallel(param) or comm.group_size(tp_group) == 1:
+        return tensor
+    dim, chunks = param.partition_dim, getattr(param, "partition_chunks", 1)
+    gathered = comm.all_gather_tensor(tensor, tp_group, dim=dim)
+    return unshard(list(gathered.chunk(comm.group_size(tp_group), dim=dim)), dim, chunks)
+
+
+def full_named_tensors(module: torch.nn.Module, tp_group) -> dict[str, torch.Tensor]:
+    """``{name: full tensor}`` for every parameter of ``module`` (a collective over tp)."""
+    return {name: gather_tensor_parallel(p, tp_group) for name, p in module.named_parameters()}

@@ -41,20 +41,13 @@ def validate(config: TrainConfig, world_size: int) -> None:
     if m.kv_channels is None and m.hidden_size % heads:
         raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by "
                           f"--num-attention-heads {heads} (or give --kv-channels)")
-    if heads % tp or groups % tp:
-        raise ConfigError(f"--num-attention-heads {heads} and --num-query-groups {groups} must "
-                          f"both be divisible by --tp {tp}")
-    ffn = m.ffn_hidden_size or 4 * m.hidden_size
-    if ffn % tp:
-        raise ConfigError(f"--ffn-hidden-size {ffn} is not divisible by --tp {tp}")
-    if p.sequence_parallel and m.seq_length % (tp * cp):
-        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tp {tp} x --cp "
-                          f"{cp}, which --sequence-parallel needs")
+    validate_tensor_parallel(config, tp)
     if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
         raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is smaller "
                           f"than --seq-length {m.seq_length}")
     for name, value in (("--hidden-dropout", m.hidden_dropout),
-                        ("--attention-dropout", m.attention_dropout)):
+                        ("--attention-dropout", m.attention_dropout),
+                        ("--label-smoothing", m.label_smoothing)):
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {value}")
 
@@ -76,3 +69,39 @@ def validate(config: TrainConfig, world_size: int) -> None:
                          p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
     if config.checkpoint.save_interval is not None and not config.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
+
+
+def validate_tensor_parallel(config: TrainConfig, tp: int | None = None) -> None:
+    """Sizes that tensor (and sequence) parallelism split: each must divide by tp, so every tp
+    rank holds whole heads, whole query groups and equal slices. Also run by the layer backend,
+    so in-process runs fail here before any layer is built."""
+    m, p = config.model, config.parallel
+    tp = p.tensor_model_parallel_size if tp is None else tp
+    cp = p.context_parallel_size
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    if heads % tp:
+        raise ConfigError(f"--num-attention-heads {heads} is not divisible by --tp {tp}: each "
+                          f"tensor-parallel rank needs whole attention heads")
+    if groups % tp:
+        raise ConfigError(f"--num-query-groups {groups} is not divisible by --tp {tp}: each "
+                          f"tensor-parallel rank needs whole key/value groups (use a multiple "
+                          f"of {tp} query groups, or a smaller --tp)")
+    if m.hidden_size % tp:
+        raise ConfigError(f"--hidden-size {m.hidden_size} is not divisible by --tp {tp}")
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    if ffn % tp:
+        raise ConfigError(f"--ffn-hidden-size {ffn} is not divisible by --tp {tp}")
+    if m.make_vocab_size_divisible_by < 1:
+        raise ConfigError(f"--make-vocab-size-divisible-by must be at least 1, got "
+                          f"{m.make_vocab_size_divisible_by}")
+    if m.vocab_size is not None and m.vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be at least 1, got {m.vocab_size}")
+    if m.padded_vocab_size is not None and m.padded_vocab_size % tp:
+        raise ConfigError(f"the padded vocabulary {m.padded_vocab_size} is not divisible by "
+                          f"--tp {tp} (it is padded to a multiple of "
+                          f"--make-vocab-size-divisible-by x tp)")
+    if p.sequence_parallel and tp > 1 and m.seq_length % (tp * cp):
+        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tp {tp} x --cp "
+                          f"{cp} = {tp * cp}, which --sequence-parallel needs (each tp rank "
+                          f"holds an equal slice of the sequence)")

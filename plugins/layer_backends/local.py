@@ -1,62 +1,122 @@
-"""Layer backend ``local``: plain torch layers behind plugtron's layer-backend interface.
+"""Layer backend ``local``: Megatron-style tensor-parallel layers in plain torch.
 
-This is the single-rank (tp = 1) set of building blocks; each layer asks its init method for the
-full tensor and keeps its tensor-parallel shard, so the parallel versions slot in here.
+The vocabulary-parallel pieces (embedding, output logits, cross entropy) are the interface's
+defaults from core, shared with other backends.
+
+Communication goes through the autograd-aware collectives of :mod:`plugtron.core.tensor_parallel`,
+so the same code runs on one process (every collective is the identity) and on any tp group, on
+CPU with gloo or on GPUs with nccl. Every weight is drawn full by its init method and this rank
+keeps its shard (:func:`plugtron.core.sharding.shard_of`), so a tp shard is exactly the slice of
+what tp 1 initialises with the same seed.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from plugtron.core import tensor_parallel as tpc
 from plugtron.core.errors import ConfigError
 from plugtron.core.layer_backend import LayerBackend
-from plugtron.core.sharding import set_tensor_parallel, shard_of
+from plugtron.core.sharding import mark_sequence_parallel, set_tensor_parallel, shard_of
 
 
-class _Linear(torch.nn.Module):
-    def __init__(self, input_size, output_size, bias, init_method, skip_bias_add, tp_dim,
-                 tp_rank, tp_size, chunks=1):
+class _TPLayer(torch.nn.Module):
+    """A layer that knows this rank's tp group (read from the run's ParallelContext)."""
+
+    def __init__(self, parallel, sequence_parallel: bool):
         super().__init__()
+        self._parallel = parallel
+        self.sequence_parallel = sequence_parallel
+
+    @property
+    def tp_group(self):
+        return self._parallel.tp_group
+
+    @property
+    def tp_rank(self) -> int:
+        return self._parallel.tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        return self._parallel.tp_size
+
+
+class ColumnParallelLinear(_TPLayer):
+    """``Y = X A + b`` with A's output dimension split over tp.
+
+    Input: replicated ``[b, s, in]`` (sequence-sharded under SP, gathered here). Output: this
+    rank's ``out / tp`` features, or all of them with ``gather_output``. With
+    ``partition_chunks`` c the output is c blocks ([gate; up]) split separately, so the local
+    output is [gate_r; up_r] and a gathered output is put back in [gate; up] order.
+    """
+
+    def __init__(self, input_size, output_size, *, bias, init_method, parallel,
+                 sequence_parallel=False, gather_output=False, skip_bias_add=False,
+                 partition_chunks=1):
+        super().__init__(parallel, sequence_parallel)
+        tp = self.tp_size
+        if output_size % (tp * partition_chunks):
+            raise ConfigError(f"column-parallel output size {output_size} is not divisible by "
+                              f"tp {tp} x {partition_chunks} block(s)")
         full = init_method((output_size, input_size))
-        self.weight = torch.nn.Parameter(shard_of(full, tp_dim, tp_rank, tp_size, chunks))
-        set_tensor_parallel(self.weight, tp_dim, chunks)
+        self.weight = torch.nn.Parameter(shard_of(full, 0, self.tp_rank, tp, partition_chunks))
+        set_tensor_parallel(self.weight, 0, partition_chunks)
         self.bias = None
         if bias:
-            bias_shape = output_size // tp_size if tp_dim == 0 else output_size
-            self.bias = torch.nn.Parameter(torch.zeros(bias_shape))
-            if tp_dim == 0:
-                set_tensor_parallel(self.bias, 0, chunks)
-        self.skip_bias_add = skip_bias_add
+            self.bias = torch.nn.Parameter(torch.zeros(output_size // tp))
+            set_tensor_parallel(self.bias, 0, partition_chunks)
+        self.gather_output, self.skip_bias_add = gather_output, skip_bias_add
+        self.partition_chunks = partition_chunks
 
     def forward(self, x):
-        if self.skip_bias_add:
-            return F.linear(x, self.weight), self.bias
-        return F.linear(x, self.weight, self.bias), None
+        bias = None if self.skip_bias_add else self.bias
+        if self.sequence_parallel:
+            out = tpc.sequence_parallel_linear(x, self.weight, bias, self.tp_group)
+        else:
+            x = tpc.copy_to_tensor_parallel_region(x, self.tp_group)
+            out = F.linear(x, self.weight, bias)
+        if self.gather_output:
+            out = tpc.gather_from_tensor_parallel_region(out, self.tp_group,
+                                                         chunks=self.partition_chunks)
+        return out, (self.bias if self.skip_bias_add else None)
 
 
-class ColumnParallelLinear(_Linear):
-    def __init__(self, input_size, output_size, *, bias, init_method, gather_output=False,
-                 skip_bias_add=False, partition_chunks=1):
-        super().__init__(input_size, output_size, bias, init_method, skip_bias_add, 0, 0, 1,
-                         partition_chunks)
-        self.gather_output = gather_output
+class RowParallelLinear(_TPLayer):
+    """``Y = X A + b`` with A's input dimension split over tp; partial outputs are summed over
+    tp (all-reduce), or reduce-scattered along the sequence under SP. The bias is replicated and
+    added after the reduction (under SP it sees only this rank's tokens: marked
+    ``sequence_parallel`` so its gradient is summed over tp)."""
 
+    def __init__(self, input_size, output_size, *, bias, init_method, parallel,
+                 sequence_parallel=False, input_is_parallel=True, skip_bias_add=False):
+        super().__init__(parallel, sequence_parallel)
+        if input_size % self.tp_size:
+            raise ConfigError(f"row-parallel input size {input_size} is not divisible by "
+                              f"tp {self.tp_size}")
+        if sequence_parallel and not input_is_parallel:
+            raise ConfigError("a row-parallel linear under --sequence-parallel needs its input "
+                              "already split over tp (input_is_parallel=True)")
+        full = init_method((output_size, input_size))
+        self.weight = torch.nn.Parameter(shard_of(full, 1, self.tp_rank, self.tp_size))
+        set_tensor_parallel(self.weight, 1)
+        self.bias = None
+        if bias:
+            self.bias = torch.nn.Parameter(torch.zeros(output_size))
+            if sequence_parallel:
+                self.bias.sequence_parallel = True
+        self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
 
-class RowParallelLinear(_Linear):
-    def __init__(self, input_size, output_size, *, bias, init_method, input_is_parallel=True,
-                 skip_bias_add=False):
-        super().__init__(input_size, output_size, bias, init_method, skip_bias_add, 1, 0, 1)
-        self.input_is_parallel = input_is_parallel
-
-
-class VocabParallelEmbedding(torch.nn.Module):
-    def __init__(self, num_embeddings, embedding_dim, *, init_method):
-        super().__init__()
-        self.weight = torch.nn.Parameter(init_method((num_embeddings, embedding_dim)))
-        set_tensor_parallel(self.weight, 0)
-
-    def forward(self, ids):
-        return F.embedding(ids, self.weight)
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = tpc.scatter_to_tensor_parallel_region(x, self.tp_group)
+        out = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            out = tpc.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        else:
+            out = tpc.reduce_from_tensor_parallel_region(out, self.tp_group)
+        if self.skip_bias_add or self.bias is None:
+            return out, self.bias
+        return out + self.bias, None
 
 
 class RMSNorm(torch.nn.Module):
@@ -70,61 +130,55 @@ class RMSNorm(torch.nn.Module):
 
 
 class CoreAttention(torch.nn.Module):
-    """Causal scaled-dot-product attention; key/value groups are repeated for GQA."""
+    """Causal scaled-dot-product attention over this rank's heads; key/value groups are
+    repeated for GQA. Attention dropout draws from the model-parallel stream (``dropout_rng``):
+    each tp rank holds different heads."""
 
-    def __init__(self, num_heads, num_query_groups, head_dim, dropout):
+    def __init__(self, num_heads, num_query_groups, head_dim, dropout, dropout_rng):
         super().__init__()
         self.num_heads, self.num_query_groups = num_heads, num_query_groups
         self.dropout = dropout
+        self._dropout_rng = dropout_rng
 
     def forward(self, q, k, v):
         b, s = q.shape[0], q.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.num_query_groups != self.num_heads)
+        p = self.dropout if self.training else 0.0
+        with self._dropout_rng():
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=p,
+                enable_gqa=self.num_query_groups != self.num_heads)
         return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class LocalBackend(LayerBackend):
     name = "local"
 
-    def __init__(self, config, parallel):
-        super().__init__(config, parallel)
-        if parallel.tp_size != 1:
-            raise ConfigError("layer backend 'local' does not support tensor parallelism yet "
-                              f"(tp {parallel.tp_size}); use --tp 1")
-
     def column_parallel_linear(self, input_size, output_size, *, bias, init_method,
                                gather_output=False, skip_bias_add=False, partition_chunks=1):
         return ColumnParallelLinear(input_size, output_size, bias=bias, init_method=init_method,
+                                    parallel=self.parallel,
+                                    sequence_parallel=self.sequence_parallel,
                                     gather_output=gather_output, skip_bias_add=skip_bias_add,
                                     partition_chunks=partition_chunks)
 
     def row_parallel_linear(self, input_size, output_size, *, bias, init_method,
                             input_is_parallel=True, skip_bias_add=False):
         return RowParallelLinear(input_size, output_size, bias=bias, init_method=init_method,
+                                 parallel=self.parallel,
+                                 sequence_parallel=self.sequence_parallel,
                                  input_is_parallel=input_is_parallel,
                                  skip_bias_add=skip_bias_add)
-
-    def vocab_parallel_embedding(self, num_embeddings, embedding_dim, *, init_method):
-        return VocabParallelEmbedding(num_embeddings, embedding_dim, init_method=init_method)
 
     def norm(self, hidden_size):
         model = self.config.model
         if model.normalization == "RMSNorm":
-            return RMSNorm(hidden_size, model.norm_epsilon)
-        return torch.nn.LayerNorm(hidden_size, eps=model.norm_epsilon)
+            module = RMSNorm(hidden_size, model.norm_epsilon)
+        else:
+            module = torch.nn.LayerNorm(hidden_size, eps=model.norm_epsilon)
+        if self.sequence_parallel:
+            mark_sequence_parallel(module)
+        return module
 
     def core_attention(self, num_heads, num_query_groups, head_dim, dropout):
-        return CoreAttention(num_heads, num_query_groups, head_dim, dropout)
-
-    def output_logits(self, hidden, weight, parallel_output):
-        return F.linear(hidden, weight)
-
-    def cross_entropy(self, logits, labels, vocab_size, label_smoothing=0.0):
-        # Padded vocabulary columns are dropped, so they neither win nor take probability mass.
-        logits = logits[..., :vocab_size].float()
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                               reduction="none", label_smoothing=label_smoothing)
-        return loss.view_as(labels)
+        return CoreAttention(num_heads, num_query_groups, head_dim, dropout, self.dropout_rng)

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# GPU smoke test of the `te` layer backend: a few bf16 iterations on one GPU with
+# `--layer-backend te` and, for comparison, `--layer-backend local`; prints tokens/s of each.
+# Needs CUDA and transformer-engine (pip install 'transformer-engine[pytorch]'). Not runnable on
+# CPU-only machines. Usage: benchmarks/gpu_smoke.sh [ITERS]
+set -euo pipefail
+
+ITERS="${1:-20}"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+MODEL=(--data mock --vocab-size 32000 --num-layers 4 --hidden-size 1024
+       --num-attention-heads 16 --num-query-groups 4 --swiglu --normalization RMSNorm
+       --position-embedding-type rope --disable-bias-linear --seq-length 1024
+       --micro-batch-size 4 --global-batch-size 16 --train-iters "$ITERS" --lr 1e-4
+       --min-lr 1e-5 --lr-warmup-iters 2 --eval-interval 0 --log-interval 5 --no-progress
+       --bf16)
+
+for backend in te local; do
+  echo "== --layer-backend $backend --bf16, $ITERS iterations"
+  plugtron train "${MODEL[@]}" --layer-backend "$backend" \
+    --metrics-file "$WORK/$backend.jsonl"
+done
+
+python - "$WORK" <<'PY'
+import json, pathlib, sys
+
+TOKENS_PER_ITER = 16 * 1024  # global batch x sequence length, as above
+work = pathlib.Path(sys.argv[1])
+rates = {}
+for backend in ("te", "local"):
+    records = [json.loads(line) for line in (work / f"{backend}.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "step_time_s" in r]
+    # Leave out the first quarter of the steps (kernel selection, allocator warm-up).
+    timed = steps[len(steps) // 4:] or steps
+    rates[backend] = TOKENS_PER_ITER * len(timed) / sum(r["step_time_s"] for r in timed)
+    print(f"{backend:5s}: {rates[backend]:10.0f} tokens/s "
+          f"(final loss {steps[-1]['lm_loss']:.4f})")
+print(f"te / local: {rates['te'] / rates['local']:.2f}x")
+PY
