@@ -84,6 +84,12 @@ def snapshot(run, copy: bool) -> tuple[RankSnapshot, dict]:
     gather its shards here."""
     seen: set = set()
     model, optim, specs = [], [], {}
+    for chunk in run.model_chunks:
+        # A data-parallel wrapper that gathers parameters lazily (--overlap-param-gather)
+        # finishes the gather first: the checkpoint must see the stepped weights.
+        finish = getattr(chunk, "finish_param_sync", None)
+        if finish is not None:
+            finish()
     for name, tensor, spec in model_tensors(run):
         stored = stored_name(name, tensor)
         specs[name] = (stored, spec)

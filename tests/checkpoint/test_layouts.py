@@ -25,7 +25,7 @@ from .helpers import ckpt_config, train_resumable
 WORLD = 4
 LATER = range(6, 11)
 REL = 1e-5
-MODEL = {"num_layers": 4, "num_query_groups": 2, "swiglu": True}
+MODEL = {"num_layers": 4, "num_attention_heads": 8, "num_query_groups": 4, "swiglu": True}
 SAVED = {"tp": 2, "pp": 2}
 TARGETS = {"tp1-pp1-dp4": {}, "tp4": {"tp": 4}, "pp2-vp2-dp2": {"pp": 2, "vp": 2}}
 

@@ -102,7 +102,7 @@ pretrain(tiny_config(train_iters=4, save=sys.argv[1], save_interval=2), world=si
 
 def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path):
     save = str(tmp_path / "save")
-    env = {**os.environ, TEST_DELAY_ENV: "1.0", "PYTHONPATH": ROOT}
+    env = {**os.environ, TEST_DELAY_ENV: "0.5", "PYTHONPATH": ROOT}
     proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, save], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     partial = os.path.join(save, layout.tmp_dirname(4))
