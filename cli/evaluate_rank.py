@@ -6,6 +6,7 @@ import json
 import sys
 
 from plugtron.core.config import TrainConfig
+from plugtron.core.distributed import shutdown
 from plugtron.core.errors import PlugtronError
 
 from .launch import report_user_error
@@ -21,6 +22,8 @@ def main(argv: list[str]) -> int:
     except PlugtronError as exc:
         report_user_error(str(exc))
         return 2
+    finally:
+        shutdown()  # see plugtron.cli.rank
     return 0
 
 

@@ -6,6 +6,7 @@ import json
 import sys
 
 from plugtron.core.config import TrainConfig
+from plugtron.core.distributed import shutdown
 from plugtron.core.errors import PlugtronError
 from plugtron.core.training import pretrain
 
@@ -20,6 +21,10 @@ def main(argv: list[str]) -> int:
     except PlugtronError as exc:
         report_user_error(str(exc))
         return 2
+    finally:
+        # Without this gloo may abort at interpreter exit ("terminate called without an active
+        # exception") while the other ranks tear down.
+        shutdown()
     return 0
 
 

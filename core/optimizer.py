@@ -164,7 +164,7 @@ class TorchOptimizer(Optimizer):
                 source = saved.get("main_param", model_p)
                 with torch.no_grad():
                     main_p.copy_(source)
-            entries = {k: v.clone() for k, v in saved.items() if k != "main_param"}
+            entries = {k: v for k, v in saved.items() if k != "main_param"}
             if entries:
                 if step:
                     entries["step"] = torch.tensor(step, dtype=torch.float32)

@@ -135,7 +135,10 @@ def _load_optimizer(run, reader, specs, target_spec) -> None:
             logical = f"optim/{stored}/{key}"
             target_spec(logical, spec)
             rec = reader.record(logical)
-            value = torch.zeros(spec.local_shape, dtype=getattr(torch, rec.dtype))
+            # Every element is overwritten unless the vocabulary padding differs (then the
+            # extra padding rows start at zero, as fresh optimizer state does).
+            make = torch.empty if rec.global_shape == spec.global_shape else torch.zeros
+            value = make(spec.local_shape, dtype=getattr(torch, rec.dtype))
             reader.read_into(logical, value, spec)
             entries[key] = value.to(param.device)
         loaded[name] = entries

@@ -47,7 +47,7 @@ class CheckpointReader:
         self.tensors: dict[str, TensorRecord] = {}
         for name, digest in sorted(self.metadata["manifests"].items()):
             file = os.path.join(self.path, name)
-            jsonio.verify_file(file, digest["sha256"], digest["bytes"])
+            jsonio.verify_file(file, digest)
             manifest = jsonio.read_json(file)
             self.manifests[int(manifest["rank"])] = manifest
             self.file_digests.update(manifest["files"])
@@ -91,7 +91,7 @@ class CheckpointReader:
         if digest is None:
             raise CheckpointError(f"checkpoint file {path} is not listed in any manifest")
         if file not in self._verified:
-            jsonio.verify_file(path, digest["sha256"], digest["bytes"])
+            jsonio.verify_file(path, digest)
             self._verified.add(file)
         try:
             handle = safe_open(path, framework="pt", device="cpu")

@@ -53,6 +53,9 @@ class Checkpointer:
         self.start_iteration = run.state.iteration
         #: Seconds the training loop was blocked by each save (benchmarks read it).
         self.blocked_s: list[float] = []
+        #: Host buffers that async snapshots copy into, reused from one save to the next (one
+        #: copy of this rank's checkpoint tensors stays allocated, as in Megatron).
+        self.staging: dict = {}
 
     @property
     def is_rank0(self) -> bool:
@@ -71,8 +74,11 @@ class Checkpointer:
         self.wait()
         os.makedirs(parent, exist_ok=True)
         tmp_dir = os.path.join(parent, layout.tmp_dirname(iteration))
-        snap, optimizer_state = state.snapshot(run, copy=async_save)
-        metadata = state.run_metadata(run, optimizer_state) if self.is_rank0 else None
+        snap, optimizer_state = state.snapshot(run, copy=async_save, staging=self.staging)
+        if run.world.device.type == "cuda":
+            torch.cuda.synchronize()  # the copies to pinned host memory were asynchronous
+        metadata = (state.run_metadata(run, optimizer_state, iteration) if self.is_rank0
+                    else None)
         job = PendingSave(iteration, parent, tmp_dir, metadata, None, started=start)
 
         def write():

@@ -54,17 +54,31 @@ def _standalone(t: torch.Tensor) -> bool:
             and t.numel() * t.element_size() == storage.nbytes())
 
 
-def _entry(logical: str, tensor: torch.Tensor, spec: ShardSpec, copy: bool,
-           seen: set) -> TensorEntry:
+def _staged(staging: dict, key: tuple, part: torch.Tensor) -> torch.Tensor:
+    """``part`` copied into this rank's reusable host buffer for ``key``: allocating (and
+    page-faulting) fresh host memory at every save costs more than the copy itself."""
+    buf = staging.get(key)
+    if buf is None or buf.shape != part.shape or buf.dtype != part.dtype:
+        buf = torch.empty(part.shape, dtype=part.dtype, pin_memory=part.is_cuda)
+        staging[key] = buf
+    buf.copy_(part, non_blocking=part.is_cuda)
+    return buf
+
+
+def _entry(logical: str, tensor: torch.Tensor, spec: ShardSpec, copy: bool, seen: set,
+           staging: dict | None) -> TensorEntry:
     boxes = []
-    for box, part in local_boxes_of(tensor.detach(), spec):
-        cpu = part.to("cpu")
-        copied = cpu.data_ptr() != part.data_ptr()  # came from an accelerator
-        shared = not _standalone(cpu) or cpu.untyped_storage().data_ptr() in seen
-        if (copy and not copied) or shared:
-            cpu = cpu.clone(memory_format=torch.contiguous_format)
-        seen.add(cpu.untyped_storage().data_ptr())
-        boxes.append((box, cpu))
+    for i, (box, part) in enumerate(local_boxes_of(tensor.detach(), spec)):
+        if copy or part.device.type != "cpu":
+            if staging is None:
+                staging = {}
+            out = _staged(staging, (logical, i), part)
+        elif _standalone(part) and part.untyped_storage().data_ptr() not in seen:
+            out = part  # written synchronously: no copy needed
+        else:
+            out = part.clone(memory_format=torch.contiguous_format)
+        seen.add(out.untyped_storage().data_ptr())
+        boxes.append((box, out))
     return TensorEntry(logical, spec.global_shape, boxes)
 
 
@@ -78,10 +92,10 @@ def writes_here(run, spec: ShardSpec) -> bool:
     return p.dp_cp_rank == 0 and (spec.sharded or p.tp_rank == 0)
 
 
-def snapshot(run, copy: bool) -> tuple[RankSnapshot, dict]:
-    """This rank's tensors on the CPU (copies when ``copy``, for writing in the background),
-    its RNG state, and the optimizer's global state. Every rank must call it: the optimizer may
-    gather its shards here."""
+def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot, dict]:
+    """This rank's tensors on the CPU (copies when ``copy``, for writing in the background, into
+    the reusable buffers of ``staging``), its RNG state, and the optimizer's global state. Every
+    rank must call it: the optimizer may gather its shards here."""
     seen: set = set()
     model, optim, specs = [], [], {}
     for chunk in run.model_chunks:
@@ -94,7 +108,7 @@ def snapshot(run, copy: bool) -> tuple[RankSnapshot, dict]:
         stored = stored_name(name, tensor)
         specs[name] = (stored, spec)
         if stored == name and writes_here(run, spec):
-            model.append(_entry(f"model/{name}", tensor, spec, copy, seen))
+            model.append(_entry(f"model/{name}", tensor, spec, copy, seen, staging))
     state = dict(run.optimizer.sharded_state_dict())
     global_state = state.pop(OPTIMIZER_GLOBAL_KEY, {})
     for name, entries in state.items():
@@ -111,7 +125,7 @@ def snapshot(run, copy: bool) -> tuple[RankSnapshot, dict]:
                     f"parameter's shard {spec.local_shape}, got "
                     f"{tuple(value.shape) if torch.is_tensor(value) else type(value).__name__}; "
                     f"scalars belong under {OPTIMIZER_GLOBAL_KEY!r}")
-            optim.append(_entry(f"optim/{name}/{key}", value, spec, copy, seen))
+            optim.append(_entry(f"optim/{name}/{key}", value, spec, copy, seen, staging))
     p = run.parallel
     info = {"tp_rank": p.tp_rank, "pp_rank": p.pp_rank, "dp_rank": p.dp_rank,
             "cp_rank": p.cp_rank}
@@ -174,10 +188,11 @@ def base_metadata(config, iteration: int, consumed_samples: int, layout: dict,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
 
-def run_metadata(run, optimizer_state: dict) -> dict:
+def run_metadata(run, optimizer_state: dict, iteration: int | None = None) -> dict:
     from .jsonio import encode
 
-    meta = base_metadata(run.config, run.state.iteration, run.state.consumed_samples,
+    iteration = run.state.iteration if iteration is None else iteration
+    meta = base_metadata(run.config, iteration, run.state.consumed_samples,
                          layout_of(run), {"model": True, "optimizer": True, "rng": True})
     meta["scheduler"] = run.scheduler.state_dict()
     meta["optimizer"] = encode(optimizer_state)

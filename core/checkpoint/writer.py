@@ -72,10 +72,9 @@ def write_rank_files(directory: str, snap: RankSnapshot) -> dict:
             tensors[entry.logical] = record
         path = os.path.join(directory, name)
         save_file(payload, path, metadata={"format": "pt", "writer": "plugtron-checkpoint"})
-        digest, size = jsonio.file_digest(path)
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        files[name] = {"sha256": digest, "bytes": size}
+        files[name] = jsonio.file_digest(path)
         _test_delay()
     manifest = {"rank": snap.rank, "files": files, "tensors": tensors,
                 "rng": jsonio.encode(snap.rng) if snap.rng is not None else None,
@@ -93,8 +92,7 @@ def commit(parent: str, tmp_dir: str, iteration: int, metadata: dict, ranks: lis
     manifests = {}
     for rank in ranks:
         name = layout.manifest_name(rank)
-        digest, size = jsonio.file_digest(os.path.join(tmp_dir, name))
-        manifests[name] = {"sha256": digest, "bytes": size}
+        manifests[name] = jsonio.file_digest(os.path.join(tmp_dir, name))
     jsonio.write_json(os.path.join(tmp_dir, layout.METADATA), {**metadata, "manifests": manifests})
     jsonio.fsync_dir(tmp_dir)
     final = os.path.join(parent, layout.iteration_dirname(iteration))
@@ -140,9 +138,9 @@ def write_single(directory: str, entries: list[TensorEntry], metadata: dict) -> 
     tmp = os.path.join(parent, f"{layout.TMP_PREFIX}{os.path.basename(directory)}-{os.getpid()}")
     write_rank_files(tmp, RankSnapshot(0, {"model": entries}))
     manifest = layout.manifest_name(0)
-    digest, size = jsonio.file_digest(os.path.join(tmp, manifest))
+    digest = jsonio.file_digest(os.path.join(tmp, manifest))
     jsonio.write_json(os.path.join(tmp, layout.METADATA),
-                      {**metadata, "manifests": {manifest: {"sha256": digest, "bytes": size}}})
+                      {**metadata, "manifests": {manifest: digest}})
     if os.path.exists(directory):
         os.rmdir(directory)
     os.rename(tmp, directory)

@@ -127,3 +127,23 @@ def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path):
     assert sorted(losses) == [3]
     assert layout.read_latest(save) == "iter_0000003"
     assert not os.path.exists(partial)  # the next commit cleaned it up
+
+
+def test_failed_background_write_is_reported_and_commits_nothing(tmp_path, monkeypatch):
+    from plugtron.core.checkpoint import checkpointer, writer
+
+    run = setup(ckpt_config(train_iters=2, save=str(tmp_path)), world=ONE)
+    saver = checkpointer(run)
+    saver.save(1)
+    assert layout.read_latest(str(tmp_path)) == "iter_0000001"
+
+    def broken(directory, snap):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(writer, "write_rank_files", broken)
+    saver.save(2, async_save=True)  # returns once the snapshot is taken
+    with pytest.raises(CheckpointError, match="No space left on device.*previous checkpoint"):
+        saver.wait()
+    assert layout.read_latest(str(tmp_path)) == "iter_0000001"
+    assert not os.path.exists(tmp_path / "iter_0000002")
+    assert CheckpointReader(str(tmp_path)).iteration == 1
