@@ -43,6 +43,12 @@ class Converter(Protocol):
         """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``)."""
 
 
+def _plugin_info(role: str, name: str) -> dict:
+    info = next((i for i in registry.available(role) if i.name == name), None)
+    return {"name": name, "distribution": info.distribution if info else None,
+            "version": info.version if info else None}
+
+
 def load_converter(model: str) -> Converter:
     return registry.instantiate(registry.load("converter", model))
 
@@ -118,6 +124,10 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
                                    {"model": True, "optimizer": False, "rng": False})
     metadata["source"] = {"format": "huggingface", "path": os.path.abspath(hf_dir),
                           "model_type": hf_config.get("model_type")}
+    # Only the model plugin and its converter made this checkpoint; no run selected the others.
+    chosen = {"model": model, "converter": model}
+    metadata["plugins"] = {role: metadata["plugins"].get(role) or _plugin_info("converter", name)
+                           for role, name in chosen.items()}
     return writer.write_single(out_dir, entries, metadata), config
 
 
