@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import click
 
+from .checkpoint_cmd import checkpoint
+from .convert import convert
+from .evaluate import evaluate
 from .plugins_cmd import plugins
 from .topology import topology
 from .train import train
@@ -17,6 +20,9 @@ def cli():
 cli.add_command(train)
 cli.add_command(plugins)
 cli.add_command(topology)
+cli.add_command(checkpoint)
+cli.add_command(evaluate)
+cli.add_command(convert)
 
 
 def main():

@@ -32,9 +32,10 @@ def config_options(func):
     return func
 
 
-def build_config(params: dict, config_file: str | None, preset: str | None) -> TrainConfig:
-    """dataclass defaults < preset < config file < flags."""
-    config = TrainConfig()
+def build_config(params: dict, config_file: str | None, preset: str | None,
+                 base: TrainConfig | None = None) -> TrainConfig:
+    """dataclass defaults (or ``base``) < preset < config file < flags."""
+    config = base if base is not None else TrainConfig()
     if preset:
         apply_values(config, PRESETS[preset], f"preset {preset!r}")
     if config_file:

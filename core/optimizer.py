@@ -139,20 +139,33 @@ class TorchOptimizer(Optimizer):
         return StepResult(True, norm, num_zeros)
 
     def sharded_state_dict(self) -> dict:
-        state = {}
+        """``{param name: {key: tensor shaped like the param}}``; the step count (a scalar in
+        torch's per-param state) goes under ``"__optimizer__"``."""
+        state, steps = {}, set()
         for name, main_p in zip(self.names, self.main_params):
-            per_param = self.inner.state.get(main_p, {})
-            state[name] = {k: v for k, v in per_param.items() if torch.is_tensor(v)}
+            state[name] = {}
+            for key, value in self.inner.state.get(main_p, {}).items():
+                if key == "step":
+                    steps.add(float(value))
+                elif torch.is_tensor(value):
+                    state[name][key] = value
             if self.mixed:
                 state[name]["main_param"] = main_p.detach()
+        state["__optimizer__"] = {"step": max(steps) if steps else 0.0}
         return state
 
     def load_sharded_state_dict(self, state: dict) -> None:
-        for name, main_p in zip(self.names, self.main_params):
+        step = float(state.get("__optimizer__", {}).get("step", 0.0))
+        for name, model_p, main_p in zip(self.names, self.model_params, self.main_params):
             saved = state.get(name, {})
-            if self.mixed and "main_param" in saved:
+            if self.mixed:
+                # Without saved main params (a checkpoint of an fp32 run) start them from the
+                # loaded model params.
+                source = saved.get("main_param", model_p)
                 with torch.no_grad():
-                    main_p.copy_(saved["main_param"])
-            entries = {k: v.clone() for k, v in saved.items() if k != "main_param"}
+                    main_p.copy_(source)
+            entries = {k: v for k, v in saved.items() if k != "main_param"}
             if entries:
+                if step:
+                    entries["step"] = torch.tensor(step, dtype=torch.float32)
                 self.inner.state[main_p] = entries

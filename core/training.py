@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import comm, data, grads, registry, step_info
+from . import checkpoint, comm, data, grads, registry, step_info
 from .config import TrainConfig, num_microbatches, padded_vocab_size
 from .ddp import DistributedDataParallel
 from .distributed import WorldInfo, init_distributed
@@ -39,6 +39,7 @@ class Run:
     scheduler: LRScheduler
     datasets: tuple
     p2p: object = None
+    checkpointer: object = None  # core.checkpoint.Checkpointer, made on first use
     state: TrainState = field(default_factory=TrainState)
 
     @property
@@ -226,6 +227,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
         if t.eval_interval and iteration % t.eval_interval == 0:
             run_evaluation(run, metrics, iteration)
         after_step(run, iteration)
+    checkpoint.at_train_end(run)
     elapsed = time.perf_counter() - start
     return {"summary": True, "iterations": state.iteration,
             "final_lm_loss": losses.get("lm loss"),
@@ -241,11 +243,13 @@ def run_evaluation(run: Run, metrics: MetricsLogger, iteration: int) -> None:
 
 def after_step(run: Run, iteration: int) -> None:
     """Per-iteration work after the step (checkpoints hook in here)."""
+    checkpoint.after_step(run, iteration)
 
 
 def pretrain(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None) -> dict:
     """Build everything for this rank and train; returns the summary record."""
     run = setup(config, extra_plugins, world)
+    checkpoint.load_if_requested(run)
     metrics = MetricsLogger(config, run.world.rank, run.state.iteration)
     try:
         summary = train(run, metrics)
@@ -256,4 +260,5 @@ def pretrain(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = No
         run.pm.hook.plugtron_train_end(config=config, state=run.state, summary=summary)
         return summary
     finally:
+        checkpoint.close(run)
         metrics.close()

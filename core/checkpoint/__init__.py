@@ -1,0 +1,77 @@
+"""Checkpoints: the whole training state in safetensors + JSON, loadable into any layout.
+
+The training loop calls four functions (core/training.py):
+
+* :func:`load_if_requested` after ``setup()``: ``--load``;
+* :func:`after_step` after every iteration: ``--save-interval``;
+* :func:`at_train_end` when the loop ends: the final ``--save`` and waiting for an async one;
+* :func:`close` on the way out, also after an error: joins a background writer, commits nothing.
+
+See docs/checkpoints.md for the format and the resharding rules.
+"""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import CheckpointError
+from . import layout
+from .loader import load_checkpoint
+from .reader import CheckpointReader
+from .saver import Checkpointer
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointReader",
+    "Checkpointer",
+    "after_step",
+    "at_train_end",
+    "checkpointer",
+    "close",
+    "load_checkpoint",
+    "load_if_requested",
+]
+
+
+def checkpointer(run) -> Checkpointer:
+    if getattr(run, "checkpointer", None) is None:
+        run.checkpointer = Checkpointer(run)
+    return run.checkpointer
+
+
+def load_if_requested(run, model_only: bool = False) -> None:
+    """``--load DIR``: resume from it. With ``--load`` equal to ``--save`` and nothing saved
+    yet, start from scratch (the usual restartable job script); any other ``--load`` without a
+    checkpoint is an error."""
+    path = run.config.checkpoint.load
+    if path:
+        same_as_save = (run.config.checkpoint.save is not None and
+                        os.path.abspath(path) == os.path.abspath(run.config.checkpoint.save))
+        if same_as_save and not layout.has_checkpoint(path):
+            if run.world.rank == 0:
+                print(f"no checkpoint in {path} yet: starting from scratch", flush=True)
+        else:
+            load_checkpoint(run, path, model_only=model_only)
+    checkpointer(run).start_iteration = run.state.iteration
+
+
+def after_step(run, iteration: int) -> None:
+    c = run.config.checkpoint
+    if c.save and c.save_interval and iteration % c.save_interval == 0:
+        checkpointer(run).save(iteration)
+
+
+def at_train_end(run) -> None:
+    """Save the final state unless this iteration was just saved (or nothing was trained), then
+    wait for the last write to be committed."""
+    ckpt = checkpointer(run)
+    if (run.config.checkpoint.save and run.state.iteration != ckpt.last_saved
+            and run.state.iteration != ckpt.start_iteration):
+        ckpt.save(run.state.iteration)
+    ckpt.wait()
+
+
+def close(run) -> None:
+    ckpt = getattr(run, "checkpointer", None)
+    if ckpt is not None:
+        ckpt.abandon()

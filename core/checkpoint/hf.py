@@ -1,0 +1,159 @@
+"""Hugging Face interchange: ``config.json`` + ``model.safetensors`` to and from a plugtron
+checkpoint.
+
+The core does the files; what maps onto what is model-specific and lives in the model's plugin,
+found by the model's plugin name in the entry-point group ``plugtron.converters`` (the core
+never imports a model). A converter implements :class:`Converter`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Protocol
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .. import registry
+from ..config import TrainConfig, apply_values, padded_vocab_size
+from ..errors import CheckpointError, ConfigError
+from . import state, writer
+from .pieces import Box
+from .reader import CheckpointReader
+
+
+class Converter(Protocol):
+    """Model-specific mapping between Hugging Face tensors and plugtron's global tensors.
+
+    Tensors on the plugtron side are full (unsharded), named as the model's parameters are
+    (``decoder.0.0.linear_qkv.weight``), and vocabulary-sized tensors have exactly
+    ``vocab_size`` rows (the core adds and removes tp padding).
+    """
+
+    #: plugtron names whose first dimension is the vocabulary.
+    vocab_tensors: tuple[str, ...]
+
+    def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
+        """-> (plugtron settings as ``{flag name: value}``, ``{plugtron name: tensor}``).
+        Raise ``ConfigError`` for a model this converter cannot represent."""
+
+    def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
+        """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``)."""
+
+
+def _plugin_info(role: str, name: str) -> dict:
+    info = next((i for i in registry.available(role) if i.name == name), None)
+    return {"name": name, "distribution": info.distribution if info else None,
+            "version": info.version if info else None}
+
+
+def load_converter(model: str) -> Converter:
+    return registry.instantiate(registry.load("converter", model))
+
+
+def read_hf_dir(path: str) -> tuple[dict, dict]:
+    """``config.json`` and every tensor of ``model.safetensors`` (or of the shards listed in
+    ``model.safetensors.index.json``)."""
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"{path!r} has no config.json: not a Hugging Face model directory")
+    with open(config_path) as f:
+        config = json.load(f)
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        files = [single]
+    elif os.path.isfile(index):
+        with open(index) as f:
+            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    else:
+        raise CheckpointError(f"{path!r} has no model.safetensors (only safetensors weights "
+                              f"are read; pickled .bin files never are)")
+    tensors = {}
+    for file in files:
+        try:
+            tensors.update(load_file(file))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file} cannot be read: {exc}") from None
+    return config, tensors
+
+
+def write_hf_dir(path: str, config: dict, tensors: dict) -> None:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    # Own, contiguous storage per tensor (safetensors refuses views and shared storage).
+    payload = {k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+               for k, v in tensors.items()}
+    save_file(payload, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] >= rows:
+        return tensor[:rows]
+    pad = torch.zeros((rows - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    return torch.cat([tensor, pad])
+
+
+def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
+              dtype: torch.dtype | None = None) -> tuple[str, TrainConfig]:
+    """Convert a Hugging Face model directory into a weights-only plugtron checkpoint at
+    ``out_dir`` (iteration 0, no optimizer state). Returns (path, the run config it implies)."""
+    converter = load_converter(model)
+    hf_config, hf_tensors = read_hf_dir(hf_dir)
+    flags, tensors = converter.import_hf(hf_config, hf_tensors)
+    config = TrainConfig()
+    apply_values(config, {**flags, "model": model}, f"converted {hf_dir!r}")
+    m = config.model
+    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    entries = []
+    for name, tensor in sorted(tensors.items()):
+        tensor = tensor.to(dtype) if dtype is not None else tensor
+        if name in converter.vocab_tensors:
+            tensor = _resize_rows(tensor, m.padded_vocab_size)
+        tensor = tensor.contiguous().clone()
+        shape = tuple(tensor.shape)
+        zeros = (0,) * len(shape)
+        entries.append(writer.TensorEntry(f"model/{name}", shape, [(Box(zeros, shape, zeros),
+                                                                    tensor)]))
+    layout = {"world_size": 1, "tp": 1, "pp": 1, "vp": None, "cp": 1, "ep": 1, "etp": 1,
+              "dp": 1}
+    metadata = state.base_metadata(config, 0, 0, layout,
+                                   {"model": True, "optimizer": False, "rng": False})
+    metadata["source"] = {"format": "huggingface", "path": os.path.abspath(hf_dir),
+                          "model_type": hf_config.get("model_type")}
+    # Only the model plugin and its converter made this checkpoint; no run selected the others.
+    chosen = {"model": model, "converter": model}
+    metadata["plugins"] = {role: metadata["plugins"].get(role) or _plugin_info("converter", name)
+                           for role, name in chosen.items()}
+    return writer.write_single(out_dir, entries, metadata), config
+
+
+def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
+    """The model's full tensors from a checkpoint of any layout, vocabulary padding removed."""
+    reader = CheckpointReader(path)
+    config = TrainConfig.from_dict(reader.config)
+    converter = load_converter(config.plugins.model)
+    tensors = {}
+    for name in reader.names("model/"):
+        tensor = reader.read_full(f"model/{name}")
+        if name in converter.vocab_tensors:
+            tensor = tensor[:config.model.vocab_size]
+        tensors[name] = tensor
+    return config, tensors, reader
+
+
+def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
+    """Write the model of checkpoint ``path`` as a Hugging Face directory."""
+    config, tensors, _ = checkpoint_tensors(path)
+    converter = load_converter(config.plugins.model)
+    if os.path.exists(out_dir) and os.listdir(out_dir):
+        raise ConfigError(f"{out_dir!r} exists and is not empty; choose a new directory")
+    hf_config, hf_tensors = converter.export_hf(config.model, tensors)
+    if dtype is not None:
+        hf_tensors = {k: v.to(dtype) for k, v in hf_tensors.items()}
+    hf_config["torch_dtype"] = str(next(iter(hf_tensors.values())).dtype).removeprefix("torch.")
+    write_hf_dir(out_dir, hf_config, hf_tensors)
+    return out_dir

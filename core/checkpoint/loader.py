@@ -1,0 +1,166 @@
+"""Loading a checkpoint into a run built for any layout.
+
+Each rank reads exactly the parts of each global tensor its own shards cover, whatever layout
+wrote them (pieces.py). The model loads first, then the optimizer (so an optimizer that keeps
+main copies of the parameters can refresh them from the loaded model), then the scheduler,
+iteration, consumed samples (the data position) and RNG state.
+
+RNG: under the same layout (world size, tp, pp, vp, cp, ep, etp) every rank gets back its own
+saved state, and a resumed run is bitwise identical to an uninterrupted one. Under another
+layout the saved states have no one-to-one owner, so every rank is reseeded with
+``resume_seed(seed, iteration)`` (core/random.py): deterministic, but dropout masks after the
+resume differ from the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import random as random_module
+from ..errors import CheckpointError
+from ..random import resume_seed, seed_everything, set_rng_state
+from . import jsonio, state
+from .pieces import ShardSpec
+from .reader import CheckpointReader
+
+#: Model settings that change tensor shapes or the function the weights compute; a checkpoint
+#: loads only into a run that agrees on all of them.
+ARCHITECTURE = (
+    ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+    ("ffn_hidden_size", "--ffn-hidden-size"), ("num_attention_heads", "--num-attention-heads"),
+    ("num_query_groups", "--num-query-groups"), ("kv_channels", "--kv-channels"),
+    ("vocab_size", "--vocab-size"), ("position_embedding_type", "--position-embedding-type"),
+    ("max_position_embeddings", "--max-position-embeddings"),
+    ("rotary_base", "--rotary-base"), ("normalization", "--normalization"),
+    ("norm_epsilon", "--norm-epsilon"), ("swiglu", "--swiglu"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("add_bias_linear", "--add-bias-linear"),
+)
+
+
+def effective_model(model: dict) -> dict:
+    """Model settings with their derived defaults filled in, so equal models compare equal."""
+    m = dict(model)
+    heads = m["num_attention_heads"]
+    m["ffn_hidden_size"] = m.get("ffn_hidden_size") or 4 * m["hidden_size"]
+    m["num_query_groups"] = m.get("num_query_groups") or heads
+    m["kv_channels"] = m.get("kv_channels") or m["hidden_size"] // heads
+    if m.get("position_embedding_type") == "learned_absolute":
+        m["max_position_embeddings"] = m.get("max_position_embeddings") or m["seq_length"]
+    else:
+        m["max_position_embeddings"] = None  # no tensor depends on it
+    if m.get("position_embedding_type") != "rope":
+        m["rotary_base"] = None
+    return m
+
+
+def check_compatible(saved_config: dict, config) -> None:
+    """``CheckpointError`` listing every architecture setting that differs."""
+    saved_model = saved_config.get("plugins", {}).get("model")
+    if saved_model and saved_model != config.plugins.model:
+        raise CheckpointError(f"the checkpoint holds a {saved_model!r} model; this run builds "
+                              f"--model {config.plugins.model!r}")
+    saved = effective_model(saved_config["model"])
+    now = effective_model(config.to_dict()["model"])
+    diffs = [f"{flag} {saved.get(name)!r} (this run: {now.get(name)!r})"
+             for name, flag in ARCHITECTURE if saved.get(name) != now.get(name)]
+    if diffs:
+        raise CheckpointError("the checkpoint's model differs from this run's; run with the "
+                              "checkpoint's settings: " + "; ".join(diffs))
+
+
+def _check_shape(logical: str, saved: tuple, current: tuple, saved_vocab: int | None,
+                 current_vocab: int | None, vocab_size: int | None) -> None:
+    """Shapes must match, except a vocabulary dimension padded for another tp size."""
+    ok = len(saved) == len(current)
+    for s, c in zip(saved, current):
+        if s != c and not (vocab_size and {s, c} == {saved_vocab, current_vocab}
+                           and min(s, c) >= vocab_size):
+            ok = False
+    if not ok:
+        raise CheckpointError(f"tensor {logical!r} has global shape {saved} in the checkpoint "
+                              f"but {current} in this run")
+
+
+def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReader:
+    """Load ``path`` (a checkpoint, or a directory of them: the newest complete one) into
+    ``run``. Collective when the optimizer gathers its state. ``model_only``: weights only
+    (evaluation, fine-tuning from converted weights)."""
+    reader = CheckpointReader(path)
+    check_compatible(reader.config, run.config)
+    saved_vocab = reader.config["model"].get("padded_vocab_size")
+    current_vocab = run.config.model.padded_vocab_size
+    vocab = run.config.model.vocab_size
+
+    def target_spec(logical: str, spec: ShardSpec) -> None:
+        _check_shape(logical, reader.record(logical).global_shape, spec.global_shape,
+                     saved_vocab, current_vocab, vocab)
+
+    specs = {}
+    for name, tensor, spec in state.model_tensors(run):
+        stored = state.stored_name(name, tensor)
+        specs[name] = (stored, spec, tensor)
+        logical = f"model/{stored}"
+        target_spec(logical, spec)
+        reader.read_into(logical, tensor, spec)
+
+    contents = reader.metadata.get("contents", {})
+    if not model_only and contents.get("optimizer"):
+        _load_optimizer(run, reader, specs, target_spec)
+    if not model_only:
+        run.state.iteration = reader.iteration
+        run.state.consumed_samples = int(reader.metadata["consumed_samples"])
+        if reader.metadata.get("scheduler"):
+            run.scheduler.load_state_dict(reader.metadata["scheduler"])
+        _restore_rng(run, reader, contents.get("rng", False))
+    if run.world.rank == 0:
+        saved = reader.metadata.get("layout", {})
+        print(f"loaded checkpoint {reader.path} (iteration {reader.iteration}, saved with "
+              f"tp {saved.get('tp')} pp {saved.get('pp')} vp {saved.get('vp')} dp "
+              f"{saved.get('dp')}){' weights only' if model_only else ''}", flush=True)
+    reader.close()
+    return reader
+
+
+def _load_optimizer(run, reader, specs, target_spec) -> None:
+    current = dict(run.optimizer.sharded_state_dict())  # every rank (may gather)
+    current.pop(state.OPTIMIZER_GLOBAL_KEY, None)
+    loaded = {}
+    for name in current:
+        if name not in specs:
+            raise CheckpointError(f"the optimizer holds {name!r}, which is not a model tensor")
+        stored, spec, param = specs[name]
+        entries = {}
+        for key in reader.names(f"optim/{stored}/"):
+            logical = f"optim/{stored}/{key}"
+            target_spec(logical, spec)
+            rec = reader.record(logical)
+            # Every element is overwritten unless the vocabulary padding differs (then the
+            # extra padding rows start at zero, as fresh optimizer state does).
+            make = torch.empty if rec.global_shape == spec.global_shape else torch.zeros
+            value = make(spec.local_shape, dtype=getattr(torch, rec.dtype))
+            reader.read_into(logical, value, spec)
+            entries[key] = value.to(param.device)
+        loaded[name] = entries
+    loaded[state.OPTIMIZER_GLOBAL_KEY] = jsonio.decode(reader.metadata.get("optimizer") or {})
+    run.optimizer.load_sharded_state_dict(loaded)
+
+
+def _restore_rng(run, reader, has_rng: bool) -> None:
+    if not has_rng:
+        return
+    tracker = state.rng_tracker(run)
+    rng = reader.rng_state(run.world.rank)
+    if state.same_layout(reader.metadata.get("layout", {}), run) and rng is not None:
+        set_rng_state(rng, tracker)
+        return
+    seed = resume_seed(run.config.training.seed, reader.iteration)
+    seed_everything(seed, run.parallel)
+    make_tracker = getattr(random_module, "model_parallel_rng_tracker", None)
+    if tracker is not None and make_tracker is not None:
+        # The tracker's streams restart from the new seed with Megatron's per-rank offsets.
+        tracker.set_state(make_tracker(seed, run.parallel).get_state())
+    if run.world.rank == 0:
+        print("note: the checkpoint was saved under another layout; per-rank RNG states do "
+              "not map onto this one, so every rank was reseeded deterministically from "
+              "(seed, iteration)", flush=True)

@@ -1,0 +1,269 @@
+"""Hugging Face <-> plugtron for GPT models (entry point ``gpt`` in ``plugtron.converters``).
+
+Two Hugging Face layouts:
+
+* **Llama** (``model_type: llama``): RMSNorm, SwiGLU, rotary positions (rotate-half, as
+  plugtron), grouped-query attention, tied or untied output layer, optional biases.
+* **GPT-2** (``model_type: gpt2``): LayerNorm, exact GeLU (``activation_function: gelu``; the
+  tanh approximation ``gelu_new`` is refused, plugtron computes the exact one), learned
+  positions, biases, tied output layer. GPT-2 stores its linear layers as ``Conv1D``, i.e.
+  transposed.
+
+plugtron's fused QKV weight is laid out per query group, ``[q_1..q_n, k, v]`` for each group
+(attention.py), and SwiGLU's fc1 is ``[gate; up]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from plugtron.core.errors import ConfigError
+
+EMBEDDING = "embedding.word_embeddings.weight"
+POSITIONS = "embedding.position_embeddings.weight"
+OUTPUT = "output_layer.weight"
+
+
+def _attn(i: int) -> str:
+    return f"decoder.{i}.0"
+
+
+def _mlp(i: int) -> str:
+    return f"decoder.{i}.1"
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
+             groups: int) -> torch.Tensor:
+    """Separate q ``[heads*d, ...]``, k and v ``[groups*d, ...]`` into plugtron's per-group
+    layout ``[groups * (heads/groups + 2) * d, ...]``."""
+    rest = tuple(q.shape[1:])
+    d = q.shape[0] // heads
+    per = heads // groups
+    q = q.reshape(groups, per, d, *rest)
+    k = k.reshape(groups, 1, d, *rest)
+    v = v.reshape(groups, 1, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(groups * (per + 2) * d, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, heads: int, groups: int):
+    """Inverse of :func:`fuse_qkv`."""
+    rest = tuple(qkv.shape[1:])
+    per = heads // groups
+    d = qkv.shape[0] // (groups * (per + 2))
+    x = qkv.reshape(groups, per + 2, d, *rest)
+    return (x[:, :per].reshape(heads * d, *rest), x[:, per].reshape(groups * d, *rest),
+            x[:, per + 1].reshape(groups * d, *rest))
+
+
+def _take(tensors: dict, name: str) -> torch.Tensor:
+    try:
+        return tensors[name]
+    except KeyError:
+        raise ConfigError(f"the Hugging Face weights have no tensor {name!r}") from None
+
+
+# --------------------------------------------------------------------------- Llama
+
+
+def _rope_theta(c: dict) -> float:
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind != "default":
+        raise ConfigError(f"rope scaling {kind!r} is not supported by plugtron (plain rotary "
+                          f"only)")
+    return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+def llama_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
+    if c.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"Llama hidden_act {c['hidden_act']!r}: plugtron's SwiGLU uses silu")
+    bias = bool(c.get("attention_bias", False))
+    if bool(c.get("mlp_bias", False)) != bias:
+        raise ConfigError("attention_bias and mlp_bias differ; plugtron has one "
+                          "--add-bias-linear for all linear layers")
+    layers, hidden = c["num_hidden_layers"], c["hidden_size"]
+    heads = c["num_attention_heads"]
+    groups = c.get("num_key_value_heads") or heads
+    head_dim = c.get("head_dim") or hidden // heads
+    tied = bool(c.get("tie_word_embeddings", False))
+    flags = {"num-layers": layers, "hidden-size": hidden,
+             "ffn-hidden-size": c["intermediate_size"], "num-attention-heads": heads,
+             "num-query-groups": groups, "kv-channels": head_dim, "vocab-size": c["vocab_size"],
+             "position-embedding-type": "rope", "rotary-base": _rope_theta(c),
+             "normalization": "RMSNorm", "norm-epsilon": c.get("rms_norm_eps", 1e-6),
+             "swiglu": True, "untie-embeddings-and-output-weights": not tied,
+             "add-bias-linear": bias,
+             "attention-dropout": float(c.get("attention_dropout", 0.0))}
+    if c.get("max_position_embeddings"):
+        flags["max-position-embeddings"] = c["max_position_embeddings"]
+    out = {EMBEDDING: _take(hf, "model.embed_tokens.weight"),
+           "final_layernorm.weight": _take(hf, "model.norm.weight")}
+    if not tied:
+        out[OUTPUT] = _take(hf, "lm_head.weight")
+    for i in range(layers):
+        src = f"model.layers.{i}"
+        a, m = _attn(i), _mlp(i)
+        out[f"{a}.input_layernorm.weight"] = _take(hf, f"{src}.input_layernorm.weight")
+        out[f"{m}.pre_mlp_layernorm.weight"] = _take(hf, f"{src}.post_attention_layernorm.weight")
+        for kind in ("weight", "bias") if bias else ("weight",):
+            q, k, v = (_take(hf, f"{src}.self_attn.{p}_proj.{kind}") for p in "qkv")
+            out[f"{a}.linear_qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups)
+            out[f"{a}.linear_proj.{kind}"] = _take(hf, f"{src}.self_attn.o_proj.{kind}")
+            out[f"{m}.linear_fc1.{kind}"] = torch.cat([_take(hf, f"{src}.mlp.gate_proj.{kind}"),
+                                                       _take(hf, f"{src}.mlp.up_proj.{kind}")])
+            out[f"{m}.linear_fc2.{kind}"] = _take(hf, f"{src}.mlp.down_proj.{kind}")
+    return flags, out
+
+
+def llama_to_hf(m, t: dict) -> tuple[dict, dict]:
+    heads = m.num_attention_heads
+    groups = m.num_query_groups or heads
+    head_dim = m.kv_channels or m.hidden_size // heads
+    ffn = m.ffn_hidden_size or 4 * m.hidden_size
+    tied = not m.untie_embeddings_and_output_weights
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+              "intermediate_size": ffn, "num_hidden_layers": m.num_layers,
+              "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": head_dim,
+              "hidden_act": "silu", "rms_norm_eps": m.norm_epsilon,
+              "rope_theta": float(m.rotary_base),
+              "rope_parameters": {"rope_theta": float(m.rotary_base), "rope_type": "default"},
+              "max_position_embeddings": m.max_position_embeddings or m.seq_length,
+              "tie_word_embeddings": tied, "attention_bias": m.add_bias_linear,
+              "mlp_bias": m.add_bias_linear, "attention_dropout": m.attention_dropout}
+    out = {"model.embed_tokens.weight": t[EMBEDDING],
+           "model.norm.weight": t["final_layernorm.weight"]}
+    if not tied:
+        out["lm_head.weight"] = t[OUTPUT]
+    for i in range(m.num_layers):
+        dst = f"model.layers.{i}"
+        a, p = _attn(i), _mlp(i)
+        out[f"{dst}.input_layernorm.weight"] = t[f"{a}.input_layernorm.weight"]
+        out[f"{dst}.post_attention_layernorm.weight"] = t[f"{p}.pre_mlp_layernorm.weight"]
+        for kind in ("weight", "bias") if m.add_bias_linear else ("weight",):
+            q, k, v = split_qkv(t[f"{a}.linear_qkv.{kind}"], heads, groups)
+            out[f"{dst}.self_attn.q_proj.{kind}"] = q
+            out[f"{dst}.self_attn.k_proj.{kind}"] = k
+            out[f"{dst}.self_attn.v_proj.{kind}"] = v
+            out[f"{dst}.self_attn.o_proj.{kind}"] = t[f"{a}.linear_proj.{kind}"]
+            gate, up = t[f"{p}.linear_fc1.{kind}"].chunk(2)
+            out[f"{dst}.mlp.gate_proj.{kind}"] = gate
+            out[f"{dst}.mlp.up_proj.{kind}"] = up
+            out[f"{dst}.mlp.down_proj.{kind}"] = t[f"{p}.linear_fc2.{kind}"]
+    return config, out
+
+
+# --------------------------------------------------------------------------- GPT-2
+
+
+def gpt2_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
+    act = c.get("activation_function", "gelu_new")
+    if act != "gelu":
+        raise ConfigError(f"GPT-2 activation_function {act!r}: plugtron computes the exact "
+                          f"(erf) GeLU, so only 'gelu' converts without changing the model")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if c.get(flag):
+            raise ConfigError(f"GPT-2 {flag}=true is not supported by plugtron")
+    if not c.get("tie_word_embeddings", True):
+        raise ConfigError("an untied GPT-2 is not a GPT-2 layout plugtron converts")
+    hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
+    layers, hidden, heads = c["n_layer"], c["n_embd"], c["n_head"]
+    flags = {"num-layers": layers, "hidden-size": hidden,
+             "ffn-hidden-size": c.get("n_inner") or 4 * hidden, "num-attention-heads": heads,
+             "vocab-size": c["vocab_size"], "position-embedding-type": "learned_absolute",
+             "max-position-embeddings": c["n_positions"], "normalization": "LayerNorm",
+             "norm-epsilon": c.get("layer_norm_epsilon", 1e-5), "swiglu": False,
+             "untie-embeddings-and-output-weights": False, "add-bias-linear": True,
+             "hidden-dropout": float(c.get("resid_pdrop", 0.1)),
+             "attention-dropout": float(c.get("attn_pdrop", 0.1))}
+    out = {EMBEDDING: _take(hf, "wte.weight"), POSITIONS: _take(hf, "wpe.weight"),
+           "final_layernorm.weight": _take(hf, "ln_f.weight"),
+           "final_layernorm.bias": _take(hf, "ln_f.bias")}
+    for i in range(layers):
+        src, a, m = f"h.{i}", _attn(i), _mlp(i)
+        for kind in ("weight", "bias"):
+            out[f"{a}.input_layernorm.{kind}"] = _take(hf, f"{src}.ln_1.{kind}")
+            out[f"{m}.pre_mlp_layernorm.{kind}"] = _take(hf, f"{src}.ln_2.{kind}")
+        # Conv1D weights are [in, out]: transpose to a linear layer's [out, in].
+        q, k, v = _take(hf, f"{src}.attn.c_attn.weight").t().chunk(3)
+        out[f"{a}.linear_qkv.weight"] = fuse_qkv(q, k, v, heads, heads)
+        q, k, v = _take(hf, f"{src}.attn.c_attn.bias").chunk(3)
+        out[f"{a}.linear_qkv.bias"] = fuse_qkv(q, k, v, heads, heads)
+        out[f"{a}.linear_proj.weight"] = _take(hf, f"{src}.attn.c_proj.weight").t()
+        out[f"{a}.linear_proj.bias"] = _take(hf, f"{src}.attn.c_proj.bias")
+        out[f"{m}.linear_fc1.weight"] = _take(hf, f"{src}.mlp.c_fc.weight").t()
+        out[f"{m}.linear_fc1.bias"] = _take(hf, f"{src}.mlp.c_fc.bias")
+        out[f"{m}.linear_fc2.weight"] = _take(hf, f"{src}.mlp.c_proj.weight").t()
+        out[f"{m}.linear_fc2.bias"] = _take(hf, f"{src}.mlp.c_proj.bias")
+    return flags, out
+
+
+def gpt2_to_hf(m, t: dict) -> tuple[dict, dict]:
+    heads = m.num_attention_heads
+    config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
+              "vocab_size": m.vocab_size, "n_embd": m.hidden_size, "n_layer": m.num_layers,
+              "n_head": heads, "n_inner": m.ffn_hidden_size or 4 * m.hidden_size,
+              "n_positions": m.max_position_embeddings or m.seq_length,
+              "activation_function": "gelu", "layer_norm_epsilon": m.norm_epsilon,
+              "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout,
+              "attn_pdrop": m.attention_dropout, "tie_word_embeddings": True,
+              "scale_attn_weights": True}
+    out = {"transformer.wte.weight": t[EMBEDDING], "transformer.wpe.weight": t[POSITIONS],
+           "transformer.ln_f.weight": t["final_layernorm.weight"],
+           "transformer.ln_f.bias": t["final_layernorm.bias"]}
+    for i in range(m.num_layers):
+        dst, a, p = f"transformer.h.{i}", _attn(i), _mlp(i)
+        for kind in ("weight", "bias"):
+            out[f"{dst}.ln_1.{kind}"] = t[f"{a}.input_layernorm.{kind}"]
+            out[f"{dst}.ln_2.{kind}"] = t[f"{p}.pre_mlp_layernorm.{kind}"]
+        out[f"{dst}.attn.c_attn.weight"] = torch.cat(
+            split_qkv(t[f"{a}.linear_qkv.weight"], heads, heads)).t()
+        out[f"{dst}.attn.c_attn.bias"] = torch.cat(split_qkv(t[f"{a}.linear_qkv.bias"], heads,
+                                                             heads))
+        out[f"{dst}.attn.c_proj.weight"] = t[f"{a}.linear_proj.weight"].t()
+        out[f"{dst}.attn.c_proj.bias"] = t[f"{a}.linear_proj.bias"]
+        out[f"{dst}.mlp.c_fc.weight"] = t[f"{p}.linear_fc1.weight"].t()
+        out[f"{dst}.mlp.c_fc.bias"] = t[f"{p}.linear_fc1.bias"]
+        out[f"{dst}.mlp.c_proj.weight"] = t[f"{p}.linear_fc2.weight"].t()
+        out[f"{dst}.mlp.c_proj.bias"] = t[f"{p}.linear_fc2.bias"]
+    return config, out
+
+
+# --------------------------------------------------------------------------- the converter
+
+
+def hf_layout_of(m) -> str:
+    """Which Hugging Face layout a plugtron GPT config is, or ConfigError saying why none."""
+    groups = m.num_query_groups or m.num_attention_heads
+    if m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope":
+        return "llama"
+    if (m.normalization == "LayerNorm" and not m.swiglu
+            and m.position_embedding_type == "learned_absolute" and m.add_bias_linear
+            and not m.untie_embeddings_and_output_weights and groups == m.num_attention_heads
+            and (m.kv_channels or m.hidden_size // m.num_attention_heads)
+            == m.hidden_size // m.num_attention_heads):
+        return "gpt2"
+    raise ConfigError(
+        "this model matches no Hugging Face layout plugtron exports: Llama needs RMSNorm + "
+        "--swiglu + rope; GPT-2 needs LayerNorm, GeLU, learned positions, biases, tied "
+        f"embeddings and one group per head (model: {m.normalization}, swiglu {m.swiglu}, "
+        f"{m.position_embedding_type}, bias {m.add_bias_linear}, untied "
+        f"{m.untie_embeddings_and_output_weights}, groups {groups})")
+
+
+class GPTConverter:
+    vocab_tensors = (EMBEDDING, OUTPUT)
+
+    def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
+        kind = hf_config.get("model_type")
+        if kind == "llama":
+            return llama_from_hf(hf_config, tensors)
+        if kind == "gpt2":
+            return gpt2_from_hf(hf_config, tensors)
+        raise ConfigError(f"Hugging Face model_type {kind!r} is not supported; the gpt "
+                          f"converter reads 'llama' and 'gpt2'")
+
+    def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
+        if hf_layout_of(model_config) == "llama":
+            return llama_to_hf(model_config, tensors)
+        return gpt2_to_hf(model_config, tensors)
