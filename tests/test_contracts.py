@@ -202,3 +202,27 @@ def test_hook_plugtron_options():
 
     assert CliRunner().invoke(cmd, ["--wandb-project", "x"]).output.strip() == "x"
     assert CliRunner().invoke(cmd, []).output.strip() == "p"
+
+
+def test_hook_plugtron_checkpoint_saved(tmp_path):
+    """Fires once per complete checkpoint, after it was renamed into place (sync and async)."""
+    import os
+
+    from plugtron.core.training import pretrain
+
+    class Saved:
+        def __init__(self):
+            self.calls = []
+
+        @hookimpl
+        def plugtron_checkpoint_saved(self, iteration, path):
+            self.calls.append((iteration, path, os.path.isdir(path)))
+
+    for async_save in (False, True):
+        saved = Saved()
+        folder = tmp_path / f"async{async_save}"
+        pretrain(tiny_config(train_iters=4, save=str(folder), save_interval=2,
+                             async_save=async_save),
+                 extra_plugins=[saved], world=single_process())
+        assert [(i, os.path.basename(p), exists) for i, p, exists in saved.calls] == [
+            (2, "iter_0000002", True), (4, "iter_0000004", True)]
