@@ -87,7 +87,9 @@ def clip_(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> None
             g.mul_(coef)
 
 
-def count_zeros(grads: list[torch.Tensor], parallel) -> int:
+def count_zeros(grads: list[torch.Tensor], parallel, extra_groups=()) -> int:
     zeros = torch.tensor(float(sum(int((g == 0).sum()) for g in grads)))
     comm.all_reduce(zeros, parallel.mp_group)
+    for group in extra_groups:
+        comm.all_reduce(zeros, group)
     return int(zeros.item())
