@@ -35,7 +35,7 @@ class DynamicLossScaler:
         self.hysteresis_tracker = self.hysteresis
 
     @classmethod
-    def from_config(cls, config) -> "DynamicLossScaler":
+    def from_config(cls, config) -> DynamicLossScaler:
         t = config.training
         return cls(t.initial_loss_scale, t.min_loss_scale, t.loss_scale_window, t.hysteresis)
 

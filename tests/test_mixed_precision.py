@@ -7,8 +7,13 @@ import torch
 from plugtron.core.distributed import single_process
 from plugtron.core.loss_scaler import DynamicLossScaler, unscale_and_check
 
-from tests.distributed.dp_helpers import (InjectNonFinite, losses, max_param_diff, one_thread,
-                                          train_run)
+from tests.distributed.dp_helpers import (
+    InjectNonFinite,
+    losses,
+    max_param_diff,
+    one_thread,
+    train_run,
+)
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
@@ -60,7 +65,7 @@ def fp32_curve():
 
 @pytest.mark.parametrize("distributed", [False, True])
 def test_bf16_tracks_the_fp32_loss_curve(fp32_curve, distributed):
-    records, params, run = train_run({**CURVE, "bf16": True,
+    records, _, run = train_run({**CURVE, "bf16": True,
                                       "use_distributed_optimizer": distributed},
                                      world=single_process(), masked=False)
     curve = losses(records)

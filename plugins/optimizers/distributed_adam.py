@@ -6,7 +6,6 @@ Weight decay is not applied to norms and biases."""
 from __future__ import annotations
 
 import torch
-
 from plugtron.core.hookspecs import hookimpl
 
 from .distributed_optimizer import DistributedOptimizer

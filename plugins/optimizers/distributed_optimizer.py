@@ -14,11 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from plugtron.core import comm
 from plugtron.core.errors import PluginError
-from plugtron.core.optimizer import (OPTIMIZER_STATE_KEY, MixedPrecisionOptimizer,
-                                     named_params, no_weight_decay)
+from plugtron.core.optimizer import (
+    OPTIMIZER_STATE_KEY,
+    MixedPrecisionOptimizer,
+    named_params,
+    no_weight_decay,
+)
 
 
 @dataclass
