@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from . import grads as grad_utils
+from .errors import PluginError
 from .loss_scaler import DynamicLossScaler, unscale_and_check
 
 #: Key of the scalar (JSON-ready) state in :meth:`Optimizer.sharded_state_dict`.
@@ -211,6 +212,10 @@ class TorchOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, model_chunks, config, parallel, make_inner):
         super().__init__(config, parallel)
+        if any(b.sharded for c in model_chunks for b in getattr(c, "grad_buffers", ())):
+            raise PluginError("this optimizer reads whole gradients, but the model's gradient "
+                              "buffers are sharded (reduce-scattered); use a sharding optimizer "
+                              "such as distributed-adam")
         named = named_params(model_chunks)
         self.names = [n for n, _ in named]
         self.model_params = [p for _, p in named]

@@ -73,6 +73,18 @@ def test_sharded_wrapper_keeps_parameters_in_a_flat_buffer():
         assert p.data_ptr() == buffer.param_data[lo:].data_ptr()
 
 
+def test_sharded_wrapper_gives_a_shared_embedding_its_own_bucket():
+    # The first and last pipeline stage must shard the tied weight alike (summed afterwards).
+    module = _toy()
+    module[4].weight.shared_embedding = True
+    names = {id(p): n for n, p in module.named_parameters()}
+    (plain,) = _wrap(module, ddp_bucket_size=1000).grad_buffers
+    assert [len(b.params) for b in plain.buckets] == [6]
+    (buffer,) = _wrap(module, sharded=True, ddp_bucket_size=1000).grad_buffers
+    assert [[names[id(p)] for p in b.params] for b in buffer.buckets] == [
+        ["4.bias"], ["4.weight"], ["2.bias", "2.weight", "0.bias", "0.weight"]]
+
+
 def test_default_bucket_size_follows_megatron():
     assert default_bucket_size(1) == 40_000_000 and default_bucket_size(64) == 64_000_000
     (buffer,) = _wrap(_toy()).grad_buffers
@@ -140,3 +152,12 @@ def test_optimizer_plugin_declares_sharding():
 def test_bad_settings_fail_clearly(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
         validate(tiny_config(**overrides), world_size=1)
+
+
+def test_a_whole_gradient_optimizer_refuses_sharded_buffers():
+    from plugtron.core.errors import PluginError
+    from plugtron.core.optimizer import TorchOptimizer
+
+    ddp = _wrap(_toy(), sharded=True)
+    with pytest.raises(PluginError, match="sharded"):
+        TorchOptimizer([ddp], ddp.config, ddp.parallel, lambda g: torch.optim.SGD(g, lr=0.1))

@@ -128,3 +128,28 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# --------------------------------------------------------------------------- pool workers
+
+
+def pool_train(rank, world_size, overrides, stop_after=None, inject=None):
+    """In every rank of a pool: one run on the pool's world; a summary the test can compare."""
+    before = InjectNonFinite(*inject).attach if inject else None
+    records, params, run = train_run(overrides, before_train=before, stop_after=stop_after)
+    capacity = sum(b.shard_size for chunk in run.model_chunks for buffer in chunk.grad_buffers
+                   for b in buffer.buckets)
+    return {"losses": losses(records), "params": params,
+            "skipped": [r["skipped"] for r in records],
+            "loss_scale": [r.get("loss_scale") for r in records],
+            "grad_norm": [r["grad_norm"] for r in records],
+            "state_bytes": run.optimizer.state_bytes(), "shard_capacity": capacity}
+
+
+def pool_state_after(rank, world_size, overrides, iterations):
+    return state_after(overrides, iterations)[:2]
+
+
+def pool_resume(rank, world_size, overrides, state, params, done):
+    records, final = resume_run(overrides, state, params, done)
+    return losses(records), final
