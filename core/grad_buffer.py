@@ -131,6 +131,11 @@ class Bucket:
             self.buffer.grad_data[lo:hi].copy_(self._shard_out)
             self._shard_out = None
 
+    @property
+    def reduction_pending(self) -> bool:
+        """Started and not yet waited for."""
+        return self._grad_work is not None
+
     # ------------------------------------------------------------------ parameter gather
 
     def start_param_gather(self) -> None:

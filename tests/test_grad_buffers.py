@@ -161,3 +161,27 @@ def test_a_whole_gradient_optimizer_refuses_sharded_buffers():
     ddp = _wrap(_toy(), sharded=True)
     with pytest.raises(PluginError, match="sharded"):
         TorchOptimizer([ddp], ddp.config, ddp.parallel, lambda g: torch.optim.SGD(g, lr=0.1))
+
+
+class _ReadsChildWeight(torch.nn.Module):
+    """Reads ``head.weight`` without calling ``head`` (as a GPT last stage reads its output
+    layer's weight)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(self.body(x), self.head.weight)
+
+
+def test_param_gather_waits_up_front_for_params_of_modules_never_called():
+    module = _ReadsChildWeight()
+    ddp = _wrap(module, sharded=True, ddp_bucket_size=10, overlap_param_gather=True,
+                use_distributed_optimizer=True)
+    (buffer,) = ddp.grad_buffers
+    assert [len(b.params) for b in buffer.buckets] == [2, 2]  # head.*, then body.*
+    ddp(torch.randn(2, 4))
+    ddp.start_param_sync()  # after the first forward: which buckets no module hook covers
+    assert ddp._uncovered_buckets == [buffer.buckets[0]]

@@ -77,7 +77,10 @@ def _observe_reductions(rank, world_size, overlap):
                 events.append(("launch", bucket.index))
                 original()
             bucket.start_grad_reduction = start
-        in_flight = lambda: sum(b._grad_work is not None for b in buckets)  # noqa: E731
+
+        def in_flight():
+            return sum(b.reduction_pending for b in buckets)
+
         for buffer in chunk.grad_buffers:
             for param in buffer.params:  # registered after the wrapper's hook: runs after it
                 param.register_post_accumulate_grad_hook(
@@ -109,6 +112,44 @@ def test_without_overlap_reductions_start_after_backward(pool):
     events = pool.run(_observe_reductions, False)[0]
     kinds = [e[0] for e in events]
     assert kinds.index("finish") < kinds.index("launch")
+
+
+def _observe_param_gathers(rank, world_size, overlap):
+    """Two steps; how many parameter gathers are pending after the first step, and when the
+    second backward starts (after the second forward)."""
+    from plugtron.core.hookspecs import hookimpl
+
+    seen = {}
+
+    def pending(run):
+        return sum(b.gather_pending for chunk in run.model_chunks
+                   for buffer in chunk.grad_buffers for b in buffer.buckets)
+
+    def instrument(run):
+        class AtStepEnd:
+            @hookimpl
+            def plugtron_step_end(self, iteration, metrics):
+                seen.setdefault("after_step", pending(run))
+
+        run.pm.register(AtStepEnd())
+        def in_backward(param):
+            if "after_step" in seen:
+                seen.setdefault("next_backward", pending(run))
+
+        run.model_chunks[0].grad_buffers[0].params[0].register_post_accumulate_grad_hook(
+            in_backward)
+        seen["buckets"] = sum(len(b.buckets) for b in run.model_chunks[0].grad_buffers)
+
+    train_run({"use_distributed_optimizer": True, "overlap_param_gather": overlap,
+               "train_iters": 2}, before_train=instrument)
+    return seen
+
+
+def test_param_gather_is_deferred_into_the_next_forward(pool):
+    seen = pool.run(_observe_param_gathers, True)[0]
+    assert seen["after_step"] == seen["buckets"] > 1  # all started, none waited for yet
+    assert seen["next_backward"] == 0  # the forward's pre-hooks waited for every one
+    assert pool.run(_observe_param_gathers, False)[0]["after_step"] == 0
 
 
 FP16 = {"fp16": True, "initial_loss_scale": 256.0, "hysteresis": 1, "train_iters": 5}
