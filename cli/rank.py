@@ -6,6 +6,7 @@ import json
 import sys
 
 from plugtron.core.config import TrainConfig
+from plugtron.core.distributed import shutdown
 from plugtron.core.errors import PlugtronError
 from plugtron.core.training import pretrain
 
@@ -20,6 +21,10 @@ def main(argv: list[str]) -> int:
     except PlugtronError as exc:
         report_user_error(str(exc))
         return 2
+    # Leave the process group together before exit: gloo torn down at interpreter exit while
+    # a peer is still connected intermittently aborts ("terminate called without an active
+    # exception").
+    shutdown(barrier=True)
     return 0
 
 

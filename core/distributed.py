@@ -56,6 +56,8 @@ def init_distributed(timeout_s: int = 600) -> WorldInfo:
     return WorldInfo(rank, world_size, local_rank, local_world, device)
 
 
-def shutdown() -> None:
+def shutdown(barrier: bool = False) -> None:
     if torch.distributed.is_initialized():
+        if barrier:
+            torch.distributed.barrier()
         torch.distributed.destroy_process_group()
