@@ -63,7 +63,7 @@ def _train(rank, world_size, overrides: dict, iters: int) -> dict:
 def measure(iters: int) -> dict:
     from tests.distributed.harness import DistributedPool
 
-    out = {}
+    out = {"load_before": os.getloadavg()[0]}
     with DistributedPool(1, timeout=900) as pool:
         out["dp1"] = pool.run(_train, {}, iters)[0]
         out["dp1_bf16"] = pool.run(_train, {"bf16": True}, iters)[0]
@@ -81,6 +81,7 @@ def measure(iters: int) -> dict:
         out["state_dp4"] = pool.run(_train, {"use-distributed-optimizer": True}, 1)
         out["state_bf16_dp4"] = pool.run(_train, {"use-distributed-optimizer": True,
                                                   "bf16": True}, 1)
+    out["load_after"] = os.getloadavg()[0]
     return out
 
 
@@ -90,7 +91,8 @@ RUNS = (("dp1", "dp 1, fp32"), ("dp2", "dp 2, fp32, overlap off"),
 TEMPLATE = """## Data parallelism ({date})
 
 Machine: 2-core CPU, gloo; one intra-op thread per rank. The CPU was shared with other engineers'
-test runs while this ran, so absolute figures are noisy.
+test runs while this ran (1-minute load average {load_before:.1f} at the start, {load_after:.1f} at the
+end, on 2 cores), so the figures are noisy; dp 2 needs both cores at once and suffers most.
 Command: `{command}`
 Model: 4 layers, hidden 256, seq 128, vocab 512 (~3.3M params), global batch 16, micro batch 4,
 bucket 1M elements; median step time over iterations {first}-{iters}.
@@ -104,8 +106,7 @@ bucket 1M elements; median step time over iterations {first}-{iters}.
 - step time with overlap on / off (dp 2): {overlap:.2f} (medians), {overlap_best:.2f} (best)
 - bf16 / fp32 tokens/s (dp 1): {bf16:.2f}x (medians)
 
-The best step is the least disturbed by the other processes sharing the two cores; dp 2 needs
-both cores at once, so it suffers most from them.
+The best step is the one least disturbed by the other processes sharing the two cores.
 
 Optimizer state per rank: fp32 Adam moments, plus the fp32 main params under bf16 (fp32 params
 are their own main params). Unsharded fp32 Adam at dp 1: {full:.2f} MiB.
@@ -134,6 +135,7 @@ def report(results: dict, iters: int, command: str) -> str:
                       f"{bf16 / full:.4f} | {1 / dp:.4f} |")
     return TEMPLATE.format(
         date=datetime.date.today().isoformat(), command=command, first=WARMUP + 1, iters=iters,
+        load_before=results["load_before"], load_after=results["load_after"],
         runs="\n".join(runs), states="\n".join(states), full=full * mib,
         dp_ratio=tps["dp2"] / tps["dp1"], dp_overlap=tps["dp2_overlap"] / tps["dp1"],
         dp_best=best["dp2"] / best["dp1"], dp_overlap_best=best["dp2_overlap"] / best["dp1"],

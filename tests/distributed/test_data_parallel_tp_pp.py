@@ -1,4 +1,5 @@
-"""tp 2 x pp 2 x dp 2 (world 8) with the distributed optimizer against the single-process run.
+"""tp 2 x pp 2 x dp 2 (world 8) with the distributed optimizer (and overlap, interleaving,
+sequence parallelism) against the single-process run.
 
 Needs a tensor-parallel layer backend and a pipeline schedule; skipped where this tree has
 neither (they are built in other branches and meet this one at the merge).
@@ -14,7 +15,7 @@ from tests.distributed.dp_helpers import losses, max_rel_diff, one_thread, pool_
 from tests.utils import tiny_config
 
 LAYOUT = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
-          "train_iters": 5}
+          "train_iters": 5, "num_layers": 4}
 TOL = 1e-4  # fp32, relative, over 5 iterations (the issue's bound for this layout)
 
 
@@ -44,15 +45,25 @@ def pool():
 
 @pytest.fixture(scope="module")
 def reference():
-    records, _, _ = train_run({"train_iters": 5}, world=single_process())
+    records, _, _ = train_run({"train_iters": 5, "num_layers": 4}, world=single_process())
     return losses(records), [r["grad_norm"] for r in records]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_tp2_pp2_dp2_distributed_optimizer_matches_one_rank(pool, reference, overlap):
-    overrides = {**LAYOUT, "use_distributed_optimizer": True, "overlap_grad_reduce": overlap,
-                 "overlap_param_gather": overlap}
-    for result in pool.run(pool_train, overrides):
+OVERLAP = {"overlap_grad_reduce": True, "overlap_param_gather": True}
+VARIANTS = {
+    "distributed": {"use_distributed_optimizer": True},
+    "distributed+overlap": {"use_distributed_optimizer": True, **OVERLAP},
+    "distributed+overlap+vp2+sp": {"use_distributed_optimizer": True, **OVERLAP,
+                                   "virtual_pipeline_model_parallel_size": 2,
+                                   "sequence_parallel": True},
+    "adam+overlap+vp2": {"overlap_grad_reduce": True,
+                         "virtual_pipeline_model_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_tp2_pp2_dp2_matches_one_rank(pool, reference, variant):
+    for result in pool.run(pool_train, {**LAYOUT, **VARIANTS[variant]}):
         assert max_rel_diff(result["losses"], reference[0]) < TOL
         # The norm spans tp, pp and the optimizer shards, each element once.
         assert max_rel_diff(result["grad_norm"], reference[1]) < TOL
