@@ -75,7 +75,8 @@ class Optimizer(ABC):
         optimizer kind, converted to this rank's local shapes by the checkpoint loader).
 
         Load the model weights first: main parameters missing from ``state`` are taken from
-        the model. Sharding optimizers keep only their shard of each tensor.
+        the model, and a saved ``main_param`` overwrites the model parameter (it is the more
+        precise copy). Sharding optimizers keep only their shard of each tensor.
         """
 
 
@@ -279,7 +280,7 @@ class TorchOptimizer(MixedPrecisionOptimizer):
         self.reload_model_params()
         for name, model_p, main_p in zip(self.names, self.model_params, self.main_params):
             saved = state.get(name, {})
-            if self.mixed and "main_param" in saved:
+            if "main_param" in saved:  # the fp32 master weights beat a bf16 model's
                 with torch.no_grad():
                     main_p.copy_(saved["main_param"].view_as(main_p))
                     model_p.copy_(main_p)

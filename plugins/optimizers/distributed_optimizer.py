@@ -171,10 +171,11 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for s, main, aliased in zip(self.slices, self.mains, self.aliased):
             saved = {k: v.reshape(-1)[s.param_lo:s.param_hi]
                      for k, v in state.get(s.name, {}).items()}
-            if "main_param" in saved and not aliased:
+            if "main_param" in saved:  # the fp32 master weights beat a bf16 model's
                 with torch.no_grad():
                     main.copy_(saved["main_param"])
-                    s.buffer.param_data[s.lo:s.hi].copy_(main)
+                    if not aliased:
+                        s.buffer.param_data[s.lo:s.hi].copy_(main)
             entries = self.inner_state_for(main, saved)
             if entries:
                 self.inner.state[main] = entries
