@@ -56,11 +56,8 @@ def init_distributed(timeout_s: int = 600) -> WorldInfo:
     return WorldInfo(rank, world_size, local_rank, local_world, device)
 
 
-def shutdown() -> None:
-    """Leave the world together: a rank tearing down its connections while another still
-    uses them aborts the other (gloo)."""
+def shutdown(barrier: bool = False) -> None:
     if torch.distributed.is_initialized():
-        try:
+        if barrier:
             torch.distributed.barrier()
-        finally:
-            torch.distributed.destroy_process_group()
+        torch.distributed.destroy_process_group()

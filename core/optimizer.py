@@ -1,19 +1,26 @@
-"""The optimizer interface the core drives, and the wrapper over a torch optimizer that the
-built-in ``adam`` and ``sgd`` plugins use.
+"""The optimizer interface the core drives, the step every built-in optimizer shares, and the
+wrapper over a torch optimizer that the ``adam`` and ``sgd`` plugins use.
 
-``step()`` does what Megatron's optimizer step does: gather the gradients, compute the global
-grad norm (each element once across tp, pp and shards), clip, step, and copy back to the model
-parameters when the optimizer keeps fp32 main copies of lower-precision parameters.
+``step()`` does what Megatron's optimizer step does: take the (reduced) gradients as fp32 main
+gradients, unscale them and skip the step on inf/nan under fp16, compute the global grad norm
+(each element once across tp, pp and optimizer shards), clip, step the fp32 main parameters and
+copy them back to the model parameters when those are bf16/fp16.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from . import grads as grad_utils
+from .errors import PluginError
+from .loss_scaler import DynamicLossScaler, unscale_and_check
+
+#: Key of the scalar (JSON-ready) state in :meth:`Optimizer.sharded_state_dict`.
+OPTIMIZER_STATE_KEY = "__optimizer__"
 
 
 @dataclass
@@ -43,10 +50,34 @@ class Optimizer(ABC):
 
     @abstractmethod
     def sharded_state_dict(self) -> dict:
-        """Optimizer state keyed by parameter name, with how each tensor is sharded."""
+        """The optimizer state in a layout-free form, for checkpoints.
+
+        Returns ``{param_name: {state_name: tensor}, OPTIMIZER_STATE_KEY: {...}}`` where
+
+        * ``param_name`` is the module-qualified name that :func:`named_params` gives (global
+          layer indices, so the same in every tp/pp/vp/dp layout); every trainable parameter of
+          this rank appears, with an empty dict before the first step of a stateless optimizer;
+        * each state tensor (``exp_avg``, ``exp_avg_sq`` for Adam, ``momentum_buffer`` for SGD,
+          and ``main_param``, the fp32 master copy, when the model is bf16/fp16) is fp32 and has
+          exactly the shape of the parameter's LOCAL tensor on this rank (its tensor-parallel
+          shard; the parameter's sharding attributes say how it maps onto the full tensor).
+          Optimizers that shard over data parallelism (``distributed-adam``) gather the shards at
+          save time, so every data-parallel rank returns the same full local tensors;
+        * ``OPTIMIZER_STATE_KEY`` holds JSON-ready scalars: ``step`` (successful steps taken)
+          and ``loss_scaler`` (the fp16 scaler's state, or ``None``).
+
+        A collective for sharding optimizers: every rank of the data-parallel group calls it.
+        """
 
     @abstractmethod
-    def load_sharded_state_dict(self, state: dict) -> None: ...
+    def load_sharded_state_dict(self, state: dict) -> None:
+        """Load what :meth:`sharded_state_dict` returns (possibly saved under another layout or
+        optimizer kind, converted to this rank's local shapes by the checkpoint loader).
+
+        Load the model weights first: main parameters missing from ``state`` are taken from
+        the model, and a saved ``main_param`` overwrites the model parameter (it is the more
+        precise copy). Sharding optimizers keep only their shard of each tensor.
+        """
 
 
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -75,18 +106,120 @@ def param_groups_for(model_chunks, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
-class TorchOptimizer(Optimizer):
-    """A torch optimizer over fp32 main parameters.
+class MixedPrecisionOptimizer(Optimizer):
+    """Megatron's step over fp32 main parameters held in ``self.inner`` (a torch optimizer).
+
+    Subclasses say where the main gradients are (:meth:`_prepare_main_grads`), which process
+    groups the norm spans besides model parallelism (:attr:`norm_groups`), and how updated main
+    parameters reach the model (:meth:`_publish_main_params`).
+    """
+
+    def __init__(self, config, parallel):
+        self.config = config
+        self.parallel = parallel
+        self.inner: torch.optim.Optimizer | None = None
+        self.scaler = DynamicLossScaler.from_config(config) if config.training.fp16 else None
+        self.num_steps = 0
+        #: extra groups the grad norm and zero count are summed over (optimizer shards).
+        self.norm_groups: tuple = ()
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def loss_scale(self) -> float:
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def current_loss_scale(self) -> float:
+        return self.loss_scale()
+
+    def zero_grad(self) -> None:
+        """Model ``.grad``s; the ``main_grad`` buffers are zeroed by the data-parallel wrapper."""
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+    @abstractmethod
+    def _prepare_main_grads(self) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
+        """Set ``.grad`` (fp32) on every main parameter; return ``(main grad, model param)``
+        pairs, the model param telling whether the grad counts for the norm."""
+
+    @abstractmethod
+    def _publish_main_params(self) -> None:
+        """After ``inner.step()``: copy main parameters to the model (and gather shards)."""
+
+    def step(self) -> StepResult:
+        pairs = self._prepare_main_grads()
+        grads = [g for g, _ in pairs]
+        if self.scaler is not None:
+            groups = (self.parallel.mp_group, self.parallel.dp_cp_group)
+            found_inf = unscale_and_check(grads, self.scaler.scale, groups)
+            self.scaler.update(found_inf)
+            if found_inf:
+                self._clear_main_grads()
+                return StepResult(False, math.nan, None)
+        counted = [g for g, p in pairs if grad_utils.counts_for_norm(p, self.parallel)]
+        norm = grad_utils.global_norm(grad_utils.local_sq_norm(counted), self.parallel,
+                                      self.norm_groups)
+        grad_utils.clip_(grads, norm, self.config.training.clip_grad)
+        num_zeros = None
+        if self.config.logging.log_num_zeros_in_grad:
+            num_zeros = grad_utils.count_zeros(counted, self.parallel, self.norm_groups)
+        self.inner.step()
+        self.num_steps += 1
+        self._clear_main_grads()
+        self._publish_main_params()
+        return StepResult(True, norm, num_zeros)
+
+    def _clear_main_grads(self) -> None:
+        # Main grads may alias the DDP buffers; never let them leak into the next backward.
+        self.zero_grad()
+
+    def scalar_state(self) -> dict:
+        return {"step": self.num_steps,
+                "loss_scaler": self.scaler.state_dict() if self.scaler is not None else None}
+
+    def load_scalar_state(self, scalars: dict | None) -> None:
+        scalars = scalars or {}
+        self.num_steps = int(scalars.get("step", self.num_steps))
+        if self.scaler is not None and scalars.get("loss_scaler"):
+            self.scaler.load_state_dict(scalars["loss_scaler"])
+
+    def inner_state_for(self, main_p: torch.Tensor, saved: dict) -> dict:
+        """torch optimizer state for ``main_p`` from saved tensors (already shaped like it)."""
+        entries = {k: v.detach().to(main_p.device, torch.float32).clone().view_as(main_p)
+                   for k, v in saved.items() if k != "main_param"}
+        if "exp_avg" in entries:  # torch's Adam keeps its step count per parameter
+            entries["step"] = torch.tensor(float(self.num_steps))
+        return entries
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank (moments, and main params where they are
+        copies)."""
+        total = sum(v.numel() * v.element_size() for s in self.inner.state.values()
+                    for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+        return total + self._main_param_bytes()
+
+    def _main_param_bytes(self) -> int:
+        return 0
+
+
+class TorchOptimizer(MixedPrecisionOptimizer):
+    """A torch optimizer over whole fp32 main parameters (replicated over data parallelism).
 
     With fp32 model parameters the main parameters are the model parameters themselves; with
     bf16/fp16 ones, fp32 copies are kept and stepped, then copied back.
     """
 
     def __init__(self, model_chunks, config, parallel, make_inner):
-        self.config = config
-        self.parallel = parallel
-        self.model_params = [p for _, p in named_params(model_chunks)]
-        self.names = [n for n, _ in named_params(model_chunks)]
+        super().__init__(config, parallel)
+        if any(b.sharded for c in model_chunks for b in getattr(c, "grad_buffers", ())):
+            raise PluginError("this optimizer reads whole gradients, but the model's gradient "
+                              "buffers are sharded (reduce-scattered); use a sharding optimizer "
+                              "such as distributed-adam")
+        named = named_params(model_chunks)
+        self.names = [n for n, _ in named]
+        self.model_params = [p for _, p in named]
         self.mixed = any(p.dtype != torch.float32 for p in self.model_params)
         if self.mixed:
             self.main_params = [torch.nn.Parameter(p.detach().float().clone())
@@ -99,73 +232,60 @@ class TorchOptimizer(Optimizer):
             groups.append({**group, "params": [by_id[id(p)] for p in group["params"]]})
         self.inner = make_inner(groups)
 
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
     def zero_grad(self) -> None:
         for p in self.model_params:
             p.grad = None
-            if getattr(p, "main_grad", None) is not None:
-                p.main_grad.zero_()
-        if self.mixed:
-            for p in self.main_params:
-                p.grad = None
+        super().zero_grad()
 
-    def _main_grads(self) -> list[torch.Tensor]:
-        out = []
+    def _prepare_main_grads(self):
+        pairs = []
         for model_p, main_p in zip(self.model_params, self.main_params):
             g = grad_utils.grad_of(model_p)
-            if g is None:
-                g = torch.zeros_like(main_p)
-            main_p.grad = g if g.dtype == torch.float32 and main_p is model_p else g.float()
-            out.append(main_p.grad)
-        return out
+            g = torch.zeros_like(main_p) if g is None else g.float()
+            main_p.grad = g
+            pairs.append((g, model_p))
+        return pairs
 
-    def step(self) -> StepResult:
-        grads = self._main_grads()
-        counted = [g for g, p in zip(grads, self.model_params)
-                   if grad_utils.counts_for_norm(p, self.parallel)]
-        norm = grad_utils.global_norm(grad_utils.local_sq_norm(counted), self.parallel)
-        grad_utils.clip_(grads, norm, self.config.training.clip_grad)
-        num_zeros = None
-        if self.config.logging.log_num_zeros_in_grad:
-            num_zeros = grad_utils.count_zeros(counted, self.parallel)
-        self.inner.step()
+    def _publish_main_params(self) -> None:
         if self.mixed:
             with torch.no_grad():
                 for model_p, main_p in zip(self.model_params, self.main_params):
                     model_p.copy_(main_p)
-        return StepResult(True, norm, num_zeros)
+
+    def reload_model_params(self) -> None:
+        """Main parameters from the model's (after the model weights were loaded)."""
+        if self.mixed:
+            with torch.no_grad():
+                for model_p, main_p in zip(self.model_params, self.main_params):
+                    main_p.copy_(model_p)
+
+    def _main_param_bytes(self) -> int:
+        if not self.mixed:
+            return 0
+        return sum(p.numel() * p.element_size() for p in self.main_params)
 
     def sharded_state_dict(self) -> dict:
-        """``{param name: {key: tensor shaped like the param}}``; the step count (a scalar in
-        torch's per-param state) goes under ``"__optimizer__"``."""
-        state, steps = {}, set()
+        state = {}
         for name, main_p in zip(self.names, self.main_params):
-            state[name] = {}
-            for key, value in self.inner.state.get(main_p, {}).items():
-                if key == "step":
-                    steps.add(float(value))
-                elif torch.is_tensor(value):
-                    state[name][key] = value
+            per_param = self.inner.state.get(main_p, {})
+            state[name] = {k: v.detach().clone() for k, v in per_param.items()
+                           if torch.is_tensor(v) and k != "step"}
             if self.mixed:
-                state[name]["main_param"] = main_p.detach()
-        state["__optimizer__"] = {"step": max(steps) if steps else 0.0}
+                state[name]["main_param"] = main_p.detach().clone()
+        state[OPTIMIZER_STATE_KEY] = self.scalar_state()
         return state
 
     def load_sharded_state_dict(self, state: dict) -> None:
-        step = float(state.get("__optimizer__", {}).get("step", 0.0))
+        self.load_scalar_state(state.get(OPTIMIZER_STATE_KEY))
+        self.reload_model_params()
         for name, model_p, main_p in zip(self.names, self.model_params, self.main_params):
             saved = state.get(name, {})
-            if self.mixed:
-                # Without saved main params (a checkpoint of an fp32 run) start them from the
-                # loaded model params.
-                source = saved.get("main_param", model_p)
+            if "main_param" in saved:  # the fp32 master weights beat a bf16 model's
                 with torch.no_grad():
-                    main_p.copy_(source)
-            entries = {k: v for k, v in saved.items() if k != "main_param"}
+                    main_p.copy_(saved["main_param"].view_as(main_p))
+                    model_p.copy_(main_p)
+            entries = self.inner_state_for(main_p, saved)
             if entries:
-                if step:
-                    entries["step"] = torch.tensor(step, dtype=torch.float32)
                 self.inner.state[main_p] = entries
+            else:
+                self.inner.state.pop(main_p, None)

@@ -227,6 +227,8 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
         if t.eval_interval and iteration % t.eval_interval == 0:
             run_evaluation(run, metrics, iteration)
         after_step(run, iteration)
+    for chunk in run.model_chunks:  # whoever reads parameters next gets the gathered ones
+        chunk.finish_param_sync()
     checkpoint.at_train_end(run)
     elapsed = time.perf_counter() - start
     return {"summary": True, "iterations": state.iteration,

@@ -57,6 +57,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
                           f"= {t.micro_batch_size * dp}")
     if t.bf16 and t.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; choose one")
+    _check_data_parallel(config)
     if t.lr < 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({t.lr})")
     if t.eval_interval < 0 or t.eval_iters < 0:
@@ -105,3 +106,27 @@ def validate_tensor_parallel(config: TrainConfig, tp: int | None = None) -> None
         raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tp {tp} x --cp "
                           f"{cp} = {tp * cp}, which --sequence-parallel needs (each tp rank "
                           f"holds an equal slice of the sequence)")
+
+
+def _check_data_parallel(config: TrainConfig) -> None:
+    """Distributed-optimizer and fp16 loss-scaler settings (docs/data_parallel.md)."""
+    from .errors import PluginError
+
+    p, t = config.parallel, config.training
+    if p.overlap_param_gather:
+        from .ddp import optimizer_shards_grads
+
+        try:
+            sharded = optimizer_shards_grads(config)
+        except PluginError:
+            sharded = True  # an unknown optimizer is reported by the plugin check
+        if not sharded:
+            raise ConfigError("--overlap-param-gather needs a sharding optimizer: add "
+                              "--use-distributed-optimizer (or --optimizer distributed-adam)")
+    if t.fp16:
+        if t.initial_loss_scale <= 0 or t.min_loss_scale <= 0:
+            raise ConfigError(f"--initial-loss-scale ({t.initial_loss_scale}) and "
+                              f"--min-loss-scale ({t.min_loss_scale}) must be positive")
+        if t.loss_scale_window < 1 or t.hysteresis < 1:
+            raise ConfigError(f"--loss-scale-window ({t.loss_scale_window}) and --hysteresis "
+                              f"({t.hysteresis}) must be at least 1")

@@ -1,0 +1,199 @@
+"""Data parallelism over 2 gloo ranks (one pool for the module) against the single-process run
+with the same global batch, on data with uneven loss masks."""
+
+import math
+
+import pytest
+from plugtron.core.distributed import single_process
+
+from tests.distributed.dp_helpers import (
+    losses,
+    max_param_diff,
+    max_rel_diff,
+    one_thread,
+    pool_resume,
+    pool_state_after,
+    pool_train,
+    resume_run,
+    state_after,
+    train_run,
+)
+from tests.distributed.harness import DistributedPool
+
+_one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
+
+#: fp32: only the order of the sums differs from one rank; measured <= 2e-6 on params.
+TOL = 1e-5
+#: bf16 against fp32 (see tests/test_mixed_precision.py for the 100-iteration measurement).
+BF16_REL_TOL = 5e-3
+
+VARIANTS = {
+    "plain": {},
+    "overlap": {"overlap_grad_reduce": True},
+    "distributed": {"use_distributed_optimizer": True},
+    "distributed+overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                            "overlap_param_gather": True},
+}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(2, timeout=300) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def reference():
+    records, params, _ = train_run({}, world=single_process())
+    return losses(records), params
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_dp2_matches_one_rank(pool, reference, variant):
+    results = pool.run(pool_train, VARIANTS[variant])
+    for result in results:
+        assert len(result["losses"]) == 10
+        assert max_rel_diff(result["losses"], reference[0]) < TOL
+        assert max_param_diff(result["params"], reference[1]) < TOL
+    assert max_param_diff(results[0]["params"], results[1]["params"]) == 0.0
+
+
+def test_bf16_with_the_distributed_optimizer_tracks_fp32(pool, reference):
+    for result in pool.run(pool_train, {"bf16": True, "use_distributed_optimizer": True,
+                                        "overlap_grad_reduce": True}):
+        assert max_rel_diff(result["losses"], reference[0]) < BF16_REL_TOL
+
+
+def _observe_reductions(rank, world_size, overlap):
+    """One step; log bucket launches and, at each grad hook, how many reductions are in
+    flight (started, not yet waited for)."""
+    events = []
+
+    def instrument(run):
+        (chunk,) = run.model_chunks
+        buckets = [b for buffer in chunk.grad_buffers for b in buffer.buckets]
+        for bucket in buckets:
+            def start(bucket=bucket, original=bucket.start_grad_reduction):
+                events.append(("launch", bucket.index))
+                original()
+            bucket.start_grad_reduction = start
+
+        def in_flight():
+            return sum(b.reduction_pending for b in buckets)
+
+        for buffer in chunk.grad_buffers:
+            for param in buffer.params:  # registered after the wrapper's hook: runs after it
+                param.register_post_accumulate_grad_hook(
+                    lambda p: events.append(("grad", in_flight())))
+        original_finish = chunk.finish_grad_sync
+
+        def finish():
+            events.append(("finish", in_flight()))
+            original_finish()
+        chunk.finish_grad_sync = finish
+
+    train_run({"overlap_grad_reduce": overlap, "train_iters": 1}, before_train=instrument)
+    return events
+
+
+def test_overlap_starts_reductions_while_backward_runs(pool):
+    events = pool.run(_observe_reductions, True)[0]
+    kinds = [e[0] for e in events]
+    first_launch = kinds.index("launch")
+    last_grad = len(kinds) - 1 - kinds[::-1].index("grad")
+    assert first_launch < last_grad  # a reduction started before the backward pass ended
+    assert max(e[1] for e in events if e[0] == "grad") >= 1  # ... and was in flight during it
+    launches = [e[1] for e in events if e[0] == "launch"]
+    assert launches == sorted(launches) and len(launches) > 2  # every bucket, in order
+    assert events[-1][0] == "finish"
+
+
+def test_without_overlap_reductions_start_after_backward(pool):
+    events = pool.run(_observe_reductions, False)[0]
+    kinds = [e[0] for e in events]
+    assert kinds.index("finish") < kinds.index("launch")
+
+
+def _observe_param_gathers(rank, world_size, overlap):
+    """Two steps; how many parameter gathers are pending after the first step, and when the
+    second backward starts (after the second forward)."""
+    from plugtron.core.hookspecs import hookimpl
+
+    seen = {}
+
+    def pending(run):
+        return sum(b.gather_pending for chunk in run.model_chunks
+                   for buffer in chunk.grad_buffers for b in buffer.buckets)
+
+    def instrument(run):
+        class AtStepEnd:
+            @hookimpl
+            def plugtron_step_end(self, iteration, metrics):
+                seen.setdefault("after_step", pending(run))
+
+        run.pm.register(AtStepEnd())
+        def in_backward(param):
+            if "after_step" in seen:
+                seen.setdefault("next_backward", pending(run))
+
+        run.model_chunks[0].grad_buffers[0].params[0].register_post_accumulate_grad_hook(
+            in_backward)
+        seen["buckets"] = sum(len(b.buckets) for b in run.model_chunks[0].grad_buffers)
+
+    train_run({"use_distributed_optimizer": True, "overlap_param_gather": overlap,
+               "train_iters": 2}, before_train=instrument)
+    return seen
+
+
+def test_param_gather_is_deferred_into_the_next_forward(pool):
+    seen = pool.run(_observe_param_gathers, True)[0]
+    assert seen["after_step"] == seen["buckets"] > 1  # all started, none waited for yet
+    assert seen["next_backward"] == 0  # the forward's pre-hooks waited for every one
+    assert pool.run(_observe_param_gathers, False)[0]["after_step"] == 0
+
+
+FP16 = {"fp16": True, "initial_loss_scale": 256.0, "hysteresis": 1, "train_iters": 5}
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(pool, distributed):
+    overrides = {**FP16, "use_distributed_optimizer": distributed}
+    inject = (3, 1)  # iteration 3, data-parallel rank 1 only
+    results = pool.run(pool_train, overrides, inject=inject)
+    skipped = pool.run(pool_train, overrides, stop_after=3, inject=inject)
+    before = pool.run(pool_train, overrides, stop_after=2)
+    for result, after_skip, after_two in zip(results, skipped, before):
+        assert result["skipped"] == [False, False, True, False, False]
+        assert result["loss_scale"] == [256.0, 256.0, 128.0, 128.0, 128.0]
+        assert math.isnan(result["grad_norm"][2])
+        assert all(math.isfinite(x) for x in result["losses"])
+        assert max_param_diff(after_skip["params"], after_two["params"]) == 0.0
+    assert max_param_diff(results[0]["params"], results[1]["params"]) == 0.0
+
+
+RUN = {"train_iters": 4}
+
+
+def test_distributed_state_from_dp2_resumes_as_adam_on_one_rank(pool):
+    source = {**RUN, "optimizer": "distributed-adam"}
+    saved = pool.run(pool_state_after, source, 3)
+    expected = pool.run(pool_train, source)[0]
+    state, params = saved[0]
+    for name, tensors in saved[1][0].items():  # every rank gathered the same full state
+        if isinstance(tensors, dict) and name != "__optimizer__":
+            assert all((tensors[k] - state[name][k]).abs().max() == 0 for k in tensors)
+    resumed, final = resume_run({**RUN, "optimizer": "adam"}, state, params, 3,
+                                single_process())
+    assert max_rel_diff(losses(resumed), expected["losses"][3:]) < TOL
+    assert max_param_diff(final, expected["params"]) < TOL
+
+
+def test_adam_state_from_one_rank_resumes_as_distributed_on_dp2(pool):
+    source = {**RUN, "optimizer": "adam"}
+    state, params, _ = state_after(source, 3, single_process())
+    records, expected, _ = train_run(source, world=single_process())
+    for resumed, final in pool.run(pool_resume, {**RUN, "optimizer": "distributed-adam"},
+                                   state, params, 3):
+        assert max_rel_diff(resumed, losses(records)[3:]) < TOL
+        assert max_param_diff(final, expected) < TOL
+
