@@ -56,7 +56,7 @@ def evaluate(config_file, nproc_per_node, **params):
     check_plugins(config)
     check_data_paths(config)
     if nproc_per_node > 1 and not external:
-        launch_local_ranks(config.to_json(), nproc_per_node, entry="plugtron.cli.evaluate_rank")
+        launch_local_ranks(config.to_json(), nproc_per_node, command="evaluate")
         return
     from plugtron.core.checkpoint.evaluate import evaluate_checkpoint
 

@@ -11,9 +11,9 @@ from plugtron.core.errors import PlugtronError
 ERROR_FILE_ENV = "PLUGTRON_ERROR_FILE"
 
 
-def launch_local_ranks(config_json: str, nproc: int, entry: str = "plugtron.cli.rank") -> None:
-    """Run module ``entry`` (default ``plugtron.cli.rank``: training) on ``nproc`` local ranks;
-    a user error raised in a rank comes back as ``PlugtronError`` with the rank's message."""
+def launch_local_ranks(config_json: str, nproc: int, command: str = "train") -> None:
+    """Run ``plugtron.cli.rank COMMAND`` (train or evaluate) on ``nproc`` local ranks; a user
+    error raised in a rank comes back as ``PlugtronError`` with the rank's message."""
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -31,7 +31,7 @@ def launch_local_ranks(config_json: str, nproc: int, entry: str = "plugtron.cli.
         error_file = os.path.join(tmp, "user_error.txt")
         os.environ[ERROR_FILE_ENV] = error_file
         args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
-                           "-m", entry, config_path])
+                           "-m", "plugtron.cli.rank", command, config_path])
         try:
             run(args)
         except ChildFailedError:

@@ -1,4 +1,4 @@
-"""Entry of one launched rank: ``python -m plugtron.cli.rank CONFIG_JSON``."""
+"""Entry of one launched rank: ``python -m plugtron.cli.rank {train|evaluate} CONFIG_JSON``."""
 
 from __future__ import annotations
 
@@ -8,16 +8,31 @@ import sys
 from plugtron.core.config import TrainConfig
 from plugtron.core.distributed import shutdown
 from plugtron.core.errors import PlugtronError
-from plugtron.core.training import pretrain
 
 from .launch import report_user_error
 
 
+def _train(config):
+    from plugtron.core.training import pretrain
+
+    pretrain(config)
+
+
+def _evaluate(config):
+    from plugtron.core.checkpoint.evaluate import evaluate_checkpoint
+
+    evaluate_checkpoint(config)
+
+
+COMMANDS = {"train": _train, "evaluate": _evaluate}
+
+
 def main(argv: list[str]) -> int:
-    with open(argv[0]) as f:
+    command, path = argv
+    with open(path) as f:
         config = TrainConfig.from_dict(json.load(f))
     try:
-        pretrain(config)
+        COMMANDS[command](config)
     except PlugtronError as exc:
         # No goodbye barrier: other ranks may be stuck waiting for this one; the launcher
         # stops them.

@@ -83,7 +83,7 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("untied", [False, True], ids=["tied", "untied"])
-@pytest.mark.parametrize("source", LAYOUTS, ids=lambda l: "tp{}pp{}vp{}dp{}".format(*l))
+@pytest.mark.parametrize("source", LAYOUTS, ids=lambda layout: "tp{}pp{}vp{}dp{}".format(*layout))
 def test_any_layout_loads_into_any_other(saved, source, untied):
     parent, full = saved[(source, untied)]
     for target in LAYOUTS:
