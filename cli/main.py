@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from .plugins_cmd import plugins
+from .schedule_cmd import schedule
 from .topology import topology
 from .train import train
 
@@ -17,6 +18,7 @@ def cli():
 cli.add_command(train)
 cli.add_command(plugins)
 cli.add_command(topology)
+cli.add_command(schedule)
 
 
 def main():
