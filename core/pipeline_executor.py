@@ -98,13 +98,21 @@ def communication_plan(per_rank: tuple, num_chunks: int) -> tuple:
 
 def plan_for(per_rank: list[list[Action]], num_chunks: int, num_microbatches: int,
              forward_only: bool) -> tuple:
-    """Check the lists and build the communication steps of every rank."""
+    """Check the lists and build the communication steps of every rank (cached: a schedule
+    returns the same lists every iteration)."""
+    return _checked_plan(tuple(tuple(a) for a in per_rank), num_chunks, num_microbatches,
+                         forward_only)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_plan(per_rank: tuple, num_chunks: int, num_microbatches: int,
+                  forward_only: bool) -> tuple:
     if forward_only:
-        per_rank = [forward_only_actions(actions) for actions in per_rank]
+        per_rank = tuple(tuple(forward_only_actions(actions)) for actions in per_rank)
     if len(per_rank) == 1 and num_chunks > 1:
         raise ConfigError("model chunks on a single pipeline stage need --pp > 1")
-    check_actions(per_rank, num_chunks, num_microbatches, forward_only)
-    return communication_plan(tuple(tuple(a) for a in per_rank), num_chunks)
+    check_actions([list(a) for a in per_rank], num_chunks, num_microbatches, forward_only)
+    return communication_plan(per_rank, num_chunks)
 
 
 def execute_actions(per_rank: list[list[Action]], forward_step_func, data_iterator, model,
@@ -122,11 +130,10 @@ def execute_actions(per_rank: list[list[Action]], forward_step_func, data_iterat
     runner = _Runner(chunks, iterators, forward_step_func, forward_only, parallel, p2p,
                      loss_scale)
     runner.prepare(plan[parallel.pp_rank])
-    try:
-        for step in plan[parallel.pp_rank]:
-            runner.step(step)
-    finally:
-        runner.finish()
+    for step in plan[parallel.pp_rank]:
+        runner.step(step)
+    # Only after success: on an error the peers are stuck too and waiting would hide it.
+    runner.finish()
     last_trace = runner.trace
     return runner.reports
 

@@ -14,6 +14,7 @@ cannot finish is rejected with the cycle's first waits named.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -48,15 +49,23 @@ def actions_of_all_ranks(schedule_actions, pp_size: int, num_chunks: int,
                          num_microbatches: int, config) -> list[list[Action]]:
     """Call a ``schedule_actions`` implementation once per pipeline rank. Like pluggy, pass only
     the arguments it declares."""
-    params = inspect.signature(schedule_actions).parameters
-    takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    wanted = _accepted_arguments(getattr(schedule_actions, "__func__", schedule_actions))
     out = []
     for rank in range(pp_size):
         kwargs = {"pp_rank": rank, "pp_size": pp_size, "num_chunks": num_chunks,
                   "num_microbatches": num_microbatches, "config": config}
         out.append(list(schedule_actions(**{k: v for k, v in kwargs.items()
-                                            if takes_all or k in params})))
+                                            if wanted is None or k in wanted})))
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _accepted_arguments(function) -> frozenset | None:
+    """Parameter names ``function`` declares; ``None`` when it takes ``**kwargs``."""
+    params = inspect.signature(function).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    return frozenset(params)
 
 
 def check_actions(per_rank: list[list[Action]], num_chunks: int, num_microbatches: int,

@@ -1,11 +1,13 @@
 """Pipeline schedules as data: action lists, their checks, the simulated timeline, the
 ``schedule show`` command and the stage layout. No processes are started."""
 
+import contextlib
 import json
 import struct
 import zlib
 
 import pytest
+import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.errors import ConfigError
@@ -157,3 +159,79 @@ def test_schedule_show_text_json_and_plot(tmp_path):
     assert bad.exit_code == 2 and "microbatches per step 3" in bad.output
     unknown = runner.invoke(cli, ["schedule", "show", "--schedule", "zb", "--pp", "2", "-m", "4"])
     assert unknown.exit_code == 2 and "available:" in unknown.output
+
+
+def test_custom_schedule_example_in_the_docs_is_valid():
+    import pathlib
+    import re
+
+    doc = pathlib.Path(__file__).parents[1] / "docs" / "pipeline_schedules.md"
+    code = re.search(r"```python\n(.*?)```", doc.read_text(), re.DOTALL).group(1)
+    namespace: dict = {}
+    exec(code, namespace)  # noqa: S102 - our own docs
+    schedule = namespace["EagerOneFOneB"]()
+    for pp, m in [(2, 4), (4, 8), (4, 2)]:
+        per_rank = [schedule.schedule_actions(r, pp, m) for r in range(pp)]
+        check_actions(per_rank, 1, m)
+        plan_for(per_rank, 1, m, forward_only=False)
+        assert peak_stored(per_rank[0]) == min(pp + 1, m)
+
+
+class _Chunk(torch.nn.Module):
+    """A one-stage model chunk that records when grad sync is suppressed."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.tensor(2.0))
+        self.synced = []  # per backward: was grad sync enabled?
+        self._sync = True
+
+    def set_input_tensor(self, tensor):
+        raise AssertionError("a single stage takes no input tensor")
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def forward(self, x):
+        out = self.weight * x
+        if out.requires_grad:
+            out.register_hook(lambda g: self.synced.append(self._sync))
+        return out
+
+
+def _forward_step(data_iterator, model):
+    x = next(data_iterator)
+    out = model(x)
+
+    def loss(output):
+        return output.sum(), torch.tensor(float(output.numel())), {"lm loss": output.detach()}
+    return out, loss
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_executor_on_one_stage(schedule):
+    from plugtron.core import pipeline_executor
+    from plugtron.core.parallel_context import ParallelContext
+
+    parallel = ParallelContext.build(1, 0)
+    chunk = _Chunk()
+    data = [torch.tensor([1.0, 2.0]), torch.tensor([3.0]), torch.tensor([4.0])]
+    per_rank = ([one_f_one_b_actions(0, 1, 3)] if schedule == "1f1b"
+                else [GPipe().schedule_actions(1, 3)])
+    reports = pipeline_executor.execute_actions(per_rank, _forward_step, iter(data), [chunk], 3,
+                                                False, parallel, None, loss_scale=0.5)
+    assert [r["num_tokens"].item() for r in reports] == [2.0, 1.0, 1.0]
+    assert chunk.weight.grad.item() == pytest.approx(0.5 * 10.0)  # d(sum w*x)/dw, scaled
+    assert chunk.synced == [False, False, True]  # sync only on the last backward
+    trace = pipeline_executor.last_trace
+    assert trace.actions == per_rank[0] and trace.peak_stored == (1 if schedule == "1f1b" else 3)
+    chunk.weight.grad = None
+    evaluation = pipeline_executor.execute_actions(per_rank, _forward_step, iter(data), [chunk], 3,
+                                                   True, parallel, None)
+    assert len(evaluation) == 3 and chunk.weight.grad is None
+    assert [a.kind for a in pipeline_executor.last_trace.actions] == ["F"] * 3

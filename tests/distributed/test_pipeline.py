@@ -7,6 +7,9 @@ rest of the 8 ranks) does not change the losses (token-weighted). Tied embedding
 1e-5 (fp32).
 """
 
+import json
+import weakref
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -69,11 +72,31 @@ def _train(rank, world_size, pp, vp, schedule, tied):
     trace = pipeline_executor.last_trace
     valid = training.evaluate(run)
     par = run.parallel
-    return {"pp_rank": par.pp_rank, "dp_rank": par.dp_rank,
+    params = global_params(run) if par.dp_rank == 0 else None
+    alive = outputs_alive_at_forwards(run) if schedule == "gpipe" else None
+    return {"alive_outputs": alive, "pp_rank": par.pp_rank, "dp_rank": par.dp_rank,
             "losses": [r["lm_loss"] for r in records],
             "grad_norms": [r["grad_norm"] for r in records], "valid": valid,
             "actions": [a.to_dict() for a in trace.actions], "peak_stored": trace.peak_stored,
-            "params": global_params(run) if par.dp_rank == 0 else None}
+            "params": params}
+
+
+def outputs_alive_at_forwards(run) -> int:
+    """Most earlier forward outputs still alive when a forward starts, over one more step.
+    Under gpipe every forward comes before any backward, so a kept activation would show."""
+    refs, most = [], 0
+    base = run.forward_step_func
+
+    def counting_forward_step(data_iterator, model):
+        nonlocal most
+        most = max(most, sum(ref() is not None for ref in refs))
+        output, closure = base(data_iterator, model)
+        refs.append(weakref.ref(output))
+        return output, closure
+
+    run.forward_step_func = counting_forward_step
+    training.run_schedule(run, training.data_iterators(run, run.datasets[0], 0), False)
+    return most
 
 
 @pytest.fixture(scope="module")
@@ -139,11 +162,16 @@ def test_executed_order_is_what_schedule_show_prints(results):
                 "--json"] + (["--vp", str(vp)] if vp else [])
         out = runner.invoke(cli, args)
         assert out.exit_code == 0, out.output
-        import json
         shown = {r["rank"]: r for r in json.loads(out.output)["ranks"]}
         for r in ranks:
             assert r["actions"] == shown[r["pp_rank"]]["actions"], (schedule, r["pp_rank"])
             assert r["peak_stored"] == shown[r["pp_rank"]]["peak_stored_activations"]
+
+
+def test_sent_activations_are_released(results):
+    for (pp, vp, schedule, tied), ranks in results.items():
+        if schedule == "gpipe":
+            assert all(r["alive_outputs"] == 0 for r in ranks if r["pp_rank"] < pp - 1)
 
 
 def test_first_stage_activation_peak(results):
