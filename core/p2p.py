@@ -77,7 +77,12 @@ class P2PCommunicator:
         self.tensor_shape = tuple(tensor_shape)
         self.dtype = dtype
         self.device = torch.device(device)
-        if self.group is not None and dist.get_backend(self.group) == "nccl":
+        backend = dist.get_backend(self.group) if self.group is not None else None
+        #: Whether a posted receive blocks nothing else (gloo: each op is independent). Under
+        #: NCCL a batch is a stream-ordered group, so receives must stay in the batch of the step
+        #: whose send they pair with.
+        self.receives_run_ahead = backend != "nccl"
+        if backend == "nccl":
             # NCCL creates a communicator on a group's first call, which all members must join;
             # later batches touch only two ranks of the group.
             comm.all_reduce(torch.zeros(1, device=self.device), self.group)

@@ -13,7 +13,10 @@ new. A rank blocks only to complete an op of a batch at a step earlier than the 
 it, so by induction over steps every batch is eventually posted by both sides. Any lists that
 ``simulate`` can finish therefore run, whatever their order (1F1B, interleaved, GPipe, a third
 party's); lists that cannot finish are rejected before anything runs. Under NCCL each batch is
-one fused group whose peers post theirs at the same step, so pairing holds there too.
+one fused group whose peers post theirs at the same step, so pairing holds there too. Under gloo,
+where a posted receive blocks nothing, receives are posted up to ``RECEIVE_LOOKAHEAD`` steps
+early (still in step order, so each peer's messages match in the order it sends them): data then
+arrives while the rank computes instead of when it asks.
 
 Memory. A forward output is sent and the executor keeps only its autograd edge
 (``torch.autograd.graph.get_gradient_edge``), so the activation itself is freed once the send
@@ -71,6 +74,10 @@ class ExecutionTrace:
 #: The trace of the most recent run on this process; tests and benchmarks read it.
 last_trace = ExecutionTrace()
 
+#: Steps ahead whose receives a rank posts early where receives block nothing (gloo). Each
+#: holds one activation-sized buffer; posting them early lets data arrive during compute.
+RECEIVE_LOOKAHEAD = 8
+
 
 @functools.lru_cache(maxsize=64)
 def communication_plan(per_rank: tuple, num_chunks: int) -> tuple:
@@ -126,12 +133,14 @@ def execute_actions(per_rank: list[list[Action]], forward_step_func, data_iterat
     iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
     if len(iterators) == 1 and len(chunks) > 1:
         raise ConfigError("an interleaved schedule needs one data iterator per model chunk")
+    if parallel.pp_size > 1 and p2p is None:
+        raise ConfigError("a pipeline of more than one stage needs the run's P2P communicator")
     plan = plan_for(per_rank, len(chunks), num_microbatches, forward_only)
     runner = _Runner(chunks, iterators, forward_step_func, forward_only, parallel, p2p,
                      loss_scale)
     runner.prepare(plan[parallel.pp_rank])
-    for step in plan[parallel.pp_rank]:
-        runner.step(step)
+    for index, step in enumerate(plan[parallel.pp_rank]):
+        runner.step(index, step)
     # Only after success: on an error the peers are stuck too and waiting would hide it.
     runner.finish()
     last_trace = runner.trace
@@ -155,13 +164,32 @@ class _Runner:
         self.unacknowledged: list[tuple] = []  # (tick, peer, exchange, role) of sends
         self.output = None  # this step's result to send
         self.last_backward: dict[int, int] = {}  # chunk -> microbatch of its last backward
+        self.steps: tuple = ()
+        self.receives_posted = 0  # steps whose receives are posted
+        # Receives may run ahead of the step pairing where a posted receive blocks nothing
+        # (gloo); under NCCL a batch is a stream-ordered group and must stay paired.
+        self.lookahead = RECEIVE_LOOKAHEAD if p2p is not None and p2p.receives_run_ahead else 0
 
     def prepare(self, steps) -> None:
+        self.steps = steps
         for step in steps:
             if step.action is not None and step.action.kind == BACKWARD:
                 self.last_backward[step.action.chunk] = step.action.microbatch
 
-    def step(self, step: Step) -> None:
+    def post_receives(self, until: int) -> None:
+        """Post the receives of steps up to ``until`` early, in step order: the data can then
+        arrive while this rank computes. Each (peer, direction) still receives in the order the
+        peer sends, so messages match."""
+        for step in self.steps[self.receives_posted:until]:
+            for role, key in (("recv_prev", step.recv_prev), ("recv_next", step.recv_next)):
+                if key is not None:
+                    exchange = self.p2p.exchange(**{role: True})
+                    self.inbox[key] = (step.tick, exchange, role)
+        self.receives_posted = max(self.receives_posted, until)
+
+    def step(self, index: int, step: Step) -> None:
+        if self.lookahead:
+            self.post_receives(min(index + self.lookahead, len(self.steps)))
         if step.action is not None:
             self.trace.actions.append(step.action)
             if step.action.kind == FORWARD:
@@ -237,17 +265,18 @@ class _Runner:
 
     def communicate(self, step: Step) -> None:
         output, self.output = self.output, None
+        paired = not self.lookahead  # else the receives were posted ahead
         exchange = self.p2p.exchange(send_next=output if step.send_next else None,
                                      send_prev=output if step.send_prev else None,
-                                     recv_prev=step.recv_prev is not None,
-                                     recv_next=step.recv_next is not None)
+                                     recv_prev=paired and step.recv_prev is not None,
+                                     recv_next=paired and step.recv_next is not None)
         if step.send_next:
             self.unacknowledged.append((step.tick, self.p2p.next_rank, exchange, "send_next"))
         if step.send_prev:
             self.unacknowledged.append((step.tick, self.p2p.prev_rank, exchange, "send_prev"))
-        if step.recv_prev:
+        if paired and step.recv_prev:
             self.inbox[step.recv_prev] = (step.tick, exchange, "recv_prev")
-        if step.recv_next:
+        if paired and step.recv_next:
             self.inbox[step.recv_next] = (step.tick, exchange, "recv_next")
 
     def finish(self) -> None:

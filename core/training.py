@@ -104,11 +104,11 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None)
     parallel = build_parallel(config, world)
     step_info.current.rank = world.rank
     pm = build_plugin_manager(config, extra_plugins)
+    pm.hook.plugtron_configure.call_historic(kwargs={"config": config})
+    pm.hook.plugtron_process_groups_ready.call_historic(kwargs={"parallel": parallel})
     # A schedule that cannot run this layout fails now, not at the first step.
     check_schedule(pm.hook.schedule_actions, parallel.pp_size, parallel.vp_size or 1,
                    num_microbatches(config, parallel.dp_size), config)
-    pm.hook.plugtron_configure.call_historic(kwargs={"config": config})
-    pm.hook.plugtron_process_groups_ready.call_historic(kwargs={"parallel": parallel})
     seed_everything(config.training.seed, parallel)
 
     datasets = pm.hook.dataset_provider(config=config, split_sizes=split_sizes(config),
