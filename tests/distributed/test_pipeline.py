@@ -34,8 +34,8 @@ RUNS = [(2, None, "1f1b", True), (2, None, "gpipe", True), (2, None, "interleave
         (4, 2, "random-order", True)]
 
 
-def config_for(pp=1, vp=None, schedule="auto", tied=True):
-    overrides = dict(BASE, pp=pp, untie_embeddings_and_output_weights=not tied)
+def config_for(pp=1, vp=None, schedule="auto", tied=True, **extra):
+    overrides = dict(BASE, pp=pp, untie_embeddings_and_output_weights=not tied, **extra)
     if vp:
         overrides["vp"] = vp
     overrides["schedule"] = "interleaved-1f1b" if schedule == "random-order" else schedule
@@ -54,8 +54,8 @@ def global_params(run) -> dict:
     return out
 
 
-def _train(rank, world_size, pp, vp, schedule, tied):
-    config = config_for(pp, vp, schedule, tied)
+def _train(rank, world_size, pp, vp, schedule, tied, **extra):
+    config = config_for(pp, vp, schedule, tied, **extra)
     if schedule == "random-order":
         run = training.setup(config, world=None)
         run.pm.unregister(name="schedule:interleaved-1f1b")
@@ -168,6 +168,18 @@ def test_executed_order_is_what_schedule_show_prints(results):
         for r in ranks:
             assert r["actions"] == shown[r["pp_rank"]]["actions"], (schedule, r["pp_rank"])
             assert r["peak_stored"] == shown[r["pp_rank"]]["peak_stored_activations"]
+
+
+def test_uneven_interleaved_stages_match_single_process(pool, references):
+    # 8 layers over pp 2 x vp 2 with 2 on the first stage: chunks of 1, 3, 1, 3 layers.
+    ranks = pool.run(_train, 2, 2, "interleaved-1f1b", True,
+                     decoder_first_pipeline_num_layers=2)
+    layers = {r["pp_rank"]: sorted({n.split(".")[1] for n in r["params"]
+                                    if n.startswith("decoder.")})
+              for r in ranks if r["params"] is not None}
+    assert layers == {0: ["0", "4"], 1: ["1", "2", "3", "5", "6", "7"]}
+    for r in ranks:
+        assert r["losses"] == pytest.approx(references[True]["losses"], rel=1e-5)
 
 
 def test_sent_activations_are_released(results):
