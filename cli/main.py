@@ -8,6 +8,7 @@ from .checkpoint_cmd import checkpoint
 from .convert import convert
 from .evaluate import evaluate
 from .plugins_cmd import plugins
+from .schedule_cmd import schedule
 from .topology import topology
 from .train import train
 
@@ -23,6 +24,7 @@ cli.add_command(topology)
 cli.add_command(checkpoint)
 cli.add_command(evaluate)
 cli.add_command(convert)
+cli.add_command(schedule)
 
 
 def main():

@@ -16,6 +16,10 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
         return [num_layers // pp] * pp
     if pp < 2:
         raise ConfigError("--decoder-first/last-pipeline-num-layers need --pp > 1")
+    for flag, value in (("first", first), ("last", last)):
+        if value is not None and not 0 <= value <= num_layers:
+            raise ConfigError(f"--decoder-{flag}-pipeline-num-layers {value} must be between 0 "
+                              f"and --num-layers {num_layers}")
     counts = [None] * pp
     rest, middle = num_layers, pp
     if first is not None:
@@ -34,20 +38,27 @@ def chunk_layers(num_layers: int, pp: int, pp_rank: int, vp: int | None, vp_stag
     """0-based global indices of the layers held by chunk ``vp_stage`` on ``pp_rank``.
 
     Without interleaving a stage holds one contiguous block. With ``vp`` chunks per rank the
-    model is cut into ``pp * vp`` pieces and piece ``v * pp + p`` lives on rank ``p`` as chunk
-    ``v`` (offset ``v*L/vp + p*L/(pp*vp)`` for even splits).
+    model is cut into ``pp * vp`` virtual stages and virtual stage ``v * pp + p`` lives on rank
+    ``p`` as chunk ``v`` (offset ``v*L/vp + p*L/(pp*vp)`` for even splits). Uneven first/last
+    stages split their layers evenly over their ``vp`` chunks, as Megatron does.
     """
     chunks = vp or 1
     v = vp_stage or 0
-    if chunks == 1:
-        counts = stage_layer_counts(num_layers, pp, first, last)
-        start = sum(counts[:pp_rank])
-        return range(start, start + counts[pp_rank])
-    if first is not None or last is not None:
-        raise ConfigError("uneven first/last pipeline stages are not supported with --vp")
-    if num_layers % (pp * chunks):
+    if not 0 <= v < chunks:
+        raise ConfigError(f"virtual stage {vp_stage} is outside --vp {chunks}")
+    if chunks > 1 and first is None and last is None and num_layers % (pp * chunks):
         raise ConfigError(f"--num-layers {num_layers} is not divisible by --pp {pp} x --vp "
                           f"{chunks} = {pp * chunks}")
-    per_chunk = num_layers // (pp * chunks)
-    start = (v * pp + pp_rank) * per_chunk
-    return range(start, start + per_chunk)
+    counts = stage_layer_counts(num_layers, pp, first, last)
+    if chunks > 1:
+        uneven = [(p, c) for p, c in enumerate(counts) if c % chunks]
+        if uneven:
+            rank, count = uneven[0]
+            raise ConfigError(f"pipeline stage {rank} holds {count} layers, which do not split "
+                              f"evenly over --vp {chunks} chunks; with "
+                              f"--decoder-first/last-pipeline-num-layers every stage's layer "
+                              f"count must be divisible by --vp")
+    per_chunk = [c // chunks for c in counts]
+    # Virtual stages before this one: all of the earlier chunks, then this chunk's earlier ranks.
+    start = v * sum(per_chunk) + sum(per_chunk[:pp_rank])
+    return range(start, start + per_chunk[pp_rank])

@@ -30,10 +30,14 @@ def forward_step(forward_step_func, data_iterator, model_chunk, input_tensor, is
     return output
 
 
-def backward_step(output_tensor: torch.Tensor, output_grad: torch.Tensor | None,
+def backward_step(output_tensor, output_grad: torch.Tensor | None,
                   input_tensor: torch.Tensor | None, loss_scale: float = 1.0):
     """Backward from the loss (last stage, scaled) or from the received output gradient;
-    returns the gradient of the stage input for the previous stage (or None)."""
+    returns the gradient of the stage input for the previous stage (or None).
+
+    ``output_tensor`` may be a ``torch.autograd.graph.GradientEdge`` of the output instead of
+    the output itself, so that a schedule can free a sent activation and keep only its graph.
+    """
     if input_tensor is not None:
         input_tensor.retain_grad()
     if output_grad is None:

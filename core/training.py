@@ -14,9 +14,11 @@ from .distributed import WorldInfo, init_distributed
 from .errors import ConfigError
 from .lr_schedule import LRScheduler
 from .metrics import MetricsLogger, Throughput
+from .p2p import P2PCommunicator
 from .parallel_context import ParallelContext
 from .plugin_manager import build_plugin_manager
 from .random import seed_everything
+from .schedule_plan import check_schedule
 
 
 @dataclass
@@ -104,6 +106,9 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None)
     pm = build_plugin_manager(config, extra_plugins)
     pm.hook.plugtron_configure.call_historic(kwargs={"config": config})
     pm.hook.plugtron_process_groups_ready.call_historic(kwargs={"parallel": parallel})
+    # A schedule that cannot run this layout fails now, not at the first step.
+    check_schedule(pm.hook.schedule_actions, parallel.pp_size, parallel.vp_size or 1,
+                   num_microbatches(config, parallel.dp_size), config)
     seed_everything(config.training.seed, parallel)
 
     datasets = pm.hook.dataset_provider(config=config, split_sizes=split_sizes(config),
@@ -117,8 +122,11 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None)
     optimizer = pm.hook.build_optimizer(config=config, model_chunks=model_chunks,
                                         parallel=parallel)
     scheduler = LRScheduler.from_config(optimizer, config)
+    p2p = None
+    if parallel.pp_size > 1:
+        p2p = P2PCommunicator.from_config(config, parallel, model_dtype(config), world.device)
     return Run(config, world, parallel, pm, backend, model_chunks, optimizer, scheduler,
-               tuple(datasets))
+               tuple(datasets), p2p)
 
 
 # --------------------------------------------------------------------------- the step

@@ -68,6 +68,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
         for stage in range(vp or 1):
             chunk_layers(m.num_layers, pp, rank, vp, stage if vp else None,
                          p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    check_pipeline_schedule(config, dp)
     if config.checkpoint.save_interval is not None and not config.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
 
@@ -130,3 +131,20 @@ def _check_data_parallel(config: TrainConfig) -> None:
         if t.loss_scale_window < 1 or t.hysteresis < 1:
             raise ConfigError(f"--loss-scale-window ({t.loss_scale_window}) and --hysteresis "
                               f"({t.hysteresis}) must be at least 1")
+
+
+def check_pipeline_schedule(config: TrainConfig, dp: int) -> None:
+    """The selected schedule must support the layout and the number of microbatches (e.g.
+    interleaving's group-size rules); its lists must finish. Nothing is launched."""
+    from . import registry
+    from .plugin_manager import resolve_schedule
+    from .schedule_plan import check_schedule
+
+    p, t = config.parallel, config.training
+    name = resolve_schedule(config)
+    schedule = registry.instantiate(registry.load("schedule", name))
+    if p.microbatch_group_size_per_vp_stage is not None:
+        _positive("--microbatch-group-size-per-vp-stage", p.microbatch_group_size_per_vp_stage)
+    check_schedule(schedule.schedule_actions, p.pipeline_model_parallel_size,
+                   p.virtual_pipeline_model_parallel_size or 1,
+                   t.global_batch_size // (t.micro_batch_size * dp), config)

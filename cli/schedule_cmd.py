@@ -1,0 +1,89 @@
+"""``plugtron schedule show``: a schedule's per-rank actions, bubble and memory, without ranks."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from plugtron.core import registry
+from plugtron.core.config import TrainConfig
+from plugtron.core.errors import ConfigError
+from plugtron.core.parallel_context import validate_sizes
+from plugtron.core.plugin_manager import resolve_schedule
+from plugtron.core.schedule_plan import (
+    Action,
+    bubble_fraction,
+    check_schedule,
+    peak_stored,
+    simulate,
+)
+
+from .errors import user_errors
+
+
+def describe_schedule(name: str, pp: int, vp: int | None, microbatches: int,
+                      group_size: int | None = None) -> tuple[dict, list]:
+    """The report ``schedule show`` prints, and the simulated timeline (per-rank slots)."""
+    validate_sizes(pp, pp=pp, vp=vp)
+    if microbatches < 1:
+        raise ConfigError(f"--microbatches must be at least 1, got {microbatches}")
+    config = TrainConfig()
+    config.plugins.schedule = name
+    config.parallel.pipeline_model_parallel_size = pp
+    config.parallel.virtual_pipeline_model_parallel_size = vp
+    config.parallel.microbatch_group_size_per_vp_stage = group_size
+    resolved = resolve_schedule(config)
+    schedule = registry.instantiate(registry.load("schedule", resolved))
+    per_rank = check_schedule(schedule.schedule_actions, pp, vp or 1, microbatches, config)
+    slots = simulate(per_rank, vp or 1, forward_time=1.0, backward_time=2.0)
+    report = {
+        "schedule": resolved, "pp": pp, "vp": vp, "microbatches": microbatches,
+        "bubble_fraction": bubble_fraction(slots),
+        "makespan": max(s.end for rank in slots for s in rank),
+        "ranks": [{"rank": rank, "actions": [a.to_dict() for a in actions],
+                   "peak_stored_activations": peak_stored(actions)}
+                  for rank, actions in enumerate(per_rank)],
+    }
+    return report, slots
+
+
+def format_report(report: dict) -> str:
+    vp = f", vp {report['vp']}" if report["vp"] else ""
+    lines = [(f"schedule {report['schedule']}: pp {report['pp']}{vp}, "
+              f"{report['microbatches']} microbatches")]
+    for rank in report["ranks"]:
+        actions = " ".join(str(Action(**a)) for a in rank["actions"])
+        lines.append(f"rank {rank['rank']}: {actions}")
+    lines.append(f"bubble fraction {report['bubble_fraction']:.4f} (forward 1, backward 2 per "
+                 f"chunk; makespan {report['makespan']:g})")
+    lines.append("peak stored activations (microbatch-chunks) per rank: "
+                 + " ".join(str(r["peak_stored_activations"]) for r in report["ranks"]))
+    return "\n".join(lines)
+
+
+@click.group()
+def schedule():
+    """Pipeline schedules."""
+
+
+@schedule.command("show")
+@click.option("--schedule", "name", default="auto", show_default=True,
+              help="Schedule entry point (plugtron.schedules), or auto from pp and vp.")
+@click.option("--pipeline-model-parallel-size", "--pp", "pp", type=int, required=True)
+@click.option("--virtual-pipeline-model-parallel-size", "--vp", "vp", type=int, default=None)
+@click.option("--microbatches", "-m", type=int, required=True,
+              help="Microbatches per step on one data-parallel rank.")
+@click.option("--microbatch-group-size-per-vp-stage", "group_size", type=int, default=None,
+              help="Interleaving group size (default pp).")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Write the timeline as a PNG.")
+@user_errors
+def show(name, pp, vp, microbatches, group_size, as_json, plot):
+    """Print each rank's ordered actions, the bubble fraction and peak stored activations."""
+    report, slots = describe_schedule(name, pp, vp, microbatches, group_size)
+    if plot:
+        from .schedule_plot import timeline_png
+
+        timeline_png(slots, plot)
+    click.echo(json.dumps(report, indent=1) if as_json else format_report(report))

@@ -1,0 +1,53 @@
+"""A third-party schedule for tests: a random order that respects the dependencies.
+
+It is built by playing one global random topological order of all ranks' actions and giving each
+rank its share, so it is valid but neither 1F1B nor GPipe: the executor must run any such order.
+"""
+
+from __future__ import annotations
+
+import random
+
+from plugtron.core.hookspecs import hookimpl
+from plugtron.core.pipeline_executor import ActionListSchedule
+from plugtron.core.schedule_plan import Action, dependencies, virtual_stage
+
+
+def random_valid_orders(pp: int, chunks: int, microbatches: int, seed: int) -> list[list]:
+    rng = random.Random(seed)
+    stages = pp * chunks
+    done: set = set()
+    next_forward = [[0] * chunks for _ in range(pp)]  # each chunk's forwards go in order
+    pending_backward = [set() for _ in range(pp)]
+    lists: list[list] = [[] for _ in range(pp)]
+    total = 2 * pp * chunks * microbatches
+    while sum(map(len, lists)) < total:
+        ready = []
+        for rank in range(pp):
+            candidates = [Action("F", next_forward[rank][c], c) for c in range(chunks)
+                          if next_forward[rank][c] < microbatches]
+            candidates += [Action("B", mb, c) for mb, c in sorted(pending_backward[rank])]
+            for a in candidates:
+                stage = virtual_stage(rank, a.chunk, pp)
+                if all(d in done for d in dependencies(a, stage, stages)):
+                    ready.append((rank, a))
+        rank, a = rng.choice(ready)
+        lists[rank].append(a)
+        done.add((a.kind, a.microbatch, virtual_stage(rank, a.chunk, pp)))
+        if a.kind == "F":
+            next_forward[rank][a.chunk] += 1
+            pending_backward[rank].add((a.microbatch, a.chunk))
+        else:
+            pending_backward[rank].discard((a.microbatch, a.chunk))
+    return lists
+
+
+class RandomOrderSchedule(ActionListSchedule):
+    """Schedule plugin with nothing but an order: the executor does the rest."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    @hookimpl
+    def schedule_actions(self, pp_rank, pp_size, num_chunks, num_microbatches):
+        return random_valid_orders(pp_size, num_chunks, num_microbatches, self.seed)[pp_rank]
