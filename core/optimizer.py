@@ -289,3 +289,15 @@ class TorchOptimizer(MixedPrecisionOptimizer):
                 self.inner.state[main_p] = entries
             else:
                 self.inner.state.pop(main_p, None)
+
+
+def adamw_factory(config):
+    """``make_inner`` for AdamW with the run's settings (shared by ``adam`` and
+    ``distributed-adam``: they differ in what they shard, not in the update)."""
+    t = config.training
+
+    def make(groups):
+        return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
+                                 eps=t.adam_eps, weight_decay=t.weight_decay, foreach=True)
+
+    return make

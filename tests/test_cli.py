@@ -24,7 +24,7 @@ def invoke(args):
      "--hidden-size 64 is not divisible by --num-attention-heads 3"),
     (["--num-query-groups", "3"], "not divisible by --num-query-groups 3"),
     (["--global-batch-size", "6"], "must be a multiple of --micro-batch-size 4"),
-    (["--schedule", "zigzag"], "unknown schedule 'zigzag'; available: no-pipelining (plugtron"),
+    (["--schedule", "zigzag"], "unknown schedule 'zigzag'; available: 1f1b (plugtron"),
     (["--optimizer", "lion"], "unknown optimizer 'lion'"),
     (["--model", "bert"], "unknown model 'bert'; available: gpt (plugtron-gpt"),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),

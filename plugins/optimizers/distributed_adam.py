@@ -5,8 +5,8 @@ Weight decay is not applied to norms and biases."""
 
 from __future__ import annotations
 
-import torch
 from plugtron.core.hookspecs import hookimpl
+from plugtron.core.optimizer import adamw_factory
 
 from .distributed_optimizer import DistributedOptimizer
 
@@ -17,11 +17,4 @@ class DistributedAdam:
 
     @hookimpl
     def build_optimizer(self, config, model_chunks, parallel):
-        t = config.training
-
-        def make(groups):
-            return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                     eps=t.adam_eps, weight_decay=t.weight_decay,
-                                     foreach=True)
-
-        return DistributedOptimizer(model_chunks, config, parallel, make)
+        return DistributedOptimizer(model_chunks, config, parallel, adamw_factory(config))

@@ -17,6 +17,16 @@ DP_BASE = {"train_iters": 10, "global_batch_size": 8, "micro_batch_size": 2,
            "ddp_bucket_size": 3000}
 
 
+#: The data-parallel settings every dp size is checked under.
+VARIANTS = {
+    "plain": {},
+    "overlap": {"overlap_grad_reduce": True},
+    "distributed": {"use_distributed_optimizer": True},
+    "distributed+overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
+                            "overlap_param_gather": True},
+}
+
+
 class _MaskedDataset:
     """Wraps a dataset: sample ``i`` keeps only its first ``1 + 5i mod seq`` loss tokens, and
     every seventh sample none, so ranks and microbatches hold very different token counts."""

@@ -7,6 +7,7 @@ import pytest
 from plugtron.core.distributed import single_process
 
 from tests.distributed.dp_helpers import (
+    VARIANTS,
     losses,
     max_param_diff,
     max_rel_diff,
@@ -27,13 +28,6 @@ TOL = 1e-5
 #: bf16 against fp32 (see tests/test_mixed_precision.py for the 100-iteration measurement).
 BF16_REL_TOL = 5e-3
 
-VARIANTS = {
-    "plain": {},
-    "overlap": {"overlap_grad_reduce": True},
-    "distributed": {"use_distributed_optimizer": True},
-    "distributed+overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
-                            "overlap_param_gather": True},
-}
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import pytest
 from plugtron.core.distributed import single_process
 
 from tests.distributed.dp_helpers import (
+    VARIANTS,
     losses,
     max_param_diff,
     max_rel_diff,
@@ -19,13 +20,6 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 TOL = 1e-5  # fp32
 
-VARIANTS = {
-    "plain": {},
-    "overlap": {"overlap_grad_reduce": True},
-    "distributed": {"use_distributed_optimizer": True},
-    "distributed+overlap": {"use_distributed_optimizer": True, "overlap_grad_reduce": True,
-                            "overlap_param_gather": True},
-}
 
 
 @pytest.fixture(scope="module")
