@@ -76,8 +76,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _grad_hook(self, buffer: GradBuffer):
         def hook(param: torch.nn.Parameter) -> None:
-            if param.grad is not None:
-                param.main_grad.add_(param.grad)
+            grad = param.grad
+            # Same-dtype params accumulate straight into the buffer (``.grad`` is a view of
+            # ``main_grad``, see zero_grad_buffer); others are added in and freed here.
+            if grad is not None and grad.data_ptr() != param.main_grad.data_ptr():
+                param.main_grad.add_(grad)
                 param.grad = None
             if self._sync_enabled and self.overlap_grad_reduce:
                 buffer.mark_ready(param)
@@ -112,11 +115,20 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.grad_buffers:
             buffer.finish_grad_reduction()
 
-    def zero_grad_buffer(self) -> None:
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every gradient by ``factor``: one operation per contiguous buffer."""
         for buffer in self.grad_buffers:
-            for param in buffer.params:
-                param.grad = None
+            buffer.grad_data.mul_(factor)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero the buffers. Where a param has the buffer's dtype, its ``.grad`` becomes a view of
+        ``main_grad``, so autograd accumulates in place: no per-microbatch copy (as torch DDP's
+        ``gradient_as_bucket_view``)."""
+        for buffer in self.grad_buffers:
             buffer.zero_grads()
+            for param in buffer.params:
+                same = param.main_grad.dtype == param.dtype
+                param.grad = param.main_grad if same else None
             buffer.reset()
 
     # ------------------------------------------------------------------ parameter gather

@@ -31,10 +31,7 @@ def finalize_model_grads(model_chunks, parallel, num_tokens: torch.Tensor | None
         comm.all_reduce(total, parallel.dp_cp_group)
         scale = 1.0 / max(total.item(), 1.0)
         for chunk in model_chunks:
-            for p in chunk.parameters():
-                g = grad_of(p)
-                if g is not None:
-                    g.mul_(scale)
+            chunk.scale_grads(scale)
 
 
 def _allreduce_marked(model_chunks, attribute: str, group) -> None:

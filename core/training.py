@@ -169,9 +169,9 @@ def run_schedule(run: Run, iterators, forward_only: bool) -> list[dict]:
 
 
 def train_step(run: Run, iterators) -> tuple[dict, object]:
-    for chunk in run.model_chunks:
-        chunk.zero_grad_buffer()
     run.optimizer.zero_grad()
+    for chunk in run.model_chunks:  # after the optimizer: it may point .grad into the buffers
+        chunk.zero_grad_buffer()
     reports = run_schedule(run, iterators, forward_only=False)
     num_tokens = torch.zeros((), dtype=torch.float32)
     for report in reports:
