@@ -52,4 +52,5 @@ def report_user_error(message: str) -> None:
                 f.write(message)
         except FileExistsError:
             pass
-    print(f"Error: {message}", file=sys.stderr, flush=True)
+    if not path:  # under torchrun: nobody else prints it; under plugtron's launcher, it does
+        print(f"Error: {message}", file=sys.stderr, flush=True)

@@ -6,23 +6,42 @@ import click
 
 from .checkpoint_cmd import checkpoint
 from .convert import convert
-from .evaluate import evaluate
+from .evaluate import make_evaluate_command
 from .plugins_cmd import plugins
 from .schedule_cmd import schedule
 from .topology import topology
-from .train import train
+from .train import make_train_command
+
+#: Commands whose options depend on the plugins their arguments select: built per invocation.
+PLUGIN_AWARE = {"train": make_train_command, "evaluate": make_evaluate_command}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class PlugtronGroup(click.Group):
+    """``train`` and ``evaluate`` are built for the arguments they are called with, so that the
+    selected plugins' options exist (and only theirs)."""
+
+    def get_command(self, ctx, cmd_name):
+        if cmd_name in PLUGIN_AWARE:
+            args = getattr(ctx, "_plugtron_args", [])
+            return PLUGIN_AWARE[cmd_name](args)
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx):
+        return sorted(set(super().list_commands(ctx)) | set(PLUGIN_AWARE))
+
+    def resolve_command(self, ctx, args):
+        ctx._plugtron_args = list(args[1:])
+        return super().resolve_command(ctx, args)
+
+
+@click.group(cls=PlugtronGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def cli():
     """plugtron: a Megatron-style trainer built as a small core plus plugins."""
 
 
-cli.add_command(train)
 cli.add_command(plugins)
 cli.add_command(topology)
 cli.add_command(checkpoint)
-cli.add_command(evaluate)
 cli.add_command(convert)
 cli.add_command(schedule)
 

@@ -1,87 +1,203 @@
-"""The ``train`` flags, generated from the config dataclasses (one list for CLI, config files
-and docs)."""
+"""The ``train``/``evaluate`` flags, generated from the config sections: the core's and those the
+run's plugins declare (one list for the CLI, config files and docs).
+
+Which plugins take part depends on flags such as ``--model`` and ``--pp``, so the command line
+(and the config file it names) is scanned for those first (:func:`prescan`); the command is then
+built with the options of exactly those plugins, each plugin's under a heading naming its
+distribution.
+"""
 
 from __future__ import annotations
 
 import click
-from plugtron.core.config import TrainConfig, apply_values, flag_fields, load_config_file
-from plugtron.core.presets import PRESETS
+from plugtron.core.config import (
+    SECTIONS,
+    FlagField,
+    TrainConfig,
+    apply_values,
+    flag_fields,
+    load_config_file,
+    section_flag_fields,
+)
+from plugtron.core.errors import ConfigError, PlugtronError
+
+#: Core sections whose values select plugins (or the schedule through pp/vp).
+SELECTING_SECTIONS = ("plugins", "parallel")
+
+CORE_HEADINGS = {
+    "model": "Model", "parallel": "Parallelism", "training": "Training", "data": "Data",
+    "plugins": "Plugins", "checkpoint": "Checkpoints", "logging": "Logging",
+}
 
 
 def _param_name(section: str, name: str) -> str:
     return f"{section}__{name}"
 
 
-def config_options(func):
-    """Decorate a click command with one option per config field."""
-    for flag in reversed(flag_fields()):
-        dest = _param_name(flag.section, flag.name)
-        if flag.is_flag:
-            if flag.negative:
-                func = click.option(f"{flag.flag}/{flag.negative}", *flag.aliases, dest,
-                                    default=None, help=flag.help)(func)
-            else:
-                func = click.option(flag.flag, *flag.aliases, dest, is_flag=True,
-                                    flag_value=True, default=None, help=flag.help)(func)
-            continue
-        kind = click.Choice(flag.choices) if flag.choices else {
-            int: int, float: float, list: str}.get(flag.type, str)
-        func = click.option(flag.flag, *flag.aliases, dest, type=kind, default=None,
-                            multiple=flag.type is list, show_default=False,
-                            help=f"{flag.help} [default: {flag.default}]")(func)
-    return func
+# --------------------------------------------------------------------------- prescan
 
 
-def build_config(params: dict, config_file: str | None, preset: str | None,
-                 base: TrainConfig | None = None) -> TrainConfig:
-    """dataclass defaults (or ``base``) < preset < config file < flags."""
+def _spellings(flags: list[FlagField]) -> dict[str, FlagField]:
+    out = {}
+    for flag in flags:
+        for spelling in (flag.flag, *flag.aliases):
+            out[spelling] = flag
+        if flag.negative:
+            out[flag.negative] = flag
+    return out
+
+
+def prescan(args: list[str], base: TrainConfig | None = None) -> TrainConfig:
+    """A core-only config holding what selects the plugins: ``base`` (e.g. a checkpoint's
+    config), then the ``--config`` file, then the flags. Anything unparsable is left for the
+    real parse to report."""
     config = base if base is not None else TrainConfig()
-    if preset:
-        apply_values(config, PRESETS[preset], f"preset {preset!r}")
-    if config_file:
-        apply_values(config, load_config_file(config_file), f"config file {config_file!r}")
-    given = {}
-    for flag in flag_fields():
-        value = params.get(_param_name(flag.section, flag.name))
-        if value is None or (flag.type is list and len(value) == 0):
-            continue
-        given[flag.name] = list(value) if flag.type is list else value
-    apply_values(config, given, "command line")
+    selecting = [f for f in flag_fields() if f.section in SELECTING_SECTIONS]
+    by_spelling = _spellings(selecting)
+    given, config_file = {}, None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name, _, inline = arg.partition("=")
+        if name == "--config":
+            config_file = inline or (args[i + 1] if i + 1 < len(args) else None)
+        flag = by_spelling.get(name)
+        if flag is not None:
+            if flag.is_flag:
+                given[flag.name] = name != flag.negative
+            elif inline or i + 1 < len(args):
+                value = inline or args[i + 1]
+                if flag.type is list:
+                    given.setdefault(flag.name, []).append(value)
+                else:
+                    given[flag.name] = value
+        i += 1
+    try:
+        if config_file:
+            from_file = load_config_file(config_file)
+            keys = {s.lstrip("-").replace("-", "_") for f in selecting
+                    for s in (f.flag, *f.aliases)} | {f.name for f in selecting}
+            apply_values(config, {k: v for k, v in from_file.items()
+                                  if str(k).replace("-", "_") in keys}, "config file")
+        apply_values(config, given, "command line")
+    except PlugtronError:
+        pass
     return config
 
 
-def extension_options() -> list:
-    """Options declared by installed extension plugins. A broken extension is reported when a
-    run starts, not while building the CLI."""
-    from plugtron.core.errors import PluginError
-    from plugtron.core.plugin_manager import load_extensions, new_plugin_manager
+def declared_sections(config: TrainConfig) -> list:
+    """The plugin sections of a run of ``config`` (broken plugins skipped with a warning)."""
+    from plugtron.core.plugin_options import collect_sections
 
-    pm = new_plugin_manager()
     try:
-        load_extensions(pm, set())
-    except PluginError:
-        return []
-    return [option for options in pm.hook.plugtron_options() for option in options]
+        return collect_sections(config)
+    except PlugtronError:
+        return []  # e.g. an unknown --model: the real parse reports it
 
 
-def extra_options(options: list):
-    """Decorate a click command with the extension options (dest ``extra__<name>``)."""
+def model_presets(config: TrainConfig) -> dict:
+    """The selected model plugin's presets (``model_presets``), or none."""
+    from plugtron.core import registry
+    from plugtron.core.plugin_objects import PluginObject, call_declared
+
+    try:
+        obj = registry.instantiate(registry.load("model", config.plugins.model))
+    except PlugtronError:
+        return {}
+    presets = call_declared(PluginObject("model", config.plugins.model, "?", obj),
+                            "model_presets")
+    return dict(presets or {})
+
+
+# --------------------------------------------------------------------------- options
+
+
+class SectionedCommand(click.Command):
+    """A command whose ``--help`` lists options under their section's heading."""
+
+    def __init__(self, *args, headings: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.headings = headings or {}
+
+    def format_options(self, ctx, formatter):
+        groups: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            section = (param.name or "").split("__")[0] if "__" in (param.name or "") else ""
+            heading = self.headings.get(section) or CORE_HEADINGS.get(section) or "Options"
+            groups.setdefault(heading, []).append(record)
+        for heading, records in groups.items():
+            with formatter.section(heading):
+                formatter.write_dl(records)
+
+
+def _option(flag: FlagField):
+    dest = _param_name(flag.section, flag.name)
+    if flag.is_flag:
+        if flag.negative:
+            return click.option(f"{flag.flag}/{flag.negative}", *flag.aliases, dest,
+                                default=None, help=flag.help)
+        return click.option(flag.flag, *flag.aliases, dest, is_flag=True, flag_value=True,
+                            default=None, help=flag.help)
+    kind = click.Choice(flag.choices) if flag.choices else {
+        int: int, float: float, list: str}.get(flag.type, str)
+    return click.option(flag.flag, *flag.aliases, dest, type=kind, default=None,
+                        multiple=flag.type is list, show_default=False,
+                        help=f"{flag.help} [default: {flag.default}]")
+
+
+def option_fields(declared: list) -> list[FlagField]:
+    """The core's fields, then each declared plugin section's."""
+    out = flag_fields()
+    for item in declared:
+        out += section_flag_fields(item.section.name, item.section.cls)
+    return out
+
+
+def config_options(declared: list):
+    """Decorate a click command with one option per field of every section."""
 
     def decorate(func):
-        for option in reversed(options):
-            dest = "extra__" + option.name.replace("-", "_")
-            if option.is_flag:
-                func = click.option(f"--{option.name}", dest, is_flag=True, default=None,
-                                    help=option.help)(func)
-            else:
-                func = click.option(f"--{option.name}", dest, type=option.type, default=None,
-                                    help=f"{option.help} [default: {option.default}]")(func)
+        for flag in reversed(option_fields(declared)):
+            func = _option(flag)(func)
         return func
 
     return decorate
 
 
-def apply_extra(config: TrainConfig, options: list, params: dict) -> None:
-    for option in options:
-        value = params.get("extra__" + option.name.replace("-", "_"))
-        config.extra[option.name] = option.default if value is None else value
+def headings(declared: list) -> dict[str, str]:
+    return {item.section.name: item.heading for item in declared}
+
+
+def build_config(params: dict, config_file: str | None, preset: str | None,
+                 base: TrainConfig | None = None, declared: list = (),
+                 presets: dict | None = None) -> TrainConfig:
+    """dataclass defaults (or ``base``) < preset < config file < flags."""
+    config = base if base is not None else TrainConfig()
+    for item in declared:
+        config.add_section(item.section.name, item.section.cls)
+    if preset:
+        presets = model_presets(config) if presets is None else presets
+        if preset not in presets:
+            raise ConfigError(f"--preset {preset!r} is not a preset of model "
+                              f"{config.plugins.model!r}; its presets: "
+                              f"{', '.join(sorted(presets)) or 'none'}")
+        apply_values(config, presets[preset], f"preset {preset!r}")
+    if config_file:
+        apply_values(config, load_config_file(config_file), f"config file {config_file!r}")
+    given = {}
+    for flag in flag_fields(config):
+        value = params.get(_param_name(flag.section, flag.name))
+        if value is None or (flag.type is list and len(value) == 0):
+            continue
+        given[f"{flag.section}.{flag.name}"] = (flag, list(value) if flag.type is list
+                                                else value)
+    for flag, value in given.values():
+        apply_values(config, {flag.flag: value}, "command line")
+    return config
+
+
+__all__ = ["SECTIONS", "SectionedCommand", "build_config", "config_options",
+           "declared_sections", "headings", "model_presets", "prescan"]

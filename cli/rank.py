@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 
-from plugtron.core.config import TrainConfig
 from plugtron.core.distributed import shutdown
 from plugtron.core.errors import PlugtronError
 
@@ -29,9 +28,11 @@ COMMANDS = {"train": _train, "evaluate": _evaluate}
 
 def main(argv: list[str]) -> int:
     command, path = argv
-    with open(path) as f:
-        config = TrainConfig.from_dict(json.load(f))
     try:
+        from plugtron.core.plugin_options import config_from_dict
+
+        with open(path) as f:
+            config = config_from_dict(json.load(f))
         COMMANDS[command](config)
     except PlugtronError as exc:
         # No goodbye barrier: other ranks may be stuck waiting for this one; the launcher

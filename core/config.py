@@ -198,6 +198,21 @@ SECTIONS = {
 }
 
 
+@dataclass(frozen=True)
+class ConfigSection:
+    """A typed block of options that a plugin declares (hook ``plugtron_config_sections``).
+
+    ``cls`` is a dataclass whose fields are declared with :func:`opt`, exactly like the core's
+    own sections; its values reach the plugin as ``config.<name>`` (an instance of ``cls``), go
+    into config files under their flag names and into the checkpoint's config under ``name``.
+    """
+
+    name: str  # attribute on TrainConfig, e.g. "hybrid"; unique over all installed plugins
+    cls: type
+    #: Heading in ``plugtron train --help``; the collector fills in the distribution.
+    title: str = ""
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -207,25 +222,50 @@ class TrainConfig:
     plugins: PluginConfig = field(default_factory=PluginConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-    #: Values of options declared by extension plugins (``plugtron_options``).
-    extra: dict = field(default_factory=dict)
+    #: Sections declared by plugins: name -> dataclass instance (``config.<name>`` reads one).
+    plugin_sections: dict = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        # Only called when normal lookup fails: plugin sections read like core ones.
+        sections = self.__dict__.get("plugin_sections")
+        if sections is not None and name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__} has no section {name!r}")
+
+    def add_section(self, name: str, cls: type) -> None:
+        """Attach a plugin's section with its defaults (kept if already attached)."""
+        if name in SECTIONS:
+            raise ConfigError(f"config section {name!r} belongs to the core")
+        current = self.plugin_sections.get(name)
+        if not isinstance(current, cls):
+            self.plugin_sections[name] = cls()
+
+    def sections(self) -> dict[str, object]:
+        """Every section, core first, as ``{name: instance}``."""
+        out = {name: getattr(self, name) for name in SECTIONS}
+        out.update(self.plugin_sections)
+        return out
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {name: dataclasses.asdict(value) for name, value in self.sections().items()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "TrainConfig":
+    def from_dict(cls, data: dict, sections: dict[str, type] | None = None) -> "TrainConfig":
+        """Core sections from ``data``; plugin sections too where ``sections`` gives their
+        classes (``plugin_sections.config_from_dict`` collects them). Unknown keys are ignored:
+        a checkpoint may carry the section of a plugin that is no longer installed."""
         config = cls()
+        for name, section_cls in (sections or {}).items():
+            config.add_section(name, section_cls)
         for section, values in data.items():
-            if section == "extra":
-                config.extra = dict(values)
+            if section not in SECTIONS and section not in config.plugin_sections:
                 continue
-            target = getattr(config, section, None)
-            if target is None:
+            if not isinstance(values, dict):
                 continue
+            target = getattr(config, section)
             names = {f.name for f in dataclasses.fields(target)}
             for key, value in values.items():
                 if key in names:
@@ -234,18 +274,6 @@ class TrainConfig:
 
 
 # --------------------------------------------------------------------------- flag table
-
-
-@dataclass(frozen=True)
-class ExtraOption:
-    """An option an extension plugin adds to ``plugtron train`` (hook ``plugtron_options``);
-    its value reaches plugins as ``config.extra[name]``."""
-
-    name: str  # e.g. "wandb-project"; the flag is --wandb-project
-    help: str
-    default: Any = None
-    type: type = str
-    is_flag: bool = False
 
 
 @dataclass(frozen=True)
@@ -265,7 +293,19 @@ class FlagField:
 
 
 def _field_type(f: dataclasses.Field) -> Any:
-    annotation = str(f.type)
+    """bool, int, float, str or list, from an annotation written as a string (``from __future__
+    import annotations``) or as a type (``int | None``, ``list[str]``)."""
+    annotation = f.type
+    if not isinstance(annotation, str):
+        args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+        origin = getattr(annotation, "__origin__", None)
+        if origin is list or annotation is list:
+            return list
+        if isinstance(annotation, type) and annotation in (bool, int, float, str):
+            return annotation
+        if args and isinstance(args[0], type) and args[0] in (bool, int, float, str, list):
+            return args[0]
+        annotation = str(annotation)
     if annotation.startswith("list"):
         return list
     for name, typ in (("bool", bool), ("int", int), ("float", float), ("str", str)):
@@ -274,18 +314,28 @@ def _field_type(f: dataclasses.Field) -> Any:
     return str
 
 
-def flag_fields() -> list[FlagField]:
-    """Every settable field of every section, in declaration order."""
+def section_flag_fields(section: str, cls: type) -> list[FlagField]:
+    """The settable fields of one section class, in declaration order."""
     out = []
-    for section, cls in SECTIONS.items():
-        for f in dataclasses.fields(cls):
-            meta = f.metadata
-            if "flag" not in meta:
-                continue
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            out.append(FlagField(section, f.name, meta["flag"], tuple(meta["aliases"]),
-                                 meta["help"], meta["choices"], meta["is_flag"],
-                                 meta["negative"], _field_type(f), default))
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if "flag" not in meta:
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        out.append(FlagField(section, f.name, meta["flag"], tuple(meta["aliases"]),
+                             meta["help"], meta["choices"], meta["is_flag"],
+                             meta["negative"], _field_type(f), default))
+    return out
+
+
+def flag_fields(config: "TrainConfig | None" = None) -> list[FlagField]:
+    """Every settable field of the core's sections and of ``config``'s plugin sections."""
+    out = []
+    classes = dict(SECTIONS)
+    if config is not None:
+        classes.update({name: type(value) for name, value in config.plugin_sections.items()})
+    for section, cls in classes.items():
+        out += section_flag_fields(section, cls)
     return out
 
 
@@ -313,7 +363,7 @@ def _coerce(flag: FlagField, value: Any, source: str) -> Any:
 def apply_values(config: TrainConfig, values: dict, source: str) -> None:
     """Set fields from ``{key: value}`` where a key is a flag name (dashes) or field name."""
     by_key = {}
-    for flag in flag_fields():
+    for flag in flag_fields(config):
         for spelling in (flag.flag, *flag.aliases):
             by_key[spelling.lstrip("-").replace("-", "_")] = flag
         by_key[flag.name] = flag
@@ -352,7 +402,8 @@ def load_config_file(path: str) -> dict:
         raise ConfigError(f"config file {path!r} must hold a mapping of settings")
     flat = {}
     for key, value in data.items():
-        if key in SECTIONS and isinstance(value, dict):
+        # A mapping is a section (the core's or a plugin's): options themselves are scalars.
+        if isinstance(value, dict):
             flat.update(value)
         else:
             flat[key] = value

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from . import comm
+from . import comm, shared_params
 from .sharding import is_tensor_parallel
 
 
@@ -22,8 +22,7 @@ def finalize_model_grads(model_chunks, parallel, num_tokens: torch.Tensor | None
     for chunk in model_chunks:
         chunk.finish_grad_sync()
     _allreduce_marked(model_chunks, "sequence_parallel", parallel.tp_group)
-    if parallel.pp_size > 1:
-        _allreduce_marked(model_chunks, "shared_embedding", parallel.embedding_group)
+    shared_params.allreduce_grads(model_chunks, parallel, grad_of)
     if num_tokens is not None:
         total = num_tokens.detach().clone().float()
         # The count lives on the last stage; the others hold 0 and get it by the pp sum.
@@ -54,9 +53,7 @@ def counts_for_norm(param: torch.Tensor, parallel) -> bool:
     weight only on the first stage."""
     if not is_tensor_parallel(param) and parallel.tp_rank != 0:
         return False
-    if getattr(param, "shared_embedding", False) and not parallel.is_pipeline_first_stage():
-        return False
-    return True
+    return shared_params.counts_once(param, parallel)
 
 
 def local_sq_norm(grads: list[torch.Tensor]) -> torch.Tensor:

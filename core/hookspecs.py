@@ -26,6 +26,12 @@ PROJECT_NAME = "plugtron"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
+#: Hooks that at most one selected driver implements (absent: the core's default).
+OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
+    "model_info": "model",
+    "model_presets": "model",
+}
+
 #: Hooks that exactly one selected driver implements, with the registry role that provides it.
 CONTRACT_HOOKS: dict[str, str] = {
     "dataset_provider": "dataset",
@@ -203,13 +209,64 @@ def build_optimizer(config: Any, model_chunks: list, parallel: Any) -> Any:
 
 
 @hookspec
-def plugtron_options() -> list:
-    """Declare extra ``plugtron train`` options.
+def plugtron_config_sections() -> list:
+    """Declare this plugin's options as typed config sections.
 
-    :returns: a list of ``plugtron.core.config.ExtraOption``; their values reach plugins as
-        ``config.extra[name]``.
+    :returns: a list of ``plugtron.api.ConfigSection(name, cls)``; ``cls`` is a dataclass whose
+        fields are declared with ``plugtron.api.opt(default, "--flag", "help", ...)``. Each field
+        becomes a ``plugtron train`` flag listed under a heading naming the distribution, a
+        config-file key, and ``config.<name>.<field>`` in the run (typed); the checkpoint's
+        config keeps the section under ``name``.
 
-    Called when the CLI builds the ``train`` command, on extension plugins only.
+    Called when the CLI builds a command and when a rank reads its config, on the selected
+    drivers (model, schedule, optimizer, dataset), the selected
+    layer backend, every installed layer type and MoE dispatcher, and every enabled extension.
+    Layer types, dispatchers
+    and layer backends are classes: they declare it as a ``staticmethod``/``classmethod``. A
+    plugin that raises here, or whose names clash with another's, is skipped with a warning.
+    """
+
+
+@hookspec
+def plugtron_validate(config: Any, world_size: int) -> None:
+    """Check this plugin's part of the configuration before any rank is launched.
+
+    :param config: the whole ``TrainConfig`` (core and plugin sections), not yet finalised:
+        ``config.model.padded_vocab_size`` is still ``None``.
+    :param world_size: the number of ranks the run will have.
+    :raises plugtron.api.ConfigError: naming the flag, the value and the rule; the CLI prints
+        it once and exits with code 2.
+
+    Called by the CLI once before launching ranks, and by ``setup`` in every rank (so runs
+    started from Python are checked too), on the same plugins as ``plugtron_config_sections``.
+    The model plugin owns its size rules here (heads, groups, ffn, what tp must divide).
+    """
+
+
+@hookspec(firstresult=True)
+def model_info(config: Any) -> Any:
+    """Describe the model this config builds, for the core's logging and checkpoints.
+
+    :param config: the run's ``TrainConfig``.
+    :returns: a ``plugtron.api.ModelInfo``: ``main_loss`` (the report key that is the
+        model's loss, shown in the progress bar and summary; default ``"lm loss"``) and
+        ``architecture`` (``{flag: effective value}`` of every setting that changes tensor
+        shapes or what the weights compute; a checkpoint resumes only into a run that agrees
+        on all of them).
+
+    Optional, implemented by the model driver. Called on every rank in ``setup`` and when a
+    checkpoint is loaded (for the saved config too).
+    """
+
+
+@hookspec(firstresult=True)
+def model_presets() -> dict:
+    """Named sizes for ``--preset``.
+
+    :returns: ``{preset name: {flag name: value}}``, applied after the built-in defaults and
+        before the config file and the flags.
+
+    Optional, implemented by the model driver. Called by the CLI when it builds ``train``.
     """
 
 

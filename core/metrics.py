@@ -9,8 +9,13 @@ import time
 
 
 class MetricsLogger:
-    def __init__(self, config, rank: int, start_iteration: int = 0):
+    #: Keys of a train record that are not losses (everything else a model reported is one).
+    STEP_KEYS = ("iteration", "grad_norm", "lr", "tokens_per_sec", "step_time_s",
+                 "consumed_samples", "skipped", "num_zeros", "loss_scale")
+
+    def __init__(self, config, rank: int, start_iteration: int = 0, main_loss: str = "lm_loss"):
         self.config = config
+        self.main_loss = main_loss
         self.enabled = rank == 0
         self.file = None
         self.bar = None
@@ -36,21 +41,32 @@ class MetricsLogger:
         it = record["iteration"]
         if self.bar is not None:
             self.bar.update(it - self.bar.n)
-            self.bar.set_postfix(loss=f"{record['lm_loss']:.4f}", lr=f"{record['lr']:.2e}",
+            self.bar.set_postfix(loss=_number(record.get(self.main_loss)),
+                                 lr=f"{record['lr']:.2e}",
                                  tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
         interval = self.config.training.log_interval
         if self.bar is None and interval and (it % interval == 0 or it == 1):
-            print(f"iteration {it:6d}/{self.config.training.train_iters} | "
-                  f"lm loss {record['lm_loss']:.4f} | grad norm {record['grad_norm']:.3f} | "
+            losses = " | ".join(f"{k.replace('_', ' ')} {_number(v)}"
+                                for k, v in self.losses(record).items())
+            print(f"iteration {it:6d}/{self.config.training.train_iters} | {losses} | "
+                  f"grad norm {record['grad_norm']:.3f} | "
                   f"lr {record['lr']:.3e} | {record['tokens_per_sec']:.0f} tokens/s | "
                   f"{record['step_time_s'] * 1000:.0f} ms/step", flush=True)
+
+    def losses(self, record: dict) -> dict:
+        """The loss entries of a record, the main loss first."""
+        out = {k: v for k, v in record.items() if k not in self.STEP_KEYS}
+        if self.main_loss in out:
+            out = {self.main_loss: out.pop(self.main_loss), **out}
+        return out
 
     def evaluation(self, record: dict) -> None:
         if not self.enabled:
             return
         self.write(record)
-        self._print(f"validation at iteration {record['iteration']} | "
-                    f"valid lm loss {record['valid_lm_loss']:.4f}")
+        losses = " | ".join(f"{k.replace('_', ' ')} {_number(v)}"
+                            for k, v in record.items() if k != "iteration")
+        self._print(f"validation at iteration {record['iteration']} | {losses}")
 
     def summary(self, record: dict) -> None:
         if not self.enabled:
@@ -75,6 +91,10 @@ class MetricsLogger:
         if self.file:
             self.file.close()
             self.file = None
+
+
+def _number(value) -> str:
+    return f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
 
 
 class Throughput:

@@ -7,14 +7,13 @@ pytest loads ``pytest11``). Then every contract hook must have exactly one imple
 
 from __future__ import annotations
 
-import os
-
 import pluggy
 
 from . import hookspecs, registry
 from .errors import ConfigError, PluginError
+from .plugin_objects import AUTOLOAD_ENV, autoload_disabled, disabled_extensions
 
-AUTOLOAD_ENV = "PLUGTRON_DISABLE_PLUGIN_AUTOLOAD"
+__all__ = ["AUTOLOAD_ENV", "build_plugin_manager", "disabled_extensions", "selected_drivers"]
 
 #: The config field of ``config.plugins`` that names each driver role.
 DRIVER_ROLES = ("model", "schedule", "optimizer", "dataset")
@@ -53,16 +52,6 @@ def selected_drivers(config) -> dict[str, str]:
     }
 
 
-def disabled_extensions(config) -> set[str]:
-    names = set()
-    for item in config.plugins.disabled:
-        if not item.startswith("no:"):
-            raise ConfigError(f"-p {item!r}: only '-p no:NAME' (disable an extension plugin) "
-                              f"is supported")
-        names.add(item[3:])
-    return names
-
-
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
@@ -71,7 +60,7 @@ def new_plugin_manager() -> pluggy.PluginManager:
 
 def load_extensions(pm: pluggy.PluginManager, disabled: set[str]) -> None:
     """Register every extension plugin of group ``plugtron`` that is not disabled."""
-    if os.environ.get(AUTOLOAD_ENV, "") not in ("", "0"):
+    if autoload_disabled():
         return
     for info in registry.available("extension"):
         if info.name in disabled or pm.is_blocked(info.name):
@@ -113,5 +102,12 @@ def verify_contracts(pm: pluggy.PluginManager) -> None:
         elif len(impls) > 1:
             problems.append(f"{hook_name!r} is implemented by more than one plugin: "
                             f"{', '.join(names)}; exactly one may implement a contract hook")
+    for hook_name, role in hookspecs.OPTIONAL_DRIVER_HOOKS.items():
+        impls = [impl for impl in getattr(pm.hook, hook_name).get_hookimpls()
+                 if not (impl.hookwrapper or impl.wrapper)]
+        if len(impls) > 1:
+            problems.append(f"{hook_name!r} is implemented by more than one plugin: "
+                            f"{', '.join(i.plugin_name for i in impls)}; only the {role} "
+                            f"driver may")
     if problems:
         raise PluginError("; ".join(problems))

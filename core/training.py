@@ -7,18 +7,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint, comm, data, grads, registry, step_info
+from . import aux_losses, checkpoint, comm, data, grads, registry, shared_params, step_info
 from .config import TrainConfig, num_microbatches, padded_vocab_size
 from .ddp import DistributedDataParallel
 from .distributed import WorldInfo, init_distributed
 from .errors import ConfigError
 from .lr_schedule import LRScheduler
 from .metrics import MetricsLogger, Throughput
+from .model_info import ModelInfo, metric_name, model_info_of
 from .p2p import P2PCommunicator
 from .parallel_context import ParallelContext
 from .plugin_manager import build_plugin_manager
+from .plugin_options import with_plugin_sections
 from .random import seed_everything
 from .schedule_plan import check_schedule
+from .validate import validate_plugins
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Run:
     p2p: object = None
     checkpointer: object = None  # core.checkpoint.Checkpointer, made on first use
     state: TrainState = field(default_factory=TrainState)
+    info: ModelInfo = field(default_factory=ModelInfo)
 
     @property
     def num_microbatches(self) -> int:
@@ -95,12 +99,15 @@ def build_model_chunks(config, pm, backend, parallel, device) -> list:
                                         parallel=parallel)
         module.to(device=device, dtype=model_dtype(config))
         chunks.append(DistributedDataParallel(module, config, parallel))
+    shared_params.check_placement(chunks, parallel)
     return chunks
 
 
 def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None) -> Run:
     """Build everything one rank needs. ``world`` defaults to the torchrun/initialised world."""
     world = world or init_distributed()
+    with_plugin_sections(config)  # a config built in Python may not carry them yet
+    validate_plugins(config, world.world_size)
     parallel = build_parallel(config, world)
     step_info.current.rank = world.rank
     pm = build_plugin_manager(config, extra_plugins)
@@ -125,8 +132,9 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None)
     p2p = None
     if parallel.pp_size > 1:
         p2p = P2PCommunicator.from_config(config, parallel, model_dtype(config), world.device)
+    info = pm.hook.model_info(config=config)
     return Run(config, world, parallel, pm, backend, model_chunks, optimizer, scheduler,
-               tuple(datasets), p2p)
+               tuple(datasets), p2p, info=info if isinstance(info, ModelInfo) else ModelInfo())
 
 
 # --------------------------------------------------------------------------- the step
@@ -136,29 +144,73 @@ def data_iterators(run: Run, dataset, consumed_samples: int) -> list:
     """One iterator per model chunk, all at the same position (interleaving draws each chunk's
     microbatches in its own order)."""
     mbs = run.config.training.micro_batch_size
-    return [data.microbatch_iterator(dataset, mbs, run.parallel.dp_rank, run.parallel.dp_size,
-                                     consumed_samples)
+    # ``recording``: each drawn microbatch sets the token weight of losses added inside the
+    # model (core/aux_losses.py).
+    return [aux_losses.recording(data.microbatch_iterator(
+                dataset, mbs, run.parallel.dp_rank, run.parallel.dp_size, consumed_samples))
             for _ in run.model_chunks]
 
 
-def reduce_reports(reports: list[dict], parallel: ParallelContext) -> dict[str, float]:
+def _report_pair(value) -> torch.Tensor:
+    """A report value as ``[sum, count]``: a 2-element tensor or a pair; a lone number counts
+    once (a plain mean over microbatches)."""
+    if isinstance(value, (list, tuple)):
+        value = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in value])
+    value = torch.as_tensor(value).detach().to("cpu", torch.float64).reshape(-1)
+    if value.numel() == 1:
+        return torch.stack([value[0], torch.ones((), dtype=torch.float64)])
+    if value.numel() != 2:
+        raise ConfigError(f"a loss report value must be a scalar or [sum, count], got "
+                          f"{value.numel()} numbers")
+    return value
+
+
+def _agreed_keys(local: list[tuple], parallel: ParallelContext) -> list[tuple]:
+    """The union of ``(kind, key)`` over the pipeline: every stage takes part in the reduction,
+    but only the last stage has the loss reports and each stage its own added losses."""
+    if parallel.pp_size == 1:
+        return sorted(set(local))
+    gathered = [None] * parallel.pp_size
+    torch.distributed.all_gather_object(gathered, sorted(set(local)), group=parallel.pp_group)
+    return sorted({tuple(k) for keys in gathered for k in keys})
+
+
+def reduce_reports(reports: list[dict], parallel: ParallelContext,
+                   added: dict | None = None) -> dict[str, float]:
     """Token-weighted means of every ``[sum, count]`` report key over microbatches, data-parallel
-    ranks and (from the last stage) the whole pipeline."""
-    keys = sorted({k for r in reports for k in r if k != "num_tokens"})
-    keys = keys or ["lm loss"]
-    totals = torch.zeros(len(keys), 2, dtype=torch.float64)
+    ranks and (from the last stage) the whole pipeline; losses added inside the model
+    (``added``: ``{name: sum of n_m x value}`` on this rank) are divided by the global token
+    count."""
+    added = added or {}
+    keys = _agreed_keys([("report", k) for r in reports for k in r if k != "num_tokens"]
+                        + [("added", k) for k in added], parallel)
+    totals = torch.zeros(len(keys) + 1, 2, dtype=torch.float64)  # last row: token count
     for report in reports:
-        for i, key in enumerate(keys):
-            if key in report:
-                totals[i] += report[key].detach().to("cpu", torch.float64).reshape(2)
-    # Every rank takes part: the keys of the last stage are the model's and the same on all.
+        for i, (kind, key) in enumerate(keys):
+            if kind == "report" and key in report:
+                totals[i] += _report_pair(report[key])
+        totals[-1, 1] += float(report["num_tokens"])
+    for i, (kind, key) in enumerate(keys):
+        if kind == "added" and key in added:
+            totals[i, 0] += float(added[key])
     comm.all_reduce(totals, parallel.dp_cp_group)
     comm.all_reduce(totals, parallel.pp_group)
-    return {k: (totals[i, 0] / totals[i, 1].clamp(min=1)).item() for i, k in enumerate(keys)}
+    tokens = totals[-1, 1].clamp(min=1)
+    out = {}
+    for i, (kind, key) in enumerate(keys):
+        count = tokens if kind == "added" else totals[i, 1].clamp(min=1)
+        out[key] = (totals[i, 0] / count).item()
+    return out
+
+
+def loss_metrics(losses: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """Report keys as metrics-file keys (``"lm loss"`` -> ``"lm_loss"``)."""
+    return {prefix + metric_name(k): v for k, v in losses.items()}
 
 
 def run_schedule(run: Run, iterators, forward_only: bool) -> list[dict]:
     chunks_iter = iterators if len(iterators) > 1 else iterators[0]
+    aux_losses.set_loss_scale(run.optimizer.loss_scale())
     return run.pm.hook.forward_backward(
         forward_step_func=run.forward_step_func, data_iterator=chunks_iter,
         model=run.model_chunks, num_microbatches=run.num_microbatches,
@@ -172,22 +224,27 @@ def train_step(run: Run, iterators) -> tuple[dict, object]:
     run.optimizer.zero_grad()
     for chunk in run.model_chunks:  # after the optimizer: it may point .grad into the buffers
         chunk.zero_grad_buffer()
+    aux_losses.take()  # nothing left over from an evaluation or a failed step
     reports = run_schedule(run, iterators, forward_only=False)
+    added = aux_losses.take()
     num_tokens = torch.zeros((), dtype=torch.float32)
     for report in reports:
         num_tokens += report["num_tokens"].float().cpu()
     grads.finalize_model_grads(run.model_chunks, run.parallel, num_tokens)
     result = run.optimizer.step()
-    return reduce_reports(reports, run.parallel), result
+    return reduce_reports(reports, run.parallel, added), result
 
 
-def evaluate(run: Run) -> float | None:
+def evaluate_all(run: Run) -> dict[str, float] | None:
+    """Every report key (and added loss) over ``--eval-iters`` validation batches; ``None``
+    without a validation split."""
     valid = run.datasets[1] if len(run.datasets) > 1 else None
     if valid is None or run.config.training.eval_iters == 0:
         return None
     for chunk in run.model_chunks:
         chunk.eval()
     reports = []
+    aux_losses.take()
     iterators = data_iterators(run, valid, 0)
     try:
         for _ in range(run.config.training.eval_iters):
@@ -197,7 +254,13 @@ def evaluate(run: Run) -> float | None:
     finally:
         for chunk in run.model_chunks:
             chunk.train()
-    return reduce_reports(reports, run.parallel).get("lm loss")
+    return reduce_reports(reports, run.parallel, aux_losses.take())
+
+
+def evaluate(run: Run) -> float | None:
+    """The validation value of the model's main loss."""
+    losses = evaluate_all(run)
+    return None if losses is None else losses.get(run.info.main_loss)
 
 
 def train(run: Run, metrics: MetricsLogger) -> dict:
@@ -222,7 +285,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
         step_time = time.perf_counter() - step_start
         state.iteration = iteration
         state.consumed_samples += t.global_batch_size
-        record = {"iteration": iteration, "lm_loss": losses.get("lm loss"),
+        record = {"iteration": iteration, **loss_metrics(losses),
                   "grad_norm": result.grad_norm, "lr": lr,
                   "tokens_per_sec": throughput.add(tokens_per_iter), "step_time_s": step_time,
                   "consumed_samples": state.consumed_samples, "skipped": not result.stepped}
@@ -239,16 +302,17 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
         chunk.finish_param_sync()
     checkpoint.at_train_end(run)
     elapsed = time.perf_counter() - start
-    return {"summary": True, "iterations": state.iteration,
-            "final_lm_loss": losses.get("lm loss"),
+    main = run.info.main_loss
+    return {"summary": True, "iterations": state.iteration, "main_loss": metric_name(main),
+            "final_loss": losses.get(main), f"final_{metric_name(main)}": losses.get(main),
             "tokens_per_sec": throughput.tokens / max(elapsed, 1e-9), "time_s": elapsed,
             "consumed_samples": state.consumed_samples}
 
 
 def run_evaluation(run: Run, metrics: MetricsLogger, iteration: int) -> None:
-    loss = evaluate(run)
-    if loss is not None:
-        metrics.evaluation({"iteration": iteration, "valid_lm_loss": loss})
+    losses = evaluate_all(run)
+    if losses is not None:
+        metrics.evaluation({"iteration": iteration, **loss_metrics(losses, "valid_")})
 
 
 def after_step(run: Run, iteration: int) -> None:
@@ -260,7 +324,8 @@ def pretrain(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = No
     """Build everything for this rank and train; returns the summary record."""
     run = setup(config, extra_plugins, world)
     checkpoint.load_if_requested(run)
-    metrics = MetricsLogger(config, run.world.rank, run.state.iteration)
+    metrics = MetricsLogger(config, run.world.rank, run.state.iteration,
+                            main_loss=metric_name(run.info.main_loss))
     try:
         summary = train(run, metrics)
         t = config.training

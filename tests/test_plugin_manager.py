@@ -23,7 +23,7 @@ from plugtron.core.hookspecs import hookimpl
 class Hello:
     @hookimpl
     def plugtron_configure(self, config):
-        config.extra["hello"] = "was here"
+        config.training.seed = 4242
 """
 
 
@@ -80,7 +80,7 @@ def test_extensions_autoload_and_can_be_disabled(fake_extension, monkeypatch):
     config = tiny_config()
     pm = build_plugin_manager(config)
     pm.hook.plugtron_configure.call_historic(kwargs={"config": config})
-    assert config.extra.get("hello") == "was here"
+    assert config.training.seed == 4242
 
     config = tiny_config(p=["no:hello"])
     pm = build_plugin_manager(config)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from plugtron.core.config import TrainConfig, apply_values
+from plugtron.core.config import TrainConfig
+from plugtron.core.plugin_options import config_from_flags
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.metrics import MetricsLogger
 from plugtron.core.training import setup, train
@@ -19,9 +20,7 @@ TINY = {
 def tiny_config(**overrides) -> TrainConfig:
     """A seconds-long fp32 run on mock data without dropout; keys are flag names with
     underscores or dashes (``num_layers=4``, ``tp=2``)."""
-    config = TrainConfig()
-    apply_values(config, {**TINY, **overrides}, "test")
-    return config
+    return config_from_flags({**TINY, **overrides}, "test")
 
 
 class StepRecorder:

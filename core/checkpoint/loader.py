@@ -23,47 +23,24 @@ from . import jsonio, state
 from .pieces import ShardSpec
 from .reader import CheckpointReader
 
-#: Model settings that change tensor shapes or the function the weights compute; a checkpoint
-#: loads only into a run that agrees on all of them.
-ARCHITECTURE = (
-    ("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
-    ("ffn_hidden_size", "--ffn-hidden-size"), ("num_attention_heads", "--num-attention-heads"),
-    ("num_query_groups", "--num-query-groups"), ("kv_channels", "--kv-channels"),
-    ("vocab_size", "--vocab-size"), ("position_embedding_type", "--position-embedding-type"),
-    ("max_position_embeddings", "--max-position-embeddings"),
-    ("rotary_base", "--rotary-base"), ("normalization", "--normalization"),
-    ("norm_epsilon", "--norm-epsilon"), ("swiglu", "--swiglu"),
-    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
-    ("add_bias_linear", "--add-bias-linear"),
-)
-
-
-def effective_model(model: dict) -> dict:
-    """Model settings with their derived defaults filled in, so equal models compare equal."""
-    m = dict(model)
-    heads = m["num_attention_heads"]
-    m["ffn_hidden_size"] = m.get("ffn_hidden_size") or 4 * m["hidden_size"]
-    m["num_query_groups"] = m.get("num_query_groups") or heads
-    m["kv_channels"] = m.get("kv_channels") or m["hidden_size"] // heads
-    if m.get("position_embedding_type") == "learned_absolute":
-        m["max_position_embeddings"] = m.get("max_position_embeddings") or m["seq_length"]
-    else:
-        m["max_position_embeddings"] = None  # no tensor depends on it
-    if m.get("position_embedding_type") != "rope":
-        m["rotary_base"] = None
-    return m
-
-
-def check_compatible(saved_config: dict, config) -> None:
-    """``CheckpointError`` listing every architecture setting that differs."""
+def check_compatible(saved_config: dict, run) -> None:
+    """``CheckpointError`` listing every architecture setting that differs. The model plugin
+    says which settings those are (``model_info(config).architecture``)."""
+    config = run.config
     saved_model = saved_config.get("plugins", {}).get("model")
     if saved_model and saved_model != config.plugins.model:
         raise CheckpointError(f"the checkpoint holds a {saved_model!r} model; this run builds "
                               f"--model {config.plugins.model!r}")
-    saved = effective_model(saved_config["model"])
-    now = effective_model(config.to_dict()["model"])
-    diffs = [f"{flag} {saved.get(name)!r} (this run: {now.get(name)!r})"
-             for name, flag in ARCHITECTURE if saved.get(name) != now.get(name)]
+    from ..model_info import ModelInfo
+    from ..plugin_options import config_from_dict
+
+    def architecture(cfg) -> dict:
+        info = run.pm.hook.model_info(config=cfg)
+        return dict(info.architecture) if isinstance(info, ModelInfo) else {}
+
+    saved, now = architecture(config_from_dict(saved_config)), architecture(config)
+    diffs = [f"{flag} {saved.get(flag)!r} (this run: {now.get(flag)!r})"
+             for flag in sorted(set(saved) | set(now)) if saved.get(flag) != now.get(flag)]
     if diffs:
         raise CheckpointError("the checkpoint's model differs from this run's; run with the "
                               "checkpoint's settings: " + "; ".join(diffs))
@@ -87,7 +64,7 @@ def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReade
     ``run``. Collective when the optimizer gathers its state. ``model_only``: weights only
     (evaluation, fine-tuning from converted weights)."""
     reader = CheckpointReader(path)
-    check_compatible(reader.config, run.config)
+    check_compatible(reader.config, run)
     saved_vocab = reader.config["model"].get("padded_vocab_size")
     current_vocab = run.config.model.padded_vocab_size
     vocab = run.config.model.vocab_size
@@ -98,7 +75,7 @@ def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReade
 
     specs = {}
     for name, tensor, spec in state.model_tensors(run):
-        stored = state.stored_name(name, tensor)
+        stored = state.stored_name(run, name, tensor)
         specs[name] = (stored, spec, tensor)
         logical = f"model/{stored}"
         target_spec(logical, spec)

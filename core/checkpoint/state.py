@@ -7,8 +7,9 @@ Rules (the contracts in docs/checkpoints.md):
   its global name; sharding is what the layer declared on the tensor (core/sharding.py).
 * Data-parallel replicas are identical: only dp-cp rank 0 writes. Tensor-parallel replicas
   (tensors that are not tp-sharded) are written by tp rank 0 only.
-* The tied output weight that the last pipeline stage holds (``shared_embedding`` and not named
-  as the embedding) is a copy: it is never written and loads from the embedding.
+* A parameter shared between stages (``share_parameter``, e.g. a tied output weight) is stored
+  once, under its name on the lowest stage that holds it; the other copies are never written and
+  load from that one.
 * The optimizer gives ``sharded_state_dict()``: ``{param name: {key: tensor shaped like the
   param's local shard}}`` plus JSON-able global state under ``"__optimizer__"``.
 """
@@ -19,13 +20,12 @@ import time
 
 import torch
 
+from .. import shared_params
 from ..errors import CheckpointError
 from ..random import get_rng_state
 from .pieces import ShardSpec, local_boxes_of
 from .writer import RankSnapshot, TensorEntry
 
-#: The word embedding's global name; a tied output weight is stored under it (model contract).
-EMBEDDING_NAME = "embedding.word_embeddings.weight"
 OPTIMIZER_GLOBAL_KEY = "__optimizer__"
 
 
@@ -40,11 +40,19 @@ def model_tensors(run) -> list[tuple[str, torch.Tensor, ShardSpec]]:
     return out
 
 
-def stored_name(name: str, tensor: torch.Tensor) -> str:
-    """The name a tensor is stored under: a tied copy of the embedding is the embedding."""
-    if getattr(tensor, "shared_embedding", False) and name != EMBEDDING_NAME:
-        return EMBEDDING_NAME
-    return name
+def shared_names(run) -> dict[str, str]:
+    """Shared group -> stored name (a collective over the pipeline on first use; cached)."""
+    names = getattr(run, "_shared_stored_names", None)
+    if names is None:
+        names = shared_params.stored_names(run.model_chunks, run.parallel)
+        run._shared_stored_names = names
+    return names
+
+
+def stored_name(run, name: str, tensor: torch.Tensor) -> str:
+    """The name a tensor is stored under: a shared copy is stored as its group's owner."""
+    group = shared_params.group_of(tensor)
+    return shared_names(run)[group] if group else name
 
 
 def _standalone(t: torch.Tensor) -> bool:
@@ -105,7 +113,7 @@ def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot
         if finish is not None:
             finish()
     for name, tensor, spec in model_tensors(run):
-        stored = stored_name(name, tensor)
+        stored = stored_name(run, name, tensor)
         specs[name] = (stored, spec)
         if stored == name and writes_here(run, spec):
             model.append(_entry(f"model/{name}", tensor, spec, copy, seen, staging))

@@ -6,9 +6,15 @@ from functools import partial
 
 import torch
 from plugtron.core.hookspecs import hookimpl
+from plugtron.core.model_info import ModelInfo
 from plugtron.core.step_info import check_finite
 
 from .model import GPTModel
+from .presets import PRESETS
+from .sizes import architecture, validate_sizes
+
+#: The report key of the GPT model's loss (Megatron's).
+MAIN_LOSS = "lm loss"
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -18,11 +24,23 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     loss_sum = (losses * mask).sum()
     num_tokens = mask.sum()
     check_finite(loss_sum, "lm loss")
-    report = {"lm loss": torch.stack([loss_sum.detach(), num_tokens.detach()])}
+    report = {MAIN_LOSS: torch.stack([loss_sum.detach(), num_tokens.detach()])}
     return loss_sum, num_tokens, report
 
 
 class GPTPlugin:
+    @hookimpl
+    def plugtron_validate(self, config):
+        validate_sizes(config)
+
+    @hookimpl
+    def model_info(self, config):
+        return ModelInfo(main_loss=MAIN_LOSS, architecture=architecture(config))
+
+    @hookimpl
+    def model_presets(self):
+        return PRESETS
+
     @hookimpl
     def model_provider(self, config, pre_process, post_process, vp_stage, layer_backend,
                        parallel):

@@ -1,4 +1,5 @@
-"""Named model and run sizes for ``--preset``; flags and config files override them."""
+"""The GPT model's named sizes for ``--preset`` (hook ``model_presets``); flags and config files
+override them."""
 
 from __future__ import annotations
 

@@ -1,0 +1,97 @@
+"""``plugtron.api``: every name a plugin may use, in one module.
+
+The built-in plugins import the core through this module only (tests/test_public_api.py
+enforces it), so whatever they can do, a third-party package can do too. docs/api.md lists each
+name with its signature and stability. Names marked *stable* keep their signature within a major
+version; *provisional* ones may still change in a minor version, with a note in
+docs/migration.md.
+"""
+
+from plugtron.core.aux_losses import add_loss
+from plugtron.core.comm import (
+    all_gather_tensor,
+    all_reduce,
+    broadcast,
+    group_rank,
+    group_size,
+    reduce_scatter_tensor,
+)
+from plugtron.core.config import ConfigSection, TrainConfig, opt
+from plugtron.core.data import collate
+from plugtron.core.errors import CheckpointError, ConfigError, PluginError, PlugtronError
+from plugtron.core.hookspecs import hookimpl
+from plugtron.core.inference import load_model
+from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
+from plugtron.core.layer_backend import LayerBackend
+from plugtron.core.layers import load_layer_types
+from plugtron.core.model_info import ModelInfo
+from plugtron.core.optimizer import (
+    OPTIMIZER_STATE_KEY,
+    MixedPrecisionOptimizer,
+    Optimizer,
+    StepResult,
+    TorchOptimizer,
+    adamw_factory,
+    named_params,
+    no_weight_decay,
+    param_groups_for,
+)
+from plugtron.core.parallel_context import ParallelContext
+from plugtron.core.pipeline_executor import ActionListSchedule, execute_actions
+from plugtron.core.pipeline_layout import chunk_layers, stage_layer_counts
+from plugtron.core.plugin_manager import selected_drivers
+from plugtron.core.random import RNGStatesTracker, model_parallel_rng_tracker
+from plugtron.core.schedule_plan import Action
+from plugtron.core.schedule_utils import backward_step, forward_step, sync_context
+from plugtron.core.shared_params import share_parameter
+from plugtron.core.sharding import (
+    is_tensor_parallel,
+    mark_sequence_parallel,
+    set_tensor_parallel,
+    shard_of,
+)
+from plugtron.core.step_info import check_finite
+from plugtron.core.tensor_parallel import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+    sequence_parallel_linear,
+)
+from plugtron.core.vocab_parallel import (
+    VocabParallelEmbedding,
+    parallel_logits,
+    vocab_parallel_cross_entropy,
+)
+
+__all__ = [
+    # plugins and their options
+    "hookimpl", "ConfigSection", "opt", "TrainConfig", "selected_drivers",
+    "PlugtronError", "ConfigError", "PluginError", "CheckpointError",
+    # models
+    "ModelInfo", "LayerBackend", "load_layer_types", "chunk_layers", "stage_layer_counts",
+    "InitMethod", "normal_init", "scaled_normal_init", "check_finite", "add_loss",
+    "share_parameter", "ParallelContext", "load_model",
+    # tensor parallelism
+    "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
+    "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
+    "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
+    "reduce_scatter_to_sequence_parallel_region", "sequence_parallel_linear",
+    "set_tensor_parallel", "is_tensor_parallel", "shard_of", "mark_sequence_parallel",
+    "VocabParallelEmbedding", "parallel_logits", "vocab_parallel_cross_entropy",
+    "RNGStatesTracker", "model_parallel_rng_tracker",
+    # collectives
+    "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "broadcast", "group_size",
+    "group_rank",
+    # schedules
+    "Action", "ActionListSchedule", "execute_actions", "forward_step", "backward_step",
+    "sync_context",
+    # optimizers
+    "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",
+    "named_params", "no_weight_decay", "param_groups_for", "OPTIMIZER_STATE_KEY",
+    # datasets
+    "collate",
+]

@@ -1,0 +1,37 @@
+"""What the core needs to know about a model without knowing the model (hook ``model_info``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+#: The main loss key when a model plugin does not say otherwise (Megatron's).
+DEFAULT_MAIN_LOSS = "lm loss"
+
+
+@dataclass
+class ModelInfo:
+    """Returned by a model plugin's ``model_info(config)``.
+
+    ``main_loss``: the report key that is the model's loss (progress bar, console, the
+    summary's ``final_loss``); every other report key is logged too.
+    ``architecture``: ``{flag: effective value}`` of the settings that change tensor shapes or
+    what the weights compute; resuming a checkpoint requires them all to agree.
+    """
+
+    main_loss: str = DEFAULT_MAIN_LOSS
+    architecture: dict = field(default_factory=dict)
+
+
+def metric_name(report_key: str) -> str:
+    """``"lm loss"`` -> ``"lm_loss"``: report keys as metrics-file keys."""
+    return report_key.strip().replace(" ", "_")
+
+
+def model_info_of(model_plugin, config) -> ModelInfo:
+    """The model driver's ``ModelInfo`` (an instance or a plugin object), or the default."""
+    from .plugin_objects import PluginObject, call_declared
+
+    plugin = model_plugin if isinstance(model_plugin, PluginObject) else PluginObject(
+        "model", "?", "?", model_plugin)
+    info = call_declared(plugin, "model_info", config=config)
+    return info if isinstance(info, ModelInfo) else ModelInfo()

@@ -1,0 +1,100 @@
+"""Parameters shared between pipeline stages (tied embeddings and the like).
+
+A model declares, on every stage that holds a copy, ``share_parameter(param, group)``. The copies
+of one group start equal (the model initialises them from the same init key), their gradients
+are summed between the first and last pipeline stage after backward (Megatron's embedding group),
+each element counts once in the grad norm (on the first stage), and the checkpoint stores the
+group once, under the name the parameter has on the lowest stage that holds it, so checkpoints
+keep the model's own names. Copies may live on the first and last stage only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .errors import ConfigError
+
+ATTRIBUTE = "shared_group"
+
+
+def share_parameter(param: torch.nn.Parameter, group: str) -> torch.nn.Parameter:
+    """Declare ``param`` one copy of the shared tensor ``group``; returns ``param``."""
+    if not group or not isinstance(group, str):
+        raise ValueError("share_parameter needs a non-empty group name")
+    setattr(param, ATTRIBUTE, group)
+    return param
+
+
+def group_of(param: torch.Tensor) -> str | None:
+    return getattr(param, ATTRIBUTE, None)
+
+
+def _named_shared(model_chunks) -> list[tuple[str, str, torch.nn.Parameter]]:
+    """(group, name, param) of this rank's shared parameters, sorted by group."""
+    out = []
+    for chunk in model_chunks:
+        module = getattr(chunk, "module", chunk)
+        for name, param in module.named_parameters():
+            group = group_of(param)
+            if group:
+                out.append((group, name, param))
+    return sorted(out, key=lambda item: item[0])
+
+
+def _gather_over_pipeline(value, parallel) -> list:
+    if parallel.pp_size == 1:
+        return [value]
+    out = [None] * parallel.pp_size
+    torch.distributed.all_gather_object(out, value, group=parallel.pp_group)
+    return out
+
+
+def check_placement(model_chunks, parallel) -> None:
+    """Every shared group must be held by the first and the last stage and nowhere else, with
+    the same shape (a collective over the pipeline group)."""
+    local = {group: list(param.shape) for group, _, param in _named_shared(model_chunks)}
+    per_stage = _gather_over_pipeline(local, parallel)
+    if parallel.pp_size == 1:
+        return
+    groups = {g for stage in per_stage for g in stage}
+    for group in sorted(groups):
+        holders = [r for r, stage in enumerate(per_stage) if group in stage]
+        shapes = {tuple(per_stage[r][group]) for r in holders}
+        if holders != sorted({0, parallel.pp_size - 1}) or len(shapes) != 1:
+            raise ConfigError(f"shared parameter group {group!r} is held by pipeline stages "
+                              f"{holders} with shapes {sorted(shapes)}; shared copies must live "
+                              f"on the first and the last stage, with one shape")
+
+
+def stored_names(model_chunks, parallel) -> dict[str, str]:
+    """group -> the name the checkpoint stores it under (its name on the lowest stage)."""
+    local = {}
+    for group, name, _ in _named_shared(model_chunks):
+        local.setdefault(group, name)
+    out = {}
+    for stage in _gather_over_pipeline(local, parallel):
+        for group, name in stage.items():
+            out.setdefault(group, name)
+    return out
+
+
+def allreduce_grads(model_chunks, parallel, grad_of) -> None:
+    """Sum the gradients of each shared group between the first and last stage."""
+    if parallel.pp_size == 1 or comm.group_size(parallel.embedding_group) == 1:
+        return
+    grads = [grad_of(p) for _, _, p in _named_shared(model_chunks)]
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, parallel.embedding_group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def counts_once(param: torch.Tensor, parallel) -> bool:
+    """Whether this copy counts in the grad norm: only the first stage's does."""
+    return group_of(param) is None or parallel.is_pipeline_first_stage()
