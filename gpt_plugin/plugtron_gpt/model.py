@@ -75,10 +75,11 @@ class GPTModel(torch.nn.Module):
         layer_types = load_layer_types(layer_symbols)
         # One decoder layer runs its symbols' layer types in order under one global index; their
         # children sit directly under decoder.layers.{i} (Megatron-Core's names).
-        layers = {index: ComposedLayer(layer_types[symbol](config, backend, parallel, index + 1,
-                                                           seed)
-                                       for symbol in layer_symbols)
-                  for index in self.layer_range}
+        layers = {}
+        for index in self.layer_range:
+            parts = [layer_types[symbol](config, backend, parallel, index + 1, seed)
+                     for symbol in layer_symbols]
+            layers[index] = ComposedLayer(parts)
         self.decoder = Decoder(layers, backend.norm(m.hidden_size) if post_process else None)
         self.use_rotary = m.position_embedding_type == "rope"
         self.head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
