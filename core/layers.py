@@ -6,6 +6,12 @@ A layer type is a ``torch.nn.Module`` class with a class attribute ``symbol`` (`
 ``(config, backend, parallel, layer_number, seed)`` where ``layer_number`` is the 1-based global
 index of the transformer layer it belongs to (so initialisation does not depend on the layout).
 ``forward(hidden, rotary=None)`` returns the new residual stream (the residual is added inside).
+
+A layer type is a whole decoder layer on its own, and its children name its parameters under
+``decoder.layers.{layer_number - 1}`` (``*``: ``input_layernorm``, ``self_attention``; ``-``:
+``pre_mlp_layernorm``, ``mlp``), so it should seed each weight's init by that final name. Several
+types under one layer index (a GPT layer is ``*`` then ``-``) are run as one decoder layer by
+:class:`plugtron.core.layer_stack.ComposedLayer`, which keeps those names flat.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ from plugtron.core.training import finalize_model_config
 
 from .utils import tiny_config
 
+QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
+
 
 def build(**overrides):
     config = tiny_config(**overrides)
@@ -42,10 +44,11 @@ def test_default_layout_and_names():
     params = names(model)
     assert "embedding.word_embeddings.weight" in params
     assert "embedding.position_embeddings.weight" in params
-    assert "decoder.0.0.linear_qkv.weight" in params and "decoder.1.1.linear_fc2.bias" in params
-    assert "final_layernorm.weight" in params
+    assert QKV in params
+    assert "decoder.layers.1.mlp.linear_fc2.bias" in params
+    assert "decoder.final_layernorm.weight" in params
     assert "output_layer.weight" not in params  # tied by default
-    assert isinstance(model.final_layernorm, torch.nn.LayerNorm)
+    assert isinstance(model.decoder.final_layernorm, torch.nn.LayerNorm)
 
 
 def test_rope_removes_learned_positions_and_changes_output():
@@ -62,13 +65,13 @@ def test_rmsnorm_swiglu_gqa_untied_no_bias():
                              ffn_hidden_size=48)
     params = names(model)
     assert not any(n.endswith(".bias") and "layernorm" not in n for n in params)
-    assert params["decoder.0.1.linear_fc1.weight"].shape == (2 * 48, 32)
+    assert params["decoder.layers.0.mlp.linear_fc1.weight"].shape == (2 * 48, 32)
     head_dim = 32 // 4
-    assert params["decoder.0.0.linear_qkv.weight"].shape == ((4 + 2 * 2) * head_dim, 32)
+    assert params[QKV].shape == ((4 + 2 * 2) * head_dim, 32)
     assert "output_layer.weight" in params
     assert not torch.equal(params["output_layer.weight"],
                            params["embedding.word_embeddings.weight"])
-    assert type(model.final_layernorm).__name__ == "RMSNorm"
+    assert type(model.decoder.final_layernorm).__name__ == "RMSNorm"
     tokens, pos, labels = batch(config)
     assert torch.isfinite(model(tokens, pos, labels=labels)).all()
 
@@ -84,8 +87,8 @@ def test_scaled_init_of_output_projections():
     config, model, _ = build(num_layers=8, hidden_size=64, ffn_hidden_size=256,
                              init_method_std=0.05)
     params = names(model)
-    std_in = params["decoder.0.0.linear_qkv.weight"].std().item()
-    std_out = params["decoder.0.1.linear_fc2.weight"].std().item()
+    std_in = params[QKV].std().item()
+    std_out = params["decoder.layers.0.mlp.linear_fc2.weight"].std().item()
     assert std_in == pytest.approx(0.05, rel=0.1)
     assert std_out == pytest.approx(0.05 / math.sqrt(16), rel=0.1)
 

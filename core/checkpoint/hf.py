@@ -28,8 +28,8 @@ class Converter(Protocol):
     """Model-specific mapping between Hugging Face tensors and plugtron's global tensors.
 
     Tensors on the plugtron side are full (unsharded), named as the model's parameters are
-    (``decoder.0.0.linear_qkv.weight``), and vocabulary-sized tensors have exactly
-    ``vocab_size`` rows (the core adds and removes tp padding).
+    (``decoder.layers.0.self_attention.linear_qkv.weight``), and vocabulary-sized tensors have
+    exactly ``vocab_size`` rows (the core adds and removes tp padding).
     """
 
     #: plugtron names whose first dimension is the vocabulary.

@@ -1,5 +1,9 @@
 """Layer type ``*``: pre-norm causal self-attention with grouped-query heads.
 
+Children as in Megatron-Core, so parameters read ``decoder.layers.{i}.input_layernorm.*`` and
+``decoder.layers.{i}.self_attention.{linear_qkv,linear_proj}.*``, alone (one symbol per layer, as
+the Hybrid model composes) or composed with ``-`` under the same index (a GPT layer).
+
 The fused QKV projection is laid out per query group, ``[q_1..q_n, k, v]`` for each group, so a
 contiguous split of its rows over tp gives each rank whole groups.
 """
@@ -15,21 +19,20 @@ from plugtron.core.init import normal_init, scaled_normal_init
 from .rope import apply_rotary
 
 
-class SelfAttentionLayer(torch.nn.Module):
-    symbol = "*"
+class SelfAttention(torch.nn.Module):
+    """QKV projection, core attention and output projection over this rank's heads (no norm,
+    no residual): ``self_attention`` of a decoder layer."""
 
-    def __init__(self, config, backend, parallel, layer_number: int, seed: int):
+    def __init__(self, config, backend, parallel, prefix: str, seed: int):
         super().__init__()
         m = config.model
         tp = parallel.tp_size
-        self.backend = backend
         self.num_heads = m.num_attention_heads // tp
         self.num_groups = (m.num_query_groups or m.num_attention_heads) // tp
         self.heads_per_group = self.num_heads // self.num_groups
         self.head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
         total_heads = m.num_attention_heads + 2 * (m.num_query_groups or m.num_attention_heads)
-        prefix = f"decoder.layers.{layer_number - 1}.self_attention"
-        self.input_layernorm = backend.norm(m.hidden_size)
+        # Init keys are the parameters' final names: the same weights under every layout.
         self.linear_qkv = backend.column_parallel_linear(
             m.hidden_size, total_heads * self.head_dim, bias=m.add_bias_linear,
             init_method=normal_init(m.init_method_std, seed, f"{prefix}.linear_qkv.weight"))
@@ -40,10 +43,9 @@ class SelfAttentionLayer(torch.nn.Module):
             init_method=scaled_normal_init(m.init_method_std, m.num_layers, seed,
                                            f"{prefix}.linear_proj.weight"),
             input_is_parallel=True)
-        self.hidden_dropout = m.hidden_dropout
 
-    def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
-        qkv, _ = self.linear_qkv(self.input_layernorm(hidden))
+    def forward(self, x: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
+        qkv, _ = self.linear_qkv(x)
         b, s = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(b, s, self.num_groups, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.heads_per_group].reshape(b, s, self.num_heads, self.head_dim)
@@ -51,6 +53,25 @@ class SelfAttentionLayer(torch.nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         out, _ = self.linear_proj(self.core_attention(q, k, v))
+        return out
+
+
+class SelfAttentionLayer(torch.nn.Module):
+    """``hidden + dropout(self_attention(input_layernorm(hidden)))``."""
+
+    symbol = "*"
+
+    def __init__(self, config, backend, parallel, layer_number: int, seed: int):
+        super().__init__()
+        m = config.model
+        self.backend = backend
+        self.input_layernorm = backend.norm(m.hidden_size)
+        self.self_attention = SelfAttention(
+            config, backend, parallel, f"decoder.layers.{layer_number - 1}.self_attention", seed)
+        self.hidden_dropout = m.hidden_dropout
+
+    def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.self_attention(self.input_layernorm(hidden), rotary)
         return hidden + dropout(out, self.hidden_dropout, self.training, self.backend)
 
 

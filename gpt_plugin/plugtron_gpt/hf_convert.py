@@ -9,8 +9,9 @@ Two Hugging Face layouts:
   positions, biases, tied output layer. GPT-2 stores its linear layers as ``Conv1D``, i.e.
   transposed.
 
-plugtron's fused QKV weight is laid out per query group, ``[q_1..q_n, k, v]`` for each group
-(attention.py), and SwiGLU's fc1 is ``[gate; up]``.
+plugtron's names are Megatron-Core's (``decoder.layers.{i}.self_attention.linear_qkv.weight``,
+``decoder.final_layernorm.weight``, ...). Its fused QKV weight is laid out per query group,
+``[q_1..q_n, k, v]`` for each group (attention.py), and SwiGLU's fc1 is ``[gate; up]``.
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ from plugtron.core.errors import ConfigError
 EMBEDDING = "embedding.word_embeddings.weight"
 POSITIONS = "embedding.position_embeddings.weight"
 OUTPUT = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm"
+
+
+def _layer(i: int) -> str:
+    """Layer ``i``'s prefix; its norms sit right under it (``{layer}.input_layernorm``)."""
+    return f"decoder.layers.{i}"
 
 
 def _attn(i: int) -> str:
-    return f"decoder.{i}.0"
+    return f"{_layer(i)}.self_attention"
 
 
 def _mlp(i: int) -> str:
-    return f"decoder.{i}.1"
+    return f"{_layer(i)}.mlp"
 
 
 def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
@@ -97,14 +104,15 @@ def llama_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
     if c.get("max_position_embeddings"):
         flags["max-position-embeddings"] = c["max_position_embeddings"]
     out = {EMBEDDING: _take(hf, "model.embed_tokens.weight"),
-           "final_layernorm.weight": _take(hf, "model.norm.weight")}
+           f"{FINAL_NORM}.weight": _take(hf, "model.norm.weight")}
     if not tied:
         out[OUTPUT] = _take(hf, "lm_head.weight")
     for i in range(layers):
         src = f"model.layers.{i}"
-        a, m = _attn(i), _mlp(i)
-        out[f"{a}.input_layernorm.weight"] = _take(hf, f"{src}.input_layernorm.weight")
-        out[f"{m}.pre_mlp_layernorm.weight"] = _take(hf, f"{src}.post_attention_layernorm.weight")
+        layer, a, m = _layer(i), _attn(i), _mlp(i)
+        out[f"{layer}.input_layernorm.weight"] = _take(hf, f"{src}.input_layernorm.weight")
+        out[f"{layer}.pre_mlp_layernorm.weight"] = _take(hf,
+                                                         f"{src}.post_attention_layernorm.weight")
         for kind in ("weight", "bias") if bias else ("weight",):
             q, k, v = (_take(hf, f"{src}.self_attn.{p}_proj.{kind}") for p in "qkv")
             out[f"{a}.linear_qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups)
@@ -132,14 +140,14 @@ def llama_to_hf(m, t: dict) -> tuple[dict, dict]:
               "tie_word_embeddings": tied, "attention_bias": m.add_bias_linear,
               "mlp_bias": m.add_bias_linear, "attention_dropout": m.attention_dropout}
     out = {"model.embed_tokens.weight": t[EMBEDDING],
-           "model.norm.weight": t["final_layernorm.weight"]}
+           "model.norm.weight": t[f"{FINAL_NORM}.weight"]}
     if not tied:
         out["lm_head.weight"] = t[OUTPUT]
     for i in range(m.num_layers):
         dst = f"model.layers.{i}"
-        a, p = _attn(i), _mlp(i)
-        out[f"{dst}.input_layernorm.weight"] = t[f"{a}.input_layernorm.weight"]
-        out[f"{dst}.post_attention_layernorm.weight"] = t[f"{p}.pre_mlp_layernorm.weight"]
+        layer, a, p = _layer(i), _attn(i), _mlp(i)
+        out[f"{dst}.input_layernorm.weight"] = t[f"{layer}.input_layernorm.weight"]
+        out[f"{dst}.post_attention_layernorm.weight"] = t[f"{layer}.pre_mlp_layernorm.weight"]
         for kind in ("weight", "bias") if m.add_bias_linear else ("weight",):
             q, k, v = split_qkv(t[f"{a}.linear_qkv.{kind}"], heads, groups)
             out[f"{dst}.self_attn.q_proj.{kind}"] = q
@@ -177,13 +185,13 @@ def gpt2_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
              "hidden-dropout": float(c.get("resid_pdrop", 0.1)),
              "attention-dropout": float(c.get("attn_pdrop", 0.1))}
     out = {EMBEDDING: _take(hf, "wte.weight"), POSITIONS: _take(hf, "wpe.weight"),
-           "final_layernorm.weight": _take(hf, "ln_f.weight"),
-           "final_layernorm.bias": _take(hf, "ln_f.bias")}
+           f"{FINAL_NORM}.weight": _take(hf, "ln_f.weight"),
+           f"{FINAL_NORM}.bias": _take(hf, "ln_f.bias")}
     for i in range(layers):
-        src, a, m = f"h.{i}", _attn(i), _mlp(i)
+        src, layer, a, m = f"h.{i}", _layer(i), _attn(i), _mlp(i)
         for kind in ("weight", "bias"):
-            out[f"{a}.input_layernorm.{kind}"] = _take(hf, f"{src}.ln_1.{kind}")
-            out[f"{m}.pre_mlp_layernorm.{kind}"] = _take(hf, f"{src}.ln_2.{kind}")
+            out[f"{layer}.input_layernorm.{kind}"] = _take(hf, f"{src}.ln_1.{kind}")
+            out[f"{layer}.pre_mlp_layernorm.{kind}"] = _take(hf, f"{src}.ln_2.{kind}")
         # Conv1D weights are [in, out]: transpose to a linear layer's [out, in].
         q, k, v = _take(hf, f"{src}.attn.c_attn.weight").t().chunk(3)
         out[f"{a}.linear_qkv.weight"] = fuse_qkv(q, k, v, heads, heads)
@@ -209,13 +217,13 @@ def gpt2_to_hf(m, t: dict) -> tuple[dict, dict]:
               "attn_pdrop": m.attention_dropout, "tie_word_embeddings": True,
               "scale_attn_weights": True}
     out = {"transformer.wte.weight": t[EMBEDDING], "transformer.wpe.weight": t[POSITIONS],
-           "transformer.ln_f.weight": t["final_layernorm.weight"],
-           "transformer.ln_f.bias": t["final_layernorm.bias"]}
+           "transformer.ln_f.weight": t[f"{FINAL_NORM}.weight"],
+           "transformer.ln_f.bias": t[f"{FINAL_NORM}.bias"]}
     for i in range(m.num_layers):
-        dst, a, p = f"transformer.h.{i}", _attn(i), _mlp(i)
+        dst, layer, a, p = f"transformer.h.{i}", _layer(i), _attn(i), _mlp(i)
         for kind in ("weight", "bias"):
-            out[f"{dst}.ln_1.{kind}"] = t[f"{a}.input_layernorm.{kind}"]
-            out[f"{dst}.ln_2.{kind}"] = t[f"{p}.pre_mlp_layernorm.{kind}"]
+            out[f"{dst}.ln_1.{kind}"] = t[f"{layer}.input_layernorm.{kind}"]
+            out[f"{dst}.ln_2.{kind}"] = t[f"{layer}.pre_mlp_layernorm.{kind}"]
         out[f"{dst}.attn.c_attn.weight"] = torch.cat(
             split_qkv(t[f"{a}.linear_qkv.weight"], heads, heads)).t()
         out[f"{dst}.attn.c_attn.bias"] = torch.cat(split_qkv(t[f"{a}.linear_qkv.bias"], heads,

@@ -3,6 +3,12 @@
 The first chunk owns the embedding, the last the final norm, output layer and loss; the others
 take their input through ``set_input_tensor``. Every tensor-parallel piece comes from the layer
 backend the run selected, and the decoder is composed from layer types found by symbol.
+
+Parameter names are Megatron-Core's and the same under every layout and layer backend:
+``embedding.word_embeddings.weight``, ``embedding.position_embeddings.weight`` (first stage),
+``decoder.layers.{i}.{input_layernorm,self_attention,pre_mlp_layernorm,mlp}.*`` (i global),
+``decoder.final_layernorm.*`` and ``output_layer.weight`` (last stage; untied, or the tied copy
+when the embedding lives on another stage).
 """
 
 from __future__ import annotations
@@ -10,15 +16,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from plugtron.core.init import normal_init
+from plugtron.core.layer_stack import ComposedLayer
 from plugtron.core.layers import load_layer_types
 from plugtron.core.pipeline_layout import chunk_layers
 
 from .attention import dropout
+from .decoder import Decoder
 from .rope import rotary_freqs
 
-#: The symbols of one GPT transformer layer: attention then MLP.
+#: The symbols of one GPT transformer layer: attention then MLP, under one layer index.
 GPT_LAYER = "*-"
 WORD_EMBEDDING_KEY = "embedding.word_embeddings.weight"
+POSITION_EMBEDDING_KEY = "embedding.position_embeddings.weight"
+OUTPUT_LAYER_KEY = "output_layer.weight"
 
 
 class GPTEmbedding(torch.nn.Module):
@@ -35,7 +45,7 @@ class GPTEmbedding(torch.nn.Module):
                 m.max_position_embeddings or m.seq_length, m.hidden_size)
             with torch.no_grad():
                 self.position_embeddings.weight.copy_(normal_init(
-                    m.init_method_std, seed, "embedding.position_embeddings.weight")(
+                    m.init_method_std, seed, POSITION_EMBEDDING_KEY)(
                     tuple(self.position_embeddings.weight.shape)))
         self.dropout = m.hidden_dropout
 
@@ -63,25 +73,23 @@ class GPTModel(torch.nn.Module):
         if pre_process:
             self.embedding = GPTEmbedding(config, backend, seed)
         layer_types = load_layer_types(layer_symbols)
-        # Keyed by the global layer index, so parameter names do not depend on the layout:
-        # decoder.<layer>.<sub-layer>.<...> is the same tensor under every tp/pp/vp split.
-        self.decoder = torch.nn.ModuleDict({
-            str(index): torch.nn.ModuleList(
-                layer_types[symbol](config, backend, parallel, index + 1, seed)
-                for symbol in layer_symbols)
-            for index in self.layer_range})
+        # One decoder layer runs its symbols' layer types in order under one global index; their
+        # children sit directly under decoder.layers.{i} (Megatron-Core's names).
+        layers = {}
+        for index in self.layer_range:
+            parts = [layer_types[symbol](config, backend, parallel, index + 1, seed)
+                     for symbol in layer_symbols]
+            layers[index] = ComposedLayer(parts)
+        self.decoder = Decoder(layers, backend.norm(m.hidden_size) if post_process else None)
         self.use_rotary = m.position_embedding_type == "rope"
         self.head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
-        if post_process:
-            self.final_layernorm = backend.norm(m.hidden_size)
-            self.output_layer = None
-            if m.untie_embeddings_and_output_weights or not pre_process:
-                key = ("output_layer.weight" if m.untie_embeddings_and_output_weights
-                       else WORD_EMBEDDING_KEY)
-                # Tied across stages: the same key gives the output layer the embedding's init.
-                self.output_layer = backend.vocab_parallel_embedding(
-                    m.padded_vocab_size, m.hidden_size,
-                    init_method=normal_init(m.init_method_std, seed, key))
+        self.output_layer = None
+        if post_process and (m.untie_embeddings_and_output_weights or not pre_process):
+            key = OUTPUT_LAYER_KEY if m.untie_embeddings_and_output_weights else WORD_EMBEDDING_KEY
+            # Tied across stages: the same key gives the output layer the embedding's init.
+            self.output_layer = backend.vocab_parallel_embedding(
+                m.padded_vocab_size, m.hidden_size,
+                init_method=normal_init(m.init_method_std, seed, key))
         if not m.untie_embeddings_and_output_weights and parallel.pp_size > 1:
             for weight in self.shared_embedding_weights():
                 weight.shared_embedding = True
@@ -110,12 +118,9 @@ class GPTModel(torch.nn.Module):
         if self.use_rotary:
             rotary = rotary_freqs(tokens.shape[1], self.head_dim, self.config.model.rotary_base,
                                   tokens.device)
-        for sublayers in self.decoder.values():
-            for layer in sublayers:
-                hidden = layer(hidden, rotary)
+        hidden = self.decoder(hidden, rotary)
         if not self.post_process:
             return hidden
-        hidden = self.final_layernorm(hidden)
         m = self.config.model
         logits = self.backend.output_logits(hidden, self.output_weight(), m.parallel_output)
         if labels is None:

@@ -10,11 +10,20 @@ built-in sequence parallelism splits dimension 0 of sequence-first ``[s, b, h]``
 while plugtron's activations are batch-first ``[b, s, h]``; keeping TE's modules local
 (``parallel_mode=None``) keeps one set of communication semantics for every backend.
 Consequently TE's communication/GEMM overlap is not used.
+
+Parameter names are the same as under ``local`` (``linear_qkv.weight``, ``linear_proj.bias``,
+``input_layernorm.weight``, ...): the linear layers and core attention are subclasses of TE's
+``Linear`` and ``DotProductAttention`` (no wrapper level in the name), with a row-parallel bias
+kept as TE's own ``bias`` (returned by TE, added after the reduction); the norms are TE's
+``LayerNorm`` (``weight``, ``bias``) and ``RMSNorm`` (``weight``) as they are. TE's fused
+norm + linear (``LayerNormLinear``, whose norm is ``layer_norm_weight``) is not used, so the
+norm keeps its own module and Megatron-Core's local-spec name.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 from plugtron.core import tensor_parallel as tpc
@@ -52,58 +61,85 @@ def _load_shard(param: torch.nn.Parameter, full: torch.Tensor, dim: int, rank: i
         param.copy_(shard_of(full, dim, rank, size, chunks).to(param.device, param.dtype))
 
 
-class _TELinear(torch.nn.Module):
-    """A local ``te.Linear`` on this rank's shard, between plugtron's collectives."""
+@dataclass(frozen=True)
+class _TensorParallelSettings:
+    """plugtron's view of one linear layer, kept in one attribute whose name TE does not use
+    (TE's modules have their own ``sequence_parallel``, ``tp_size``, ``tp_group``, ...)."""
 
-    def __init__(self, te, input_size, output_size, *, bias, init_method, parallel,
-                 sequence_parallel, column: bool, gather_output=False, input_is_parallel=True,
-                 skip_bias_add=False, partition_chunks=1):
-        super().__init__()
-        self._parallel = parallel
-        tp, rank = parallel.tp_size, parallel.tp_rank
-        self.column, self.sequence_parallel = column, sequence_parallel
-        self.gather_output, self.input_is_parallel = gather_output, input_is_parallel
-        self.skip_bias_add, self.partition_chunks = skip_bias_add, partition_chunks
-        dim = 0 if column else 1
-        local_in = input_size if column else input_size // tp
-        local_out = output_size // tp if column else output_size
-        # TE owns the GEMM: bias is kept out of it for row layers (added after the reduction).
-        self.returns_bias = bias and column and skip_bias_add
-        self.linear = te.Linear(local_in, local_out, bias=bias and column,
-                                init_method=lambda weight: None, parallel_mode=None,
-                                return_bias=self.returns_bias)
-        _load_shard(self.linear.weight, init_method((output_size, input_size)), dim, rank, tp,
-                    partition_chunks if column else 1)
-        set_tensor_parallel(self.linear.weight, dim, partition_chunks if column else 1)
-        self.bias = None
-        if bias and column:
-            with torch.no_grad():
-                self.linear.bias.zero_()
-            set_tensor_parallel(self.linear.bias, 0, partition_chunks)
-        elif bias:
-            self.bias = torch.nn.Parameter(torch.zeros(output_size, device="cuda"))
-            if sequence_parallel:
-                self.bias.sequence_parallel = True
+    parallel: object
+    sequence_parallel: bool
+    column: bool
+    gather_output: bool
+    input_is_parallel: bool
+    skip_bias_add: bool
+    partition_chunks: int
 
-    def forward(self, x):
-        group = self._parallel.tp_group
-        if self.column:
-            x = (tpc.gather_from_sequence_parallel_region(x, group) if self.sequence_parallel
-                 else tpc.copy_to_tensor_parallel_region(x, group))
-            out = self.linear(x)
-            out, bias = out if self.returns_bias else (out, None)
-            if self.gather_output:
-                out = tpc.gather_from_tensor_parallel_region(out, group,
-                                                             chunks=self.partition_chunks)
-            return out, bias
-        if not self.input_is_parallel:
-            x = tpc.scatter_to_tensor_parallel_region(x, group)
-        out = self.linear(x)
-        out = (tpc.reduce_scatter_to_sequence_parallel_region(out, group)
-               if self.sequence_parallel else tpc.reduce_from_tensor_parallel_region(out, group))
-        if self.skip_bias_add or self.bias is None:
-            return out, self.bias
-        return out + self.bias, None
+
+def _te_module_classes(te):
+    """The TE subclasses this backend builds, defined once transformer-engine is imported.
+
+    They subclass TE's modules (as Megatron-Core's TELinear does) instead of wrapping them, so a
+    module's parameters are TE's own ``weight`` and ``bias`` with no extra level in the name:
+    ``linear_qkv.weight`` under ``te`` as under ``local``.
+    """
+
+    class TensorParallelTELinear(te.Linear):
+        """A local ``te.Linear`` over this rank's shard, between plugtron's collectives.
+
+        A row-parallel bias must be added after the reduction over tp, so TE returns it
+        (``return_bias``) instead of fusing it into the GEMM; it stays TE's ``bias``."""
+
+        def __init__(self, input_size, output_size, *, bias, init_method, settings):
+            parallel = settings.parallel
+            tp, rank = parallel.tp_size, parallel.tp_rank
+            column = settings.column
+            super().__init__(input_size if column else input_size // tp,
+                             output_size // tp if column else output_size, bias=bias,
+                             init_method=lambda weight: None, parallel_mode=None,
+                             return_bias=bias and (settings.skip_bias_add or not column))
+            self._plugtron_tp = settings
+            dim, chunks = (0, settings.partition_chunks) if column else (1, 1)
+            _load_shard(self.weight, init_method((output_size, input_size)), dim, rank, tp,
+                        chunks)
+            set_tensor_parallel(self.weight, dim, chunks)
+            if bias:
+                with torch.no_grad():
+                    self.bias.zero_()
+                if column:
+                    set_tensor_parallel(self.bias, 0, chunks)
+                elif settings.sequence_parallel:
+                    self.bias.sequence_parallel = True
+
+        def forward(self, x):
+            settings = self._plugtron_tp
+            group = settings.parallel.tp_group
+            if settings.column:
+                x = (tpc.gather_from_sequence_parallel_region(x, group)
+                     if settings.sequence_parallel else tpc.copy_to_tensor_parallel_region(x, group))
+            elif not settings.input_is_parallel:
+                x = tpc.scatter_to_tensor_parallel_region(x, group)
+            out = super().forward(x)
+            out, bias = out if self.return_bias else (out, None)
+            if settings.column:
+                if settings.gather_output:
+                    out = tpc.gather_from_tensor_parallel_region(
+                        out, group, chunks=settings.partition_chunks)
+                return out, bias
+            out = (tpc.reduce_scatter_to_sequence_parallel_region(out, group)
+                   if settings.sequence_parallel
+                   else tpc.reduce_from_tensor_parallel_region(out, group))
+            if settings.skip_bias_add or bias is None:
+                return out, bias
+            return out + bias, None
+
+    class TECoreAttention(te.DotProductAttention):
+        """TE's ``DotProductAttention`` with the interface's ``forward(q, k, v)`` (``bshd``)."""
+
+        def forward(self, q, k, v):
+            out = super().forward(q.contiguous(), k.contiguous(), v.contiguous())
+            return out.reshape(q.shape[0], q.shape[1], -1)
+
+    return TensorParallelTELinear, TECoreAttention
 
 
 class TEBackend(LayerBackend):
@@ -115,24 +151,31 @@ class TEBackend(LayerBackend):
 
     def __init__(self, config, parallel):
         self.te = import_transformer_engine()
+        self._linear_class, self._attention_class = _te_module_classes(self.te)
         super().__init__(config, parallel)
+
+    def _linear(self, input_size, output_size, bias, init_method, *, column, gather_output=False,
+                input_is_parallel=True, skip_bias_add=False, partition_chunks=1):
+        settings = _TensorParallelSettings(
+            parallel=self.parallel, sequence_parallel=self.sequence_parallel, column=column,
+            gather_output=gather_output, input_is_parallel=input_is_parallel,
+            skip_bias_add=skip_bias_add, partition_chunks=partition_chunks)
+        return self._linear_class(input_size, output_size, bias=bias, init_method=init_method,
+                                  settings=settings)
 
     def column_parallel_linear(self, input_size, output_size, *, bias, init_method,
                                gather_output=False, skip_bias_add=False, partition_chunks=1):
-        return _TELinear(self.te, input_size, output_size, bias=bias, init_method=init_method,
-                         parallel=self.parallel, sequence_parallel=self.sequence_parallel,
-                         column=True, gather_output=gather_output, skip_bias_add=skip_bias_add,
-                         partition_chunks=partition_chunks)
+        return self._linear(input_size, output_size, bias, init_method, column=True,
+                            gather_output=gather_output, skip_bias_add=skip_bias_add,
+                            partition_chunks=partition_chunks)
 
     def row_parallel_linear(self, input_size, output_size, *, bias, init_method,
                             input_is_parallel=True, skip_bias_add=False):
         if self.sequence_parallel and not input_is_parallel:
             raise ConfigError("a row-parallel linear under --sequence-parallel needs its input "
                               "already split over tp (input_is_parallel=True)")
-        return _TELinear(self.te, input_size, output_size, bias=bias, init_method=init_method,
-                         parallel=self.parallel, sequence_parallel=self.sequence_parallel,
-                         column=False, input_is_parallel=input_is_parallel,
-                         skip_bias_add=skip_bias_add)
+        return self._linear(input_size, output_size, bias, init_method, column=False,
+                            input_is_parallel=input_is_parallel, skip_bias_add=skip_bias_add)
 
     def norm(self, hidden_size):
         m = self.config.model
@@ -144,20 +187,7 @@ class TEBackend(LayerBackend):
 
     def core_attention(self, num_heads, num_query_groups, head_dim, dropout):
         # Counts are already this rank's (the model divided by tp); TE's tp arguments stay 1.
-        attention = self.te.DotProductAttention(
+        return self._attention_class(
             num_heads, head_dim, num_gqa_groups=num_query_groups, attention_dropout=dropout,
             qkv_format="bshd", attn_mask_type="causal",
             get_rng_state_tracker=lambda: self.rng_tracker)
-        return _TEAttention(attention)
-
-
-class _TEAttention(torch.nn.Module):
-    """TE's ``DotProductAttention`` with the interface's ``forward(q, k, v)`` (``bshd``)."""
-
-    def __init__(self, attention):
-        super().__init__()
-        self.attention = attention
-
-    def forward(self, q, k, v):
-        out = self.attention(q.contiguous(), k.contiguous(), v.contiguous())
-        return out.reshape(q.shape[0], q.shape[1], -1)

@@ -25,6 +25,7 @@ from tests.utils import tiny_config
 VOCAB, DIVISIBLE, LAYERS, HIDDEN, FFN, HEADS, GROUPS = 100, 8, 4, 16, 32, 4, 2
 MAX_PADDED = 128  # padded vocabulary at tp 4
 EMBEDDING = "embedding.word_embeddings.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
 
 
 def full_tensors(untied: bool, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -32,16 +33,19 @@ def full_tensors(untied: bool, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     qkv_rows = (HEADS + 2 * GROUPS) * (HIDDEN // HEADS)
     out = {EMBEDDING: torch.randn(MAX_PADDED, HIDDEN, generator=g),
-           "final_layernorm.weight": torch.randn(HIDDEN, generator=g)}
+           FINAL_NORM: torch.randn(HIDDEN, generator=g)}
     if untied:
         out["output_layer.weight"] = torch.randn(MAX_PADDED, HIDDEN, generator=g)
     for i in range(LAYERS):
-        out[f"decoder.{i}.0.input_layernorm.weight"] = torch.randn(HIDDEN, generator=g)
-        out[f"decoder.{i}.0.linear_qkv.weight"] = torch.randn(qkv_rows, HIDDEN, generator=g)
-        out[f"decoder.{i}.0.linear_qkv.bias"] = torch.randn(qkv_rows, generator=g)
-        out[f"decoder.{i}.0.linear_proj.weight"] = torch.randn(HIDDEN, HIDDEN, generator=g)
-        out[f"decoder.{i}.1.linear_fc1.weight"] = torch.randn(2 * FFN, HIDDEN, generator=g)
-        out[f"decoder.{i}.1.linear_fc2.weight"] = torch.randn(HIDDEN, FFN, generator=g)
+        layer = f"decoder.layers.{i}"
+        out[f"{layer}.input_layernorm.weight"] = torch.randn(HIDDEN, generator=g)
+        out[f"{layer}.self_attention.linear_qkv.weight"] = torch.randn(qkv_rows, HIDDEN,
+                                                                       generator=g)
+        out[f"{layer}.self_attention.linear_qkv.bias"] = torch.randn(qkv_rows, generator=g)
+        out[f"{layer}.self_attention.linear_proj.weight"] = torch.randn(HIDDEN, HIDDEN,
+                                                                        generator=g)
+        out[f"{layer}.mlp.linear_fc1.weight"] = torch.randn(2 * FFN, HIDDEN, generator=g)
+        out[f"{layer}.mlp.linear_fc2.weight"] = torch.randn(HIDDEN, FFN, generator=g)
     return out
 
 
@@ -108,10 +112,10 @@ def rank_run(full, tp, pp, vp, dp, rank, untied, fill=None):
         post = parallel.pp_rank == pp - 1 and v == (vp or 1) - 1
         names = [EMBEDDING] if pre else []
         layers = chunk_layers(LAYERS, pp, parallel.pp_rank, vp, v if vp else None)
-        names += [n for n in full if n.startswith("decoder.")
-                  and int(n.split(".")[1]) in layers]
+        names += [n for n in full if n.startswith("decoder.layers.")
+                  and int(n.split(".")[2]) in layers]
         if post:
-            names.append("final_layernorm.weight")
+            names.append(FINAL_NORM)
             if untied or not pre:
                 names.append("output_layer.weight")
         params = {}

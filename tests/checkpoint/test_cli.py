@@ -29,8 +29,9 @@ def test_inspect(saved):
     out = result.output
     assert "iteration 3, consumed samples 24" in out
     assert "tp=1" in out and "pp=1" in out and "model: gpt (plugtron-gpt" in out
-    assert "model/decoder.0.0.linear_qkv.weight" in out and "float32   96x32" in out
-    assert "optim/decoder.0.0.linear_qkv.weight/exp_avg" in out
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert f"model/{qkv}" in out and "float32   96x32" in out
+    assert f"optim/{qkv}/exp_avg" in out
     info = json.loads(CliRunner().invoke(cli, ["checkpoint", "inspect", saved,
                                               "--json"]).output)
     assert info["iteration"] == 3 and info["layout"]["world_size"] == 1

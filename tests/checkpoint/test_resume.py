@@ -57,9 +57,10 @@ def test_resume_sgd_bf16(tmp_path):
     losses, _ = train_resumable(ckpt_config(save=str(tmp_path), save_interval=2, **settings),
                                 ONE)
     reader = CheckpointReader(str(tmp_path / "iter_0000002"))
-    assert reader.tensors["model/decoder.0.0.linear_qkv.weight"].dtype == "bfloat16"
-    assert reader.tensors["optim/decoder.0.0.linear_qkv.weight/main_param"].dtype == "float32"
-    assert "optim/decoder.0.0.linear_qkv.weight/momentum_buffer" in reader.tensors
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    assert reader.tensors[f"model/{qkv}"].dtype == "bfloat16"
+    assert reader.tensors[f"optim/{qkv}/main_param"].dtype == "float32"
+    assert f"optim/{qkv}/momentum_buffer" in reader.tensors
     resumed, _ = train_resumable(ckpt_config(load=str(tmp_path / "iter_0000002"), **settings),
                                  ONE)
     assert [resumed[i] for i in (3, 4)] == [losses[i] for i in (3, 4)]

@@ -174,8 +174,8 @@ def test_uneven_interleaved_stages_match_single_process(pool, references):
     # 8 layers over pp 2 x vp 2 with 2 on the first stage: chunks of 1, 3, 1, 3 layers.
     ranks = pool.run(_train, 2, 2, "interleaved-1f1b", True,
                      decoder_first_pipeline_num_layers=2)
-    layers = {r["pp_rank"]: sorted({n.split(".")[1] for n in r["params"]
-                                    if n.startswith("decoder.")})
+    layers = {r["pp_rank"]: sorted({n.split(".")[2] for n in r["params"]
+                                    if n.startswith("decoder.layers.")})
               for r in ranks if r["params"] is not None}
     assert layers == {0: ["0", "4"], 1: ["1", "2", "3", "5", "6", "7"]}
     for r in ranks:
