@@ -12,8 +12,14 @@ from plugtron.core.validate import validate
 
 from .errors import user_errors
 from .launch import launch_local_ranks
-from .options import SectionedCommand, build_config, config_options, declared_sections, headings
-from .options import prescan
+from .options import (
+    SectionedCommand,
+    build_config,
+    config_options,
+    declared_sections,
+    headings,
+    prescan,
+)
 from .train import check_data_paths, check_plugins
 
 

@@ -10,7 +10,7 @@ Sharded mode (for the distributed optimizer): every bucket is padded so that the
 ranks own equal contiguous shards of it, regardless of parameter boundaries; the reduction is a
 reduce-scatter (each rank gets the sum only for its shard), and the parameters live in a flat
 buffer too (``param.data`` is a view), so that an all-gather of the shards refreshes them.
-A parameter marked ``shared_embedding`` gets a bucket of its own then, so that the first and
+A parameter shared between stages (``shared_group``, see core/shared_params.py) gets a bucket of its own then, so that the first and
 last pipeline stage shard it identically and can sum its (reduced) shard afterwards.
 """
 
@@ -166,7 +166,7 @@ class GradBuffer:
         self.group, self.group_size, self.group_rank = group, group_size, group_rank
         self.sharded = sharded
         device = self.params[0].device
-        own = [sharded and bool(getattr(p, "shared_embedding", False)) for p in self.params]
+        own = [sharded and bool(getattr(p, "shared_group", None)) for p in self.params]
         ranges, plans = plan_buckets([p.numel() for p in self.params], bucket_size,
                                      shard_alignment(group_size) if sharded else 1, own)
         self.numel = plans[-1].end

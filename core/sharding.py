@@ -10,8 +10,8 @@ into any layout. Attributes (absent means "replicated, not sharded"):
   ``partition_dim`` (e.g. SwiGLU's [gate; up]) and each block is split across tp separately.
 * ``sequence_parallel`` (bool): replicated over tp but fed sequence-sharded activations, so its
   gradient must be all-reduced over tp when grads are finalised.
-* ``shared_embedding`` (bool): the word embedding and the output layer are one tensor held on the
-  first and last pipeline stage; gradients are summed over the embedding group.
+* ``shared_group`` (str): one copy of a tensor shared between the first and last pipeline stage
+  (core/shared_params.py, e.g. a tied embedding); gradients are summed over the embedding group.
 * ``allreduce`` (bool, default True): reduced over data parallel (False for expert params, which
   reduce over the expert data-parallel group).
 """

@@ -14,7 +14,7 @@ from .distributed import WorldInfo, init_distributed
 from .errors import ConfigError
 from .lr_schedule import LRScheduler
 from .metrics import MetricsLogger, Throughput
-from .model_info import ModelInfo, metric_name, model_info_of
+from .model_info import ModelInfo, metric_name
 from .p2p import P2PCommunicator
 from .parallel_context import ParallelContext
 from .plugin_manager import build_plugin_manager

@@ -76,7 +76,7 @@ def test_sharded_wrapper_keeps_parameters_in_a_flat_buffer():
 def test_sharded_wrapper_gives_a_shared_embedding_its_own_bucket():
     # The first and last pipeline stage must shard the tied weight alike (summed afterwards).
     module = _toy()
-    module[4].weight.shared_embedding = True
+    module[4].weight.shared_group = "embedding"
     names = {id(p): n for n, p in module.named_parameters()}
     (plain,) = _wrap(module, ddp_bucket_size=1000).grad_buffers
     assert [len(b.params) for b in plain.buckets] == [6]

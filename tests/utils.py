@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from plugtron.core.config import TrainConfig
-from plugtron.core.plugin_options import config_from_flags
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.metrics import MetricsLogger
+from plugtron.core.plugin_options import config_from_flags
 from plugtron.core.training import setup, train
 
 TINY = {

@@ -23,6 +23,7 @@ from plugtron.core.hookspecs import hookimpl
 from plugtron.core.inference import load_model
 from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.layer_backend import LayerBackend
+from plugtron.core.layer_stack import ComposedLayer
 from plugtron.core.layers import load_layer_types
 from plugtron.core.model_info import ModelInfo
 from plugtron.core.optimizer import (
@@ -42,14 +43,16 @@ from plugtron.core.pipeline_layout import chunk_layers, stage_layer_counts
 from plugtron.core.plugin_manager import selected_drivers
 from plugtron.core.random import RNGStatesTracker, model_parallel_rng_tracker
 from plugtron.core.schedule_plan import Action
-from plugtron.core.schedule_utils import backward_step, forward_step, sync_context
-from plugtron.core.shared_params import share_parameter
+from plugtron.core.schedule_utils import backward_step as schedule_backward_step
+from plugtron.core.schedule_utils import forward_step as schedule_forward_step
+from plugtron.core.schedule_utils import sync_context
 from plugtron.core.sharding import (
     is_tensor_parallel,
     mark_sequence_parallel,
     set_tensor_parallel,
     shard_of,
 )
+from plugtron.core.shared_params import share_parameter
 from plugtron.core.step_info import check_finite
 from plugtron.core.tensor_parallel import (
     copy_to_tensor_parallel_region,
@@ -72,7 +75,7 @@ __all__ = [
     "hookimpl", "ConfigSection", "opt", "TrainConfig", "selected_drivers",
     "PlugtronError", "ConfigError", "PluginError", "CheckpointError",
     # models
-    "ModelInfo", "LayerBackend", "load_layer_types", "chunk_layers", "stage_layer_counts",
+    "ModelInfo", "LayerBackend", "load_layer_types", "ComposedLayer", "chunk_layers", "stage_layer_counts",
     "InitMethod", "normal_init", "scaled_normal_init", "check_finite", "add_loss",
     "share_parameter", "ParallelContext", "load_model",
     # tensor parallelism
@@ -87,7 +90,8 @@ __all__ = [
     "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "broadcast", "group_size",
     "group_rank",
     # schedules
-    "Action", "ActionListSchedule", "execute_actions", "forward_step", "backward_step",
+    "Action", "ActionListSchedule", "execute_actions", "schedule_forward_step",
+    "schedule_backward_step",
     "sync_context",
     # optimizers
     "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",

@@ -23,6 +23,7 @@ from . import jsonio, state
 from .pieces import ShardSpec
 from .reader import CheckpointReader
 
+
 def check_compatible(saved_config: dict, run) -> None:
     """``CheckpointError`` listing every architecture setting that differs. The model plugin
     says which settings those are (``model_info(config).architecture``)."""

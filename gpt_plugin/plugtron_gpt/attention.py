@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from plugtron.core.init import normal_init, scaled_normal_init
+from plugtron.api import normal_init, scaled_normal_init
 
 from .rope import apply_rotary
 

@@ -17,7 +17,7 @@ plugtron's names are Megatron-Core's (``decoder.layers.{i}.self_attention.linear
 from __future__ import annotations
 
 import torch
-from plugtron.core.errors import ConfigError
+from plugtron.api import ConfigError
 
 EMBEDDING = "embedding.word_embeddings.weight"
 POSITIONS = "embedding.position_embeddings.weight"

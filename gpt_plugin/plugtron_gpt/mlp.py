@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plugtron.core.init import normal_init, scaled_normal_init
+from plugtron.api import normal_init, scaled_normal_init
 
 from .attention import dropout
 

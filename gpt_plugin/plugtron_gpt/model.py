@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plugtron.core.init import normal_init
-from plugtron.core.layer_stack import ComposedLayer
-from plugtron.core.layers import load_layer_types
-from plugtron.core.pipeline_layout import chunk_layers
+from plugtron.api import ComposedLayer, chunk_layers, load_layer_types, normal_init, share_parameter
 
 from .attention import dropout
 from .decoder import Decoder
@@ -27,6 +24,8 @@ from .rope import rotary_freqs
 #: The symbols of one GPT transformer layer: attention then MLP, under one layer index.
 GPT_LAYER = "*-"
 WORD_EMBEDDING_KEY = "embedding.word_embeddings.weight"
+#: The shared-parameter group of the word embedding and its tied output-layer copy.
+WORD_EMBEDDING_GROUP = "word_embeddings"
 POSITION_EMBEDDING_KEY = "embedding.position_embeddings.weight"
 OUTPUT_LAYER_KEY = "output_layer.weight"
 
@@ -92,7 +91,7 @@ class GPTModel(torch.nn.Module):
                 init_method=normal_init(m.init_method_std, seed, key))
         if not m.untie_embeddings_and_output_weights and parallel.pp_size > 1:
             for weight in self.shared_embedding_weights():
-                weight.shared_embedding = True
+                share_parameter(weight, WORD_EMBEDDING_GROUP)
 
     def shared_embedding_weights(self) -> list[torch.nn.Parameter]:
         out = []
@@ -112,7 +111,11 @@ class GPTModel(torch.nn.Module):
             tensor = tensor[0]
         self.input_tensor = tensor
 
-    def forward(self, tokens, position_ids, labels=None):
+    def forward(self, tokens, position_ids=None, labels=None):
+        """Logits, or with ``labels`` the per-token loss, on the last stage; the hidden states
+        elsewhere. ``position_ids`` default to 0..seq-1 (``model(tokens)`` gives logits)."""
+        if position_ids is None:
+            position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         hidden = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
         rotary = None
         if self.use_rotary:

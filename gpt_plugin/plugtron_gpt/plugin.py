@@ -5,9 +5,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.model_info import ModelInfo
-from plugtron.core.step_info import check_finite
+from plugtron.api import ModelInfo, check_finite, hookimpl
 
 from .model import GPTModel
 from .presets import PRESETS

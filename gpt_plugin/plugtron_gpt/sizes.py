@@ -3,7 +3,7 @@ a checkpoint must agree on to be resumed."""
 
 from __future__ import annotations
 
-from plugtron.core.errors import ConfigError
+from plugtron.api import ConfigError
 
 
 def validate_sizes(config) -> None:

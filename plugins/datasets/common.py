@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from plugtron.core.errors import ConfigError
+from plugtron.api import ConfigError
 
 
 def seeded_rng(seed: int, *tags: int) -> np.random.Generator:

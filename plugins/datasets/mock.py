@@ -16,8 +16,7 @@ grammar but draw different documents, so validation loss measures generalisation
 from __future__ import annotations
 
 import numpy as np
-from plugtron.core.errors import ConfigError
-from plugtron.core.hookspecs import hookimpl
+from plugtron.api import ConfigError, hookimpl
 
 from .common import TokenWindowDataset, parse_split, seeded_rng, token_dtype
 

@@ -14,8 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
-from plugtron.core.errors import ConfigError
-from plugtron.core.hookspecs import hookimpl
+from plugtron.api import ConfigError, hookimpl
 
 from .common import TokenWindowDataset, concat_documents, parse_split, seeded_rng, split_documents
 

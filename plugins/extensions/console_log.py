@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.plugin_manager import selected_drivers
+from plugtron.api import hookimpl, selected_drivers
 
 
 class ConsoleLog:

@@ -3,10 +3,10 @@
 The vocabulary-parallel pieces (embedding, output logits, cross entropy) are the interface's
 defaults from core, shared with other backends.
 
-Communication goes through the autograd-aware collectives of :mod:`plugtron.core.tensor_parallel`,
+Communication goes through the autograd-aware collectives of the public API (``plugtron.api``),
 so the same code runs on one process (every collective is the identity) and on any tp group, on
 CPU with gloo or on GPUs with nccl. Every weight is drawn full by its init method and this rank
-keeps its shard (:func:`plugtron.core.sharding.shard_of`), so a tp shard is exactly the slice of
+keeps its shard (``plugtron.api.shard_of``), so a tp shard is exactly the slice of
 what tp 1 initialises with the same seed.
 """
 
@@ -14,10 +14,19 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plugtron.core import tensor_parallel as tpc
-from plugtron.core.errors import ConfigError
-from plugtron.core.layer_backend import LayerBackend
-from plugtron.core.sharding import mark_sequence_parallel, set_tensor_parallel, shard_of
+from plugtron.api import (
+    ConfigError,
+    LayerBackend,
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    mark_sequence_parallel,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+    sequence_parallel_linear,
+    set_tensor_parallel,
+    shard_of,
+)
 
 
 class _TPLayer(torch.nn.Module):
@@ -71,12 +80,12 @@ class ColumnParallelLinear(_TPLayer):
     def forward(self, x):
         bias = None if self.skip_bias_add else self.bias
         if self.sequence_parallel:
-            out = tpc.sequence_parallel_linear(x, self.weight, bias, self.tp_group)
+            out = sequence_parallel_linear(x, self.weight, bias, self.tp_group)
         else:
-            x = tpc.copy_to_tensor_parallel_region(x, self.tp_group)
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
             out = F.linear(x, self.weight, bias)
         if self.gather_output:
-            out = tpc.gather_from_tensor_parallel_region(out, self.tp_group,
+            out = gather_from_tensor_parallel_region(out, self.tp_group,
                                                          chunks=self.partition_chunks)
         return out, (self.bias if self.skip_bias_add else None)
 
@@ -108,12 +117,12 @@ class RowParallelLinear(_TPLayer):
 
     def forward(self, x):
         if not self.input_is_parallel:
-            x = tpc.scatter_to_tensor_parallel_region(x, self.tp_group)
+            x = scatter_to_tensor_parallel_region(x, self.tp_group)
         out = F.linear(x, self.weight)
         if self.sequence_parallel:
-            out = tpc.reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+            out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
         else:
-            out = tpc.reduce_from_tensor_parallel_region(out, self.tp_group)
+            out = reduce_from_tensor_parallel_region(out, self.tp_group)
         if self.skip_bias_add or self.bias is None:
             return out, self.bias
         return out + self.bias, None

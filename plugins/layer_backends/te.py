@@ -26,10 +26,20 @@ import importlib.util
 from dataclasses import dataclass
 
 import torch
-from plugtron.core import tensor_parallel as tpc
-from plugtron.core.errors import ConfigError, PluginError
-from plugtron.core.layer_backend import LayerBackend
-from plugtron.core.sharding import mark_sequence_parallel, set_tensor_parallel, shard_of
+from plugtron.api import (
+    ConfigError,
+    LayerBackend,
+    PluginError,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    mark_sequence_parallel,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+    set_tensor_parallel,
+    shard_of,
+)
 
 INSTALL_HINT = ("pip install 'transformer-engine[pytorch]' (or plugtron[te]) on a machine with "
                 "CUDA, or use --layer-backend local")
@@ -114,20 +124,20 @@ def _te_module_classes(te):
             settings = self._plugtron_tp
             group = settings.parallel.tp_group
             if settings.column:
-                x = (tpc.gather_from_sequence_parallel_region(x, group)
-                     if settings.sequence_parallel else tpc.copy_to_tensor_parallel_region(x, group))
+                x = (gather_from_sequence_parallel_region(x, group)
+                     if settings.sequence_parallel else copy_to_tensor_parallel_region(x, group))
             elif not settings.input_is_parallel:
-                x = tpc.scatter_to_tensor_parallel_region(x, group)
+                x = scatter_to_tensor_parallel_region(x, group)
             out = super().forward(x)
             out, bias = out if self.return_bias else (out, None)
             if settings.column:
                 if settings.gather_output:
-                    out = tpc.gather_from_tensor_parallel_region(
+                    out = gather_from_tensor_parallel_region(
                         out, group, chunks=settings.partition_chunks)
                 return out, bias
-            out = (tpc.reduce_scatter_to_sequence_parallel_region(out, group)
+            out = (reduce_scatter_to_sequence_parallel_region(out, group)
                    if settings.sequence_parallel
-                   else tpc.reduce_from_tensor_parallel_region(out, group))
+                   else reduce_from_tensor_parallel_region(out, group))
             if settings.skip_bias_add or bias is None:
                 return out, bias
             return out + bias, None

@@ -7,9 +7,7 @@ backwards in the reverse chunk order.
 
 from __future__ import annotations
 
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.pipeline_executor import ActionListSchedule
-from plugtron.core.schedule_plan import Action
+from plugtron.api import Action, ActionListSchedule, hookimpl
 
 
 class GPipe(ActionListSchedule):

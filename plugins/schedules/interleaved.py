@@ -10,10 +10,7 @@ forward and backward, then drains. The bubble shrinks by about ``C`` against 1F1
 
 from __future__ import annotations
 
-from plugtron.core.errors import ConfigError
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.pipeline_executor import ActionListSchedule
-from plugtron.core.schedule_plan import Action
+from plugtron.api import Action, ActionListSchedule, ConfigError, hookimpl
 
 
 def group_size(config, pp_size: int) -> int:

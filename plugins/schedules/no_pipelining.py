@@ -3,10 +3,14 @@ single pipeline stage (gradient accumulation)."""
 
 from __future__ import annotations
 
-from plugtron.core import schedule_utils
-from plugtron.core.errors import ConfigError
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.schedule_plan import Action
+from plugtron.api import (
+    Action,
+    ConfigError,
+    hookimpl,
+    schedule_backward_step,
+    schedule_forward_step,
+    sync_context,
+)
 
 
 class NoPipelining:
@@ -26,9 +30,9 @@ class NoPipelining:
         chunk = model[0]
         reports = []
         for mb in range(num_microbatches):
-            with schedule_utils.sync_context(chunk, mb == num_microbatches - 1):
-                loss = schedule_utils.forward_step(forward_step_func, data_iterator, chunk, None,
+            with sync_context(chunk, mb == num_microbatches - 1):
+                loss = schedule_forward_step(forward_step_func, data_iterator, chunk, None,
                                                    True, forward_only, reports)
                 if not forward_only:
-                    schedule_utils.backward_step(loss, None, None, loss_scale)
+                    schedule_backward_step(loss, None, None, loss_scale)
         return reports

@@ -7,10 +7,7 @@ activations, against ``M`` for GPipe, with the same bubble.
 
 from __future__ import annotations
 
-from plugtron.core.errors import ConfigError
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.pipeline_executor import ActionListSchedule
-from plugtron.core.schedule_plan import Action
+from plugtron.api import Action, ActionListSchedule, ConfigError, hookimpl
 
 
 def one_f_one_b_actions(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Action]:

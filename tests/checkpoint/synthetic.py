@@ -134,7 +134,7 @@ def rank_run(full, tp, pp, vp, dp, rank, untied, fill=None):
             if how:
                 set_tensor_parallel(param, *how)
             if not untied and pp > 1 and name in (EMBEDDING, "output_layer.weight"):
-                param.shared_embedding = True
+                param.shared_group = "word_embeddings"
             params[name] = param
         chunks.append(module_of(params))
         named += list(params.items())

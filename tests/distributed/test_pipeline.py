@@ -48,7 +48,7 @@ def global_params(run) -> dict:
     out = {}
     for chunk in run.model_chunks:
         for name, p in chunk.module.named_parameters():
-            if name == "output_layer.weight" and getattr(p, "shared_embedding", False):
+            if name == "output_layer.weight" and getattr(p, "shared_group", None):
                 name = "embedding.word_embeddings.weight@output"
             out[name] = p.detach().clone()
     return out
