@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 from plugtron.core import registry
-from plugtron.core.config import ExtraOption
 from plugtron.core.distributed import single_process
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.optimizer import StepResult
@@ -177,35 +176,6 @@ def test_hook_plugtron_step_end():
 
 def test_hook_plugtron_train_end():
     assert _lifecycle_calls()[-1] == "end"
-
-
-def test_hook_plugtron_options():
-    from plugtron.core.plugin_manager import new_plugin_manager
-
-    class WithOption:
-        @hookimpl
-        def plugtron_options(self):
-            return [ExtraOption("wandb-project", "project name", default="p")]
-
-    pm = new_plugin_manager()
-    pm.register(WithOption())
-    options = [o for group in pm.hook.plugtron_options() for o in group]
-    assert options[0].name == "wandb-project"
-
-    import click
-    from plugtron.cli.options import apply_extra, extra_options
-
-    @click.command()
-    @extra_options(options)
-    def cmd(**params):
-        config = tiny_config()
-        apply_extra(config, options, params)
-        click.echo(config.extra["wandb-project"])
-
-    from click.testing import CliRunner
-
-    assert CliRunner().invoke(cmd, ["--wandb-project", "x"]).output.strip() == "x"
-    assert CliRunner().invoke(cmd, []).output.strip() == "p"
 
 
 def test_hook_plugtron_checkpoint_saved(tmp_path):

@@ -20,8 +20,8 @@ class ConsoleLog:
         m, p = config.model, config.parallel
         drivers = ", ".join(f"{k}={v}" for k, v in selected_drivers(config).items())
         print(f"plugtron: {drivers}, layer_backend={config.plugins.layer_backend}", flush=True)
-        print(f"plugtron: {m.num_layers} layers, hidden {m.hidden_size}, heads "
-              f"{m.num_attention_heads}, seq {m.seq_length}, vocab {m.vocab_size} (padded "
+        print(f"plugtron: {m.num_layers} layers, hidden {m.hidden_size}, seq "
+              f"{m.seq_length}, vocab {m.vocab_size} (padded "
               f"{m.padded_vocab_size}); tp {p.tensor_model_parallel_size} pp "
               f"{p.pipeline_model_parallel_size} cp {p.context_parallel_size}; starting at "
               f"iteration {state.iteration}", flush=True)
