@@ -1,11 +1,14 @@
 """Parameters shared between pipeline stages (tied embeddings and the like).
 
-A model declares, on every stage that holds a copy, ``share_parameter(param, group)``. The copies
-of one group start equal (the model initialises them from the same init key), their gradients
-are summed between the first and last pipeline stage after backward (Megatron's embedding group),
-each element counts once in the grad norm (on the first stage), and the checkpoint stores the
-group once, under the name the parameter has on the lowest stage that holds it, so checkpoints
-keep the model's own names. Copies may live on the first and last stage only.
+A model declares, on every stage that holds a copy, ``share_parameter(param, group)``, where the
+group is the parameter's name on the first stage (``embedding.word_embeddings.weight`` for
+GPT's tied output layer). The copies start equal (the model initialises them from the same init
+key), their gradients are summed between the first and last pipeline stage after backward
+(Megatron's embedding group), each element counts once in the grad norm (on the first stage),
+and the checkpoint stores the tensor once, under that name, so checkpoints keep the model's own
+names and load into any layout (at pp 1 the one parameter simply has that name). Naming the
+group by the first stage's parameter keeps this free of communication: converters and offline
+tools know the stored name too. Copies may live on the first and last stage only.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ ATTRIBUTE = "shared_group"
 
 
 def share_parameter(param: torch.nn.Parameter, group: str) -> torch.nn.Parameter:
-    """Declare ``param`` one copy of the shared tensor ``group``; returns ``param``."""
+    """Declare ``param`` one copy of the shared tensor named ``group`` (its parameter name on
+    the first pipeline stage); returns ``param``."""
     if not group or not isinstance(group, str):
         raise ValueError("share_parameter needs a non-empty group name")
     setattr(param, ATTRIBUTE, group)
@@ -52,31 +56,23 @@ def _gather_over_pipeline(value, parallel) -> list:
 
 def check_placement(model_chunks, parallel) -> None:
     """Every shared group must be held by the first and the last stage and nowhere else, with
-    the same shape (a collective over the pipeline group)."""
-    local = {group: list(param.shape) for group, _, param in _named_shared(model_chunks)}
-    per_stage = _gather_over_pipeline(local, parallel)
+    one shape, and be a parameter of that name on the first stage (a collective over the
+    pipeline group)."""
+    shared = _named_shared(model_chunks)
     if parallel.pp_size == 1:
         return
-    groups = {g for stage in per_stage for g in stage}
-    for group in sorted(groups):
+    local = {group: (list(param.shape), name == group) for group, name, param in shared}
+    per_stage = _gather_over_pipeline(local, parallel)
+    for group in sorted({g for stage in per_stage for g in stage}):
         holders = [r for r, stage in enumerate(per_stage) if group in stage]
-        shapes = {tuple(per_stage[r][group]) for r in holders}
+        shapes = {tuple(per_stage[r][group][0]) for r in holders}
         if holders != sorted({0, parallel.pp_size - 1}) or len(shapes) != 1:
             raise ConfigError(f"shared parameter group {group!r} is held by pipeline stages "
                               f"{holders} with shapes {sorted(shapes)}; shared copies must live "
                               f"on the first and the last stage, with one shape")
-
-
-def stored_names(model_chunks, parallel) -> dict[str, str]:
-    """group -> the name the checkpoint stores it under (its name on the lowest stage)."""
-    local = {}
-    for group, name, _ in _named_shared(model_chunks):
-        local.setdefault(group, name)
-    out = {}
-    for stage in _gather_over_pipeline(local, parallel):
-        for group, name in stage.items():
-            out.setdefault(group, name)
-    return out
+        if not per_stage[0][group][1]:
+            raise ConfigError(f"shared parameter group {group!r} must be named after the first "
+                              f"stage's parameter: the first stage has no parameter {group!r}")
 
 
 def allreduce_grads(model_chunks, parallel, grad_of) -> None:

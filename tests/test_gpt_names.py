@@ -97,8 +97,8 @@ def test_union_over_stages_is_the_single_stage_model(pp, vp, untied):
     assert owners == [(pp - 1, (vp or 1) - 1)]
     if not untied:
         first, last = chunks[(0, 0)], chunks[owners[0]]
-        assert first.embedding.word_embeddings.weight.shared_group == "word_embeddings"
-        assert last.output_layer.weight.shared_group == "word_embeddings"
+        assert first.embedding.word_embeddings.weight.shared_group == "embedding.word_embeddings.weight"
+        assert last.output_layer.weight.shared_group == "embedding.word_embeddings.weight"
 
 
 def test_te_builds_the_same_tensors_as_local():

@@ -32,11 +32,18 @@ def check_compatible(saved_config: dict, run) -> None:
     if saved_model and saved_model != config.plugins.model:
         raise CheckpointError(f"the checkpoint holds a {saved_model!r} model; this run builds "
                               f"--model {config.plugins.model!r}")
-    from ..model_info import ModelInfo
+    from .. import registry
+    from ..model_info import ModelInfo, model_info_of
     from ..plugin_options import config_from_dict
 
+    pm = getattr(run, "pm", None)
+
     def architecture(cfg) -> dict:
-        info = run.pm.hook.model_info(config=cfg)
+        if pm is not None:
+            info = pm.hook.model_info(config=cfg)
+        else:  # a run assembled by hand (tools, tests): ask the model plugin directly
+            model = registry.instantiate(registry.load("model", config.plugins.model))
+            info = model_info_of(model, cfg)
         return dict(info.architecture) if isinstance(info, ModelInfo) else {}
 
     saved, now = architecture(config_from_dict(saved_config)), architecture(config)

@@ -8,8 +8,8 @@ Rules (the contracts in docs/checkpoints.md):
 * Data-parallel replicas are identical: only dp-cp rank 0 writes. Tensor-parallel replicas
   (tensors that are not tp-sharded) are written by tp rank 0 only.
 * A parameter shared between stages (``share_parameter``, e.g. a tied output weight) is stored
-  once, under its name on the lowest stage that holds it; the other copies are never written and
-  load from that one.
+  once, under its group's name (its name on the first stage); the other copies are never
+  written and load from that one.
 * The optimizer gives ``sharded_state_dict()``: ``{param name: {key: tensor shaped like the
   param's local shard}}`` plus JSON-able global state under ``"__optimizer__"``.
 """
@@ -40,19 +40,9 @@ def model_tensors(run) -> list[tuple[str, torch.Tensor, ShardSpec]]:
     return out
 
 
-def shared_names(run) -> dict[str, str]:
-    """Shared group -> stored name (a collective over the pipeline on first use; cached)."""
-    names = getattr(run, "_shared_stored_names", None)
-    if names is None:
-        names = shared_params.stored_names(run.model_chunks, run.parallel)
-        run._shared_stored_names = names
-    return names
-
-
 def stored_name(run, name: str, tensor: torch.Tensor) -> str:
-    """The name a tensor is stored under: a shared copy is stored as its group's owner."""
-    group = shared_params.group_of(tensor)
-    return shared_names(run)[group] if group else name
+    """The name a tensor is stored under: a shared copy under its group's name."""
+    return shared_params.group_of(tensor) or name
 
 
 def _standalone(t: torch.Tensor) -> bool:

@@ -24,8 +24,6 @@ from .rope import rotary_freqs
 #: The symbols of one GPT transformer layer: attention then MLP, under one layer index.
 GPT_LAYER = "*-"
 WORD_EMBEDDING_KEY = "embedding.word_embeddings.weight"
-#: The shared-parameter group of the word embedding and its tied output-layer copy.
-WORD_EMBEDDING_GROUP = "word_embeddings"
 POSITION_EMBEDDING_KEY = "embedding.position_embeddings.weight"
 OUTPUT_LAYER_KEY = "output_layer.weight"
 
@@ -91,7 +89,7 @@ class GPTModel(torch.nn.Module):
                 init_method=normal_init(m.init_method_std, seed, key))
         if not m.untie_embeddings_and_output_weights and parallel.pp_size > 1:
             for weight in self.shared_embedding_weights():
-                share_parameter(weight, WORD_EMBEDDING_GROUP)
+                share_parameter(weight, WORD_EMBEDDING_KEY)
 
     def shared_embedding_weights(self) -> list[torch.nn.Parameter]:
         out = []

@@ -134,7 +134,7 @@ def rank_run(full, tp, pp, vp, dp, rank, untied, fill=None):
             if how:
                 set_tensor_parallel(param, *how)
             if not untied and pp > 1 and name in (EMBEDDING, "output_layer.weight"):
-                param.shared_group = "word_embeddings"
+                param.shared_group = "embedding.word_embeddings.weight"
             params[name] = param
         chunks.append(module_of(params))
         named += list(params.items())
