@@ -1,0 +1,31 @@
+"""plugtron.testing: the conformance kit a plugin author runs in their own repository.
+
+It proves a third-party plugin under every layout exactly as the built-in plugins are proven.
+
+Names are imported on first use: pytest imports this package in every session of an
+environment where plugtron is installed, and that must not cost a torch import.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: public name -> submodule that defines it
+_EXPORTS = {
+    "DistributedPool": "pool", "RankFailure": "pool", "run_on_ranks": "pool",
+    "worker_cache": "pool",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
