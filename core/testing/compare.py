@@ -1,0 +1,62 @@
+"""Comparisons with messages that say which run, metric and iteration differ, and by how much."""
+
+from __future__ import annotations
+
+import torch
+
+
+def relative_difference(got: float, want: float) -> float:
+    """``|got - want| / |want|`` (the denominator at least 1e-12, so a zero reference works)."""
+    return abs(got - want) / max(abs(want), 1e-12)
+
+
+def assert_value_close(got: float | None, want: float | None, rtol: float, what: str) -> None:
+    """One number against its reference within relative ``rtol``."""
+    if got is None or want is None or relative_difference(got, want) > rtol:
+        diff = "n/a" if got is None or want is None else f"{relative_difference(got, want):.2e}"
+        raise AssertionError(f"{what}: {got!r} vs {want!r} (relative difference {diff} > "
+                             f"rtol {rtol:g})")
+
+
+def assert_series_close(got: list, want: list, rtol: float, what: str) -> None:
+    """Two per-iteration series agree element by element within relative ``rtol``."""
+    if len(got) != len(want):
+        raise AssertionError(f"{what}: {len(got)} iterations against {len(want)}")
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g is None or w is None or relative_difference(g, w) > rtol:
+            diff = "n/a" if g is None or w is None else f"{relative_difference(g, w):.2e}"
+            raise AssertionError(f"{what} at iteration {i + 1}: {g!r} vs {w!r} (relative "
+                                 f"difference {diff} > rtol {rtol:g}); got {got}, want {want}")
+
+
+def assert_records_close(got: list[dict], want: list[dict], rtol: float, what: str,
+                         keys=("lm_loss", "grad_norm")) -> None:
+    """Per-iteration ``keys`` of two runs' records agree within relative ``rtol``."""
+    for key in keys:
+        assert_series_close([r.get(key) for r in got], [r.get(key) for r in want], rtol,
+                            f"{what}: {key}")
+
+
+def assert_params_close(got: dict, want: dict, rtol: float, atol: float, what: str) -> None:
+    """Same parameter names, and every tensor close (``torch.testing.assert_close``)."""
+    if sorted(got) != sorted(want):
+        raise AssertionError(f"{what}: parameter names differ: only in the run "
+                             f"{sorted(set(got) - set(want))}, only in the reference "
+                             f"{sorted(set(want) - set(got))}")
+    for name in sorted(want):
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{what}: parameter {name}: {m}")
+
+
+def assert_copies_match(params: dict, rtol: float, atol: float, what: str) -> dict:
+    """Tied copies (``NAME@copy``) equal their original; returns the dict without them."""
+    out = {k: v for k, v in params.items() if not k.endswith("@copy")}
+    for key, value in params.items():
+        if key.endswith("@copy"):
+            original = key[: -len("@copy")]
+            if original not in out:
+                raise AssertionError(f"{what}: {original} has a tied copy but no original")
+            torch.testing.assert_close(value, out[original], rtol=rtol, atol=atol,
+                                       msg=lambda m, k=original: f"{what}: tied copy of {k} "
+                                                                 f"drifted from it: {m}")
+    return out

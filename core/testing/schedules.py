@@ -1,0 +1,66 @@
+"""A pipeline schedule plugin cannot deadlock and trains exactly like 1F1B."""
+
+from __future__ import annotations
+
+from plugtron.core import registry
+from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.schedule_plan import check_schedule
+
+from .compare import assert_records_close, assert_value_close
+from .config import make_config, merge_flags
+from .pool import DistributedPool
+from .runs import pool_for, train_run
+
+
+def _schedule_object(schedule):
+    """A schedule given by entry-point name is loaded and instantiated like a run's driver."""
+    if isinstance(schedule, str):
+        try:
+            return registry.instantiate(registry.load("schedule", schedule))
+        except PluginError as exc:
+            raise AssertionError(str(exc)) from None
+    return schedule
+
+
+def assert_schedule_matches_1f1b(schedule, pp: int = 2, vp: int | None = None,
+                                 microbatches: int = 4, flags: dict | None = None,
+                                 rtol: float = 1e-6, iters: int = 3,
+                                 pool: DistributedPool | None = None) -> None:
+    """The schedule's action lists are deadlock-free and it trains like the reference.
+
+    ``schedule`` is an entry-point name (group ``plugtron.schedules``) or a schedule plugin
+    object (a picklable instance with ``schedule_actions`` and ``forward_backward``, e.g. a
+    ``plugtron.core.pipeline_executor.ActionListSchedule`` subclass). First, without starting any
+    rank, ``core.schedule_plan.check_schedule`` plays its lists for ``pp`` ranks, ``vp`` chunks
+    and ``microbatches`` microbatches, for training and for forward-only (evaluation); lists
+    that miss, repeat or misorder an action, or wait on each other forever, fail the check with
+    the schedule's own message. Then it trains ``iters`` iterations on ``pp`` ranks (dp 1) and
+    evaluates once (forward-only), against ``1f1b`` (or ``interleaved-1f1b`` when ``vp`` is set)
+    on the same layout.
+
+    Tolerance (fp32): ``lm_loss``, ``grad_norm`` and the validation loss relative ``rtol``
+    (default 1e-6: only the order in which microbatch gradients are summed differs). ``flags``
+    adds model options over the kit's tiny defaults; ``num-layers`` must divide by pp x vp.
+    """
+    micro_batch = make_config(flags or {}).training.micro_batch_size
+    layout = {"pp": pp, "global-batch-size": microbatches * micro_batch}
+    if vp:
+        layout["vp"] = vp
+    base = merge_flags(flags or {}, layout, {"train-iters": iters})
+    obj = _schedule_object(schedule)
+    try:
+        check_schedule(obj.schedule_actions, pp, vp or 1, microbatches, make_config(base))
+    except ConfigError as exc:
+        raise AssertionError(f"schedule {schedule!r} on pp {pp} vp {vp} with {microbatches} "
+                             f"microbatches: {exc}") from None
+    reference_name = "interleaved-1f1b" if vp else "1f1b"
+    named = isinstance(schedule, str)
+    with pool_for(pp, pool) as p:
+        got = train_run(merge_flags(base, {"schedule": schedule}) if named else base, pp, p,
+                        schedule=None if named else obj, evaluate=True)
+        want = train_run(merge_flags(base, {"schedule": reference_name}), pp, p,
+                         evaluate=True)
+    what = f"schedule {schedule!r} against {reference_name} (pp {pp}, vp {vp})"
+    assert_records_close(got.records, want.records, rtol, what)
+    assert_value_close(got.valid_loss, want.valid_loss, rtol,
+                       f"{what}: forward-only validation loss")
