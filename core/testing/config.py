@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 
-from plugtron.core.config import TrainConfig, apply_values
+from plugtron.core.config import TrainConfig
+from plugtron.core.plugin_options import config_from_flags
 
 #: Tiny settings under which a run takes well under a second per iteration on one CPU core:
 #: fp32, mock data, no dropout, no evaluation or logging unless asked. The vocabulary (128, a
@@ -66,9 +67,9 @@ def make_config(flags: dict) -> TrainConfig:
     ``"--num-layers"``, ``"num_layers"``), and the CLI's short aliases (``tp``, ``pp``, ``vp``,
     ``cp``). ``dp`` is accepted and dropped: data parallelism is what the world leaves after
     tp x pp x cp, so it is fixed by the world a run starts on (see :func:`world_size_of`).
+    The options the selected plugins declare (their config sections) are accepted as well.
     Values are typed as the CLI would type them; an unknown key raises ``ConfigError``.
     """
     values = {k: v for k, v in merge_flags(DEFAULT_FLAGS, flags).items() if k != "dp"}
-    config = TrainConfig()
-    apply_values(config, values, "plugtron.testing")
-    return config
+    # The selected plugins' own options (their config sections) are accepted too.
+    return config_from_flags(values, "plugtron.testing")
