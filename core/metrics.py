@@ -41,8 +41,8 @@ class MetricsLogger:
         it = record["iteration"]
         if self.bar is not None:
             self.bar.update(it - self.bar.n)
-            self.bar.set_postfix(loss=_number(record.get(self.main_loss)),
-                                 lr=f"{record['lr']:.2e}",
+            losses = {k: _number(v) for k, v in self.losses(record).items()}
+            self.bar.set_postfix(**losses, lr=f"{record['lr']:.2e}",
                                  tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
         interval = self.config.training.log_interval
         if self.bar is None and interval and (it % interval == 0 or it == 1):

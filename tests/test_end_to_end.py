@@ -28,8 +28,8 @@ def test_default_train_learns_the_standard_library(tmp_path):
 
 
 def read_losses(path: Path):
-    return [json.loads(line) for line in path.read_text().splitlines()
-            if '"lm_loss"' in line]
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return [r for r in records if "lm_loss" in r]
 
 
 @pytest.mark.parametrize("dataset", ["mock", "text"])

@@ -40,10 +40,11 @@ def test_every_hookspec_has_a_test():
     assert not missing, f"hookspecs without a test_hook_<name> test: {missing}"
 
 
-def test_contract_hooks_are_firstresult_and_lifecycle_hooks_are_not():
+def test_driver_hooks_are_firstresult_and_lifecycle_hooks_are_not():
     for name, fn in spec_functions():
         opts = fn.plugtron_spec
-        assert opts["firstresult"] == (name in hookspecs.CONTRACT_HOOKS), name
+        driver_hook = name in hookspecs.CONTRACT_HOOKS or name in hookspecs.OPTIONAL_DRIVER_HOOKS
+        assert opts["firstresult"] == driver_hook, name
 
 
 def test_hookimpl_may_take_a_subset_of_arguments():

@@ -200,3 +200,53 @@ def test_a_report_without_lm_loss_trains(capsys):
     assert summary["final_loss"] is None  # the GPT plugin names "lm loss" its main key
     assert reduce_reports([{"loss": torch.tensor([6.0, 3.0]), "num_tokens": torch.tensor(3.0)}],
                           run.parallel) == {"loss": 2.0}
+
+
+CONFIGURE_FAILS = """
+from plugtron.api import ConfigError, hookimpl
+
+class Picky:
+    @hookimpl
+    def plugtron_configure(self, config):
+        raise ConfigError("picky refuses this run: --seed must be 7")
+"""
+
+
+def test_a_configure_error_in_ranks_is_printed_once(tmp_path, monkeypatch):
+    """plugtron_configure runs inside the ranks: its ConfigError still exits 2, once."""
+    install_fake_distribution(tmp_path, "plugtron-picky", "0.1",
+                              {"plugtron": {"picky": "fake_picky:Picky"}},
+                              {"fake_picky": CONFIGURE_FAILS})
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    try:
+        import subprocess
+        import sys
+
+        result = subprocess.run([sys.executable, "-m", "plugtron.cli.main", "train", *ARGS,
+                                 "--nproc-per-node", "2"], capture_output=True, text=True,
+                                timeout=240)
+    finally:
+        remove_path(tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert output.count("picky refuses this run: --seed must be 7") == 1, output
+    assert "Traceback" not in output
+
+
+def test_driver_loading_stays_lazy_and_uninstalled_options_go(tmp_path):
+    """A broken model plugin that the run does not select costs nothing, and a plugin's options
+    disappear with its package."""
+    install_fake_distribution(tmp_path, "plugtron-badmodel", "0.1",
+                              {"plugtron.models": {"badmodel": "fake_badmodel:Bad"},
+                               "plugtron": {"csvlog": "fake_csvlog:CsvLogger"}},
+                              {"fake_badmodel": BROKEN, "fake_csvlog": CSV_LOGGER})
+    try:
+        result = invoke(["train", "--help"])
+        assert result.exit_code == 0 and "fake_badmodel" not in result.output
+        assert "--csv-log" in result.output
+        result = invoke(["train", "--model", "badmodel"])
+        assert result.exit_code == 2
+        assert "model 'badmodel' from plugtron-badmodel 0.1 failed to import" in result.output
+    finally:
+        remove_path(tmp_path)
+    assert "--csv-log" not in invoke(["train", "--help"]).output

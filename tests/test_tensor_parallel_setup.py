@@ -36,10 +36,19 @@ def test_bad_sizes_fail_before_launch_with_a_clear_message(overrides, message):
 
 
 def test_backend_checks_sizes_for_in_process_runs():
-    """A run that skips the CLI's validate still fails before any layer is built."""
+    """A run that skips the CLI's validate still fails before anything is built: setup runs
+    every plugin's checks (the GPT plugin owns the head and group rules)."""
+    import torch
+    from plugtron.core.distributed import WorldInfo
+    from plugtron.core.training import setup
+
     config = tiny_config(tp=2, num_attention_heads=4, num_query_groups=1)
-    parallel = ParallelContext.build(2, 0, tp=2, create_groups=False)
     with pytest.raises(ConfigError, match="--num-query-groups 1 is not divisible by --tp 2"):
+        setup(config, world=WorldInfo(0, 2, 0, 2, torch.device("cpu")))
+    config = tiny_config(tp=2, vocab_size=100, make_vocab_size_divisible_by=1)
+    config.model.padded_vocab_size = 101
+    parallel = ParallelContext.build(2, 0, tp=2, create_groups=False)
+    with pytest.raises(ConfigError, match="padded vocabulary 101 is not divisible by --tp 2"):
         LocalBackend(config, parallel)
 
 
@@ -137,7 +146,7 @@ def test_cli_boolean_flags_take_no_value():
     seen = {}
 
     @click.command()
-    @config_options
+    @config_options([])
     def command(**params):
         seen["config"] = build_config(params, None, None)
 

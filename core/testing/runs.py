@@ -69,7 +69,7 @@ def gathered_params(run) -> dict[str, torch.Tensor]:
     for chunk in run.model_chunks:
         chunk.finish_param_sync()
         for name, param in getattr(chunk, "module", chunk).named_parameters():
-            key = stored_name(name, param)
+            key = stored_name(run, name, param)
             if key != name:
                 key += "@copy"
             out[key] = gather_tensor_parallel(param, run.parallel.tp_group).float().clone()
