@@ -13,10 +13,11 @@ data-parallel group.
 
 With ``--overlap-grad-reduce`` a bucket's reduction starts as soon as all its gradients are in
 on the last microbatch (the schedule runs the others under :meth:`no_sync`); with it off, or for
-whatever did not start, :meth:`finish_grad_sync` reduces. When the selected optimizer shards
-(its plugin class sets ``shards_grad_buffers = True``, like ``distributed-adam``), buckets are
-reduce-scattered and parameters are all-gathered after the step by :meth:`start_param_sync`;
-with ``--overlap-param-gather`` the gather is waited for per module, in the next forward.
+whatever did not start, :meth:`finish_grad_sync` reduces. When the wrapper is built with
+``sharded=True`` (the run's optimizer answered hook ``optimizer_shards_gradients`` with yes, like
+``distributed-adam``), buckets are reduce-scattered and parameters are all-gathered after the
+step by :meth:`start_param_sync`; with ``--overlap-param-gather`` the gather is waited for per
+module, in the next forward.
 """
 
 from __future__ import annotations
@@ -28,17 +29,8 @@ import torch
 from .grad_buffer import GradBuffer, default_bucket_size
 
 
-def optimizer_shards_grads(config) -> bool:
-    """Whether the run's optimizer plugin wants reduce-scattered, sharded buffers."""
-    from . import registry
-    from .plugin_manager import resolve_optimizer
-
-    cls = registry.load("optimizer", resolve_optimizer(config))
-    return bool(getattr(cls, "shards_grad_buffers", False))
-
-
 class DistributedDataParallel(torch.nn.Module):
-    def __init__(self, module: torch.nn.Module, config, parallel, sharded: bool | None = None):
+    def __init__(self, module: torch.nn.Module, config, parallel, sharded: bool = False):
         super().__init__()
         self.module = module
         self.config = config
@@ -46,7 +38,7 @@ class DistributedDataParallel(torch.nn.Module):
         p = config.parallel
         self.overlap_grad_reduce = bool(p.overlap_grad_reduce)
         self.overlap_param_gather = bool(p.overlap_param_gather)
-        self.sharded = optimizer_shards_grads(config) if sharded is None else sharded
+        self.sharded = sharded
         self._sync_enabled = True
         self.grad_buffers = self._build_buffers()
         for buffer in self.grad_buffers:

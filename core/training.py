@@ -16,7 +16,7 @@ from .lr_schedule import LRScheduler
 from .metrics import MetricsLogger, Throughput
 from .p2p import P2PCommunicator
 from .parallel_context import ParallelContext
-from .plugin_manager import build_plugin_manager
+from .plugin_manager import build_plugin_manager, wants_sharded_gradients
 from .random import seed_everything
 from .schedule_plan import check_schedule
 
@@ -86,6 +86,7 @@ def model_dtype(config: TrainConfig) -> torch.dtype:
 
 def build_model_chunks(config, pm, backend, parallel, device) -> list:
     vp = config.parallel.virtual_pipeline_model_parallel_size
+    sharded = wants_sharded_gradients(config, pm)
     chunks = []
     for stage in range(vp or 1):
         pre = parallel.is_pipeline_first_stage() and stage == 0
@@ -94,7 +95,7 @@ def build_model_chunks(config, pm, backend, parallel, device) -> list:
                                         vp_stage=stage if vp else None, layer_backend=backend,
                                         parallel=parallel)
         module.to(device=device, dtype=model_dtype(config))
-        chunks.append(DistributedDataParallel(module, config, parallel))
+        chunks.append(DistributedDataParallel(module, config, parallel, sharded=sharded))
     return chunks
 
 

@@ -10,7 +10,7 @@ from plugtron.core.distributed import single_process
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.optimizer import StepResult
 from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.plugin_manager import build_plugin_manager
+from plugtron.core.plugin_manager import build_plugin_manager, wants_sharded_gradients
 from plugtron.core.training import finalize_model_config, setup, split_sizes
 
 from .utils import tiny_config, train_in_process
@@ -110,6 +110,21 @@ def test_hook_build_optimizer():
         p.main_grad.fill_(1.0)  # the data-parallel buffer the optimizer reads
     result = run.optimizer.step()
     assert isinstance(result, StepResult) and result.stepped and result.grad_norm > 0
+
+
+def test_hook_optimizer_shards_gradients():
+    # No implementation means no: adam's buffers are all-reduced whole.
+    config, run = _built()
+    assert run.pm.hook.optimizer_shards_gradients(config=config) is None
+    assert not wants_sharded_gradients(config, run.pm)
+    assert not run.model_chunks[0].sharded
+    # distributed-adam says yes, so the core builds sharded buffers before the optimizer.
+    config, run = _built(tiny_config(use_distributed_optimizer=True))
+    assert run.pm.hook.optimizer_shards_gradients(config=config) is True
+    assert run.model_chunks[0].sharded
+    # Before launch (validation): a plugin manager of the selected optimizer alone answers.
+    assert wants_sharded_gradients(tiny_config(optimizer="distributed-adam"))
+    assert not wants_sharded_gradients(tiny_config(optimizer="sgd"))
 
 
 class Recorder:

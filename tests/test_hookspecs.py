@@ -40,10 +40,12 @@ def test_every_hookspec_has_a_test():
     assert not missing, f"hookspecs without a test_hook_<name> test: {missing}"
 
 
-def test_contract_hooks_are_firstresult_and_lifecycle_hooks_are_not():
+def test_driver_hooks_are_firstresult_and_lifecycle_hooks_are_not():
+    driver_hooks = {**hookspecs.CONTRACT_HOOKS, **hookspecs.OPTIONAL_DRIVER_HOOKS}
     for name, fn in spec_functions():
         opts = fn.plugtron_spec
-        assert opts["firstresult"] == (name in hookspecs.CONTRACT_HOOKS), name
+        assert opts["firstresult"] == (name in driver_hooks), name
+        assert name.startswith("plugtron_") == (name not in driver_hooks), name
 
 
 def test_hookimpl_may_take_a_subset_of_arguments():
