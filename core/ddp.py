@@ -26,7 +26,9 @@ import contextlib
 
 import torch
 
+from .errors import PluginError
 from .grad_buffer import GradBuffer, default_bucket_size
+from .optimizer_shards import BucketShard, bucket_shard
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -122,6 +124,24 @@ class DistributedDataParallel(torch.nn.Module):
                 same = param.main_grad.dtype == param.dtype
                 param.grad = param.main_grad if same else None
             buffer.reset()
+
+    # ------------------------------------------------------------------ sharding optimizers
+
+    def optimizer_shards(self) -> list[BucketShard]:
+        """This rank's shard of every gradient bucket (:mod:`plugtron.core.optimizer_shards`):
+        the public way for a sharding optimizer to reach gradients and parameters.
+
+        The views stay valid for the wrapper's lifetime. The list has the same order on every
+        rank of a bucket's group. Raises ``PluginError`` unless the buffers are sharded (the
+        run's optimizer must answer hook ``optimizer_shards_gradients`` with ``True``).
+        """
+        if not self.sharded:
+            raise PluginError("optimizer_shards() needs sharded gradient buffers: the optimizer "
+                              "plugin must implement hook optimizer_shards_gradients and return "
+                              "True")
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [bucket_shard(bucket, names)
+                for buffer in self.grad_buffers for bucket in buffer.buckets]
 
     # ------------------------------------------------------------------ parameter gather
 

@@ -213,7 +213,7 @@ class TorchOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, model_chunks, config, parallel, make_inner):
         super().__init__(config, parallel)
-        if any(b.sharded for c in model_chunks for b in getattr(c, "grad_buffers", ())):
+        if any(getattr(chunk, "sharded", False) for chunk in model_chunks):
             raise PluginError("this optimizer reads whole gradients, but the model's gradient "
                               "buffers are sharded (reduce-scattered); use a sharding optimizer "
                               "such as distributed-adam")
