@@ -14,6 +14,7 @@ from .distributed import WorldInfo, init_distributed
 from .errors import ConfigError
 from .lr_schedule import LRScheduler
 from .metrics import MetricsLogger, Throughput
+from .optimizer import checked_optimizer
 from .p2p import P2PCommunicator
 from .parallel_context import ParallelContext
 from .plugin_manager import build_plugin_manager, wants_sharded_gradients
@@ -120,8 +121,8 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None)
 
     model_chunks = build_model_chunks(config, pm, backend, parallel, world.device)
     pm.hook.plugtron_model_built(config=config, model_chunks=model_chunks, parallel=parallel)
-    optimizer = pm.hook.build_optimizer(config=config, model_chunks=model_chunks,
-                                        parallel=parallel)
+    optimizer = checked_optimizer(pm.hook.build_optimizer(
+        config=config, model_chunks=model_chunks, parallel=parallel), config)
     scheduler = LRScheduler.from_config(optimizer, config)
     p2p = None
     if parallel.pp_size > 1:
