@@ -20,10 +20,10 @@ from plugtron.plugins.datasets.common import (
     split_documents,
 )
 from plugtron.plugins.datasets.mock import (
-    BLOCK_TOKENS,
     BRANCHING,
     MAX_ARITHMETIC_STEP,
     MockDataset,
+    windows_per_block,
 )
 from plugtron.plugins.datasets.text import ByteTokenizer, TextDataset
 
@@ -154,7 +154,7 @@ def test_mock_sample_depends_only_on_seed_dataset_and_index():
     short = MockDataset().dataset_provider(make_config(), (24, 8, 8))
     long = MockDataset().dataset_provider(make_config(), (200_000, 80, 8))
     per_block = long[0].windows_per_block
-    assert per_block == BLOCK_TOKENS // 16
+    assert per_block == windows_per_block(16) and 200_000 > 4 * per_block
     for split in range(3):
         for index in (0, 7, len(short[split]) - 1):
             a, b = short[split][index], long[split][index]
@@ -175,8 +175,8 @@ def test_block_windows_cover_each_block_once_in_a_shuffled_order():
         blocks[index] = np.arange(num_tokens, dtype=np.int64) + 1000 * index
         return blocks[index]
 
-    dataset = BlockWindowDataset(make_block, block_tokens=45, seq_length=10, num_samples=10,
-                                 seed=3, split_index=0)
+    dataset = BlockWindowDataset(make_block, windows_per_block=4, seq_length=10,
+                                 num_samples=10, seed=3, split_index=0)
     assert dataset.windows_per_block == 4 and dataset.block_tokens == 41 and len(dataset) == 10
     starts = [int(dataset[i]["tokens"][0]) for i in range(8)]
     assert sorted(starts[:4]) == [0, 10, 20, 30] and starts[:4] != [0, 10, 20, 30]

@@ -192,9 +192,8 @@ class BlockWindowDataset:
     """Map-style dataset of ``seq_length + 1``-token windows over an unbounded stream of blocks.
 
     Block ``b`` is ``make_block(b, n)``: exactly ``n = windows_per_block * seq_length + 1``
-    tokens, where ``windows_per_block`` is as many windows as fit in ``block_tokens`` (at least
-    one), cut into non-overlapping windows (consecutive windows share one token, so every token
-    is a label once). Sample ``i`` is window ``perm_b[i % windows_per_block]`` of
+    tokens, cut into non-overlapping windows (consecutive windows share one token, so every
+    token is a label once). Sample ``i`` is window ``perm_b[i % windows_per_block]`` of
     block ``b = i // windows_per_block``, the permutation seeded by ``(seed, split_index, b)``.
     So a sample depends on its index and on what ``make_block`` depends on, never on how many
     samples a run asks for (``num_samples`` only sets the length): a 3-iteration run sees the
@@ -202,12 +201,14 @@ class BlockWindowDataset:
     read in order, so holding the last two blocks bounds memory.
     """
 
-    def __init__(self, make_block: Callable[[int, int], np.ndarray], block_tokens: int,
+    def __init__(self, make_block: Callable[[int, int], np.ndarray], windows_per_block: int,
                  seq_length: int, num_samples: int, seed: int, split_index: int):
         if seq_length < 1:
             raise ConfigError(f"--seq-length must be at least 1, got {seq_length}")
+        if windows_per_block < 1:
+            raise ValueError(f"windows_per_block must be at least 1, got {windows_per_block}")
         self.make_block = make_block
-        self.windows_per_block = max(1, block_tokens // seq_length)
+        self.windows_per_block = windows_per_block
         self.seq_length = seq_length
         self.num_samples = max(1, num_samples)
         self.seed = seed
