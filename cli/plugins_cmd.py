@@ -1,9 +1,14 @@
-"""``plugtron plugins list [--check]``."""
+"""``plugtron plugins list [--check]`` and ``plugtron plugins check [NAME]``."""
 
 from __future__ import annotations
 
 import click
-from plugtron.core import registry
+from plugtron.core import plugin_check, registry
+
+from .errors import UserError
+
+#: Exit status when a check finds problems (the CLI's status for bad input).
+PROBLEMS_EXIT = 2
 
 
 @click.group()
@@ -12,10 +17,12 @@ def plugins():
 
 
 @plugins.command("list")
-@click.option("--check", is_flag=True, help="Import each plugin and report whether it loads.")
+@click.option("--check", is_flag=True,
+              help="Import each plugin and check its hooks (as `plugins check`).")
 def list_plugins(check):
     """Every entry-point group, every name, its distribution and version."""
-    failed = 0
+    results = dict(plugin_check.check_plugins(plugin_check.installed_plugins())) if check else {}
+    failed = False
     for role, group in registry.GROUPS.items():
         infos = registry.available(role)
         click.echo(f"{group}  ({role})")
@@ -23,10 +30,35 @@ def list_plugins(check):
             click.echo("    (none)")
         for info in infos:
             line = f"    {info.name:<20} {info.distribution} {info.version}"
+            problems = results.get(info, [])
             if check:
-                error = registry.check(role, info.name)
-                line += "  ok" if error is None else f"  FAILED: {error}"
-                failed += error is not None
+                line += f"  FAILED ({len(problems)})" if problems else "  ok"
             click.echo(line)
+            for problem in problems:
+                click.echo(f"        {problem}")
+            failed = failed or bool(problems)
     if failed:
-        raise SystemExit(1)
+        raise SystemExit(PROBLEMS_EXIT)
+
+
+@plugins.command("check")
+@click.argument("name", required=False)
+def check_plugins(name):
+    """Import every installed plugin (or those called NAME) and check its hooks against the
+    hookspecs: unknown or misspelled hook names, hooks not marked @hookimpl, parameters the hook
+    does not have, contract hooks a driver does not implement. Exits 2 on any problem."""
+    infos = plugin_check.installed_plugins([name] if name else ())
+    if not infos:
+        raise UserError(f"no installed plugin is called {name!r}; `plugtron plugins list` "
+                        f"shows those that are")
+    results = plugin_check.check_plugins(infos)
+    count = 0
+    for info, problems in results:
+        if not problems:
+            click.echo(f"ok  {info.role} {info.name!r} ({info.origin})")
+        for problem in problems:
+            click.echo(str(problem))
+        count += len(problems)
+    click.echo(f"{len(results)} plugin(s) checked, {count} problem(s)")
+    if count:
+        raise SystemExit(PROBLEMS_EXIT)

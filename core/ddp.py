@@ -13,10 +13,11 @@ data-parallel group.
 
 With ``--overlap-grad-reduce`` a bucket's reduction starts as soon as all its gradients are in
 on the last microbatch (the schedule runs the others under :meth:`no_sync`); with it off, or for
-whatever did not start, :meth:`finish_grad_sync` reduces. When the selected optimizer shards
-(its plugin class sets ``shards_grad_buffers = True``, like ``distributed-adam``), buckets are
-reduce-scattered and parameters are all-gathered after the step by :meth:`start_param_sync`;
-with ``--overlap-param-gather`` the gather is waited for per module, in the next forward.
+whatever did not start, :meth:`finish_grad_sync` reduces. When the wrapper is built with
+``sharded=True`` (the run's optimizer answered hook ``optimizer_shards_gradients`` with yes, like
+``distributed-adam``), buckets are reduce-scattered and parameters are all-gathered after the
+step by :meth:`start_param_sync`; with ``--overlap-param-gather`` the gather is waited for per
+module, in the next forward.
 """
 
 from __future__ import annotations
@@ -25,20 +26,13 @@ import contextlib
 
 import torch
 
+from .errors import PluginError
 from .grad_buffer import GradBuffer, default_bucket_size
-
-
-def optimizer_shards_grads(config) -> bool:
-    """Whether the run's optimizer plugin wants reduce-scattered, sharded buffers."""
-    from . import registry
-    from .plugin_manager import resolve_optimizer
-
-    cls = registry.load("optimizer", resolve_optimizer(config))
-    return bool(getattr(cls, "shards_grad_buffers", False))
+from .optimizer_shards import BucketShard, bucket_shard
 
 
 class DistributedDataParallel(torch.nn.Module):
-    def __init__(self, module: torch.nn.Module, config, parallel, sharded: bool | None = None):
+    def __init__(self, module: torch.nn.Module, config, parallel, sharded: bool = False):
         super().__init__()
         self.module = module
         self.config = config
@@ -46,7 +40,7 @@ class DistributedDataParallel(torch.nn.Module):
         p = config.parallel
         self.overlap_grad_reduce = bool(p.overlap_grad_reduce)
         self.overlap_param_gather = bool(p.overlap_param_gather)
-        self.sharded = optimizer_shards_grads(config) if sharded is None else sharded
+        self.sharded = sharded
         self._sync_enabled = True
         self.grad_buffers = self._build_buffers()
         for buffer in self.grad_buffers:
@@ -130,6 +124,24 @@ class DistributedDataParallel(torch.nn.Module):
                 same = param.main_grad.dtype == param.dtype
                 param.grad = param.main_grad if same else None
             buffer.reset()
+
+    # ------------------------------------------------------------------ sharding optimizers
+
+    def optimizer_shards(self) -> list[BucketShard]:
+        """This rank's shard of every gradient bucket (:mod:`plugtron.core.optimizer_shards`):
+        the public way for a sharding optimizer to reach gradients and parameters.
+
+        The views stay valid for the wrapper's lifetime. The list has the same order on every
+        rank of a bucket's group. Raises ``PluginError`` unless the buffers are sharded (the
+        run's optimizer must answer hook ``optimizer_shards_gradients`` with ``True``).
+        """
+        if not self.sharded:
+            raise PluginError("optimizer_shards() needs sharded gradient buffers: the optimizer "
+                              "plugin must implement hook optimizer_shards_gradients and return "
+                              "True")
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [bucket_shard(bucket, names)
+                for buffer in self.grad_buffers for bucket in buffer.buckets]
 
     # ------------------------------------------------------------------ parameter gather
 

@@ -1,12 +1,15 @@
 """The contracts between plugtron's core and its plugins, as pluggy hookspecs.
 
-Two kinds of hooks live here:
+Three kinds of hooks live here:
 
 * **Contract hooks** (``dataset_provider``, ``model_provider``, ``forward_step``, ``loss_func``,
   ``forward_backward``, ``schedule_actions``, ``build_optimizer``). Their names and signatures
   follow Megatron-Core. For one run each must end up with exactly one implementation: the driver
   that the run selected by entry-point name. They are ``firstresult`` hooks, so calling one
   returns that implementation's value. Extension plugins may wrap them (``wrapper=True``).
+* **Optional driver hooks** (``optimizer_shards_gradients``): ``firstresult`` questions the core
+  asks the selected driver of one role; a driver that does not implement one gets the default
+  its docstring states.
 * **Lifecycle hooks** (prefixed ``plugtron_``). Any number of plugins may implement them; the
   core calls them at fixed points of a run. ``historic`` ones are replayed to plugins that are
   registered after the call.
@@ -30,6 +33,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
     "model_info": "model",
     "model_presets": "model",
+    "optimizer_shards_gradients": "optimizer",
 }
 
 #: Hooks that exactly one selected driver implements, with the registry role that provides it.
@@ -202,6 +206,24 @@ def build_optimizer(config: Any, model_chunks: list, parallel: Any) -> Any:
         checkpoints.
 
     Weight decay is not applied to norms and biases. Called once per run on every rank.
+    """
+
+
+@hookspec(firstresult=True)
+def optimizer_shards_gradients(config: Any) -> bool:
+    """Say whether the optimizer shards gradients and parameters over data parallelism.
+
+    :param config: the run's ``TrainConfig``.
+    :returns: ``True`` when the optimizer keeps state only for this data-parallel rank's shard
+        of the gradients (ZeRO-1, as ``distributed-adam``): the core's
+        ``DistributedDataParallel`` then pads its buckets into equal shards, reduce-scatters
+        the gradients and all-gathers the parameters after the step, and the optimizer reaches
+        its shards through ``DistributedDataParallel.optimizer_shards()``. ``False``, or no
+        implementation at all: gradients are all-reduced whole.
+
+    Optional; implemented by the optimizer driver only. Called on every rank before the model
+    chunks are wrapped for data parallelism (so before ``build_optimizer``), and by the CLI
+    before launch to validate ``--overlap-param-gather``, without process groups.
     """
 
 

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from . import grads as grad_utils
+from . import registry
 from .errors import PluginError
 from .loss_scaler import DynamicLossScaler, unscale_and_check
+from .plugin_manager import resolve_optimizer
 
 #: Key of the scalar (JSON-ready) state in :meth:`Optimizer.sharded_state_dict`.
 OPTIMIZER_STATE_KEY = "__optimizer__"
@@ -78,6 +80,23 @@ class Optimizer(ABC):
         the model, and a saved ``main_param`` overwrites the model parameter (it is the more
         precise copy). Sharding optimizers keep only their shard of each tensor.
         """
+
+
+def checked_optimizer(optimizer, config) -> Optimizer:
+    """What ``build_optimizer`` returned, if it is an :class:`Optimizer`; else a ``PluginError``
+    naming the optimizer plugin, its distribution and the type it returned (the step would
+    otherwise fail later with an ``AttributeError`` deep in the training loop)."""
+    if isinstance(optimizer, Optimizer):
+        return optimizer
+    name = resolve_optimizer(config)
+    info = next((i for i in registry.available("optimizer") if i.name == name), None)
+    origin = info.origin if info is not None else "an unknown distribution"
+    kind = type(optimizer)
+    returned = kind.__qualname__ if kind.__module__ == "builtins" else \
+        f"{kind.__module__}.{kind.__qualname__}"
+    raise PluginError(f"optimizer {name!r} from {origin}: build_optimizer returned {returned}, "
+                      f"not a plugtron.core.optimizer.Optimizer (subclass it, or wrap a torch "
+                      f"optimizer in plugtron.core.optimizer.TorchOptimizer)")
 
 
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -213,7 +232,7 @@ class TorchOptimizer(MixedPrecisionOptimizer):
 
     def __init__(self, model_chunks, config, parallel, make_inner):
         super().__init__(config, parallel)
-        if any(b.sharded for c in model_chunks for b in getattr(c, "grad_buffers", ())):
+        if any(getattr(chunk, "sharded", False) for chunk in model_chunks):
             raise PluginError("this optimizer reads whole gradients, but the model's gradient "
                               "buffers are sharded (reduce-scattered); use a sharding optimizer "
                               "such as distributed-adam")

@@ -73,12 +73,15 @@ def load_extensions(pm: pluggy.PluginManager, disabled: set[str]) -> None:
         pm.register(obj, name=info.name)
 
 
+def register_driver(pm: pluggy.PluginManager, role: str, name: str) -> None:
+    pm.register(registry.instantiate(registry.load(role, name)), name=f"{role}:{name}")
+
+
 def build_plugin_manager(config, extra_plugins=()) -> pluggy.PluginManager:
     """The run's plugin manager: selected drivers, extensions, then the contract check."""
     pm = new_plugin_manager()
     for role, name in selected_drivers(config).items():
-        obj = registry.instantiate(registry.load(role, name))
-        pm.register(obj, name=f"{role}:{name}")
+        register_driver(pm, role, name)
     disabled = disabled_extensions(config)
     for name in disabled:
         pm.set_blocked(name)
@@ -111,3 +114,15 @@ def verify_contracts(pm: pluggy.PluginManager) -> None:
                             f"driver may")
     if problems:
         raise PluginError("; ".join(problems))
+
+
+def wants_sharded_gradients(config, pm: pluggy.PluginManager | None = None) -> bool:
+    """The answer of hook ``optimizer_shards_gradients`` (no implementation means no).
+
+    ``pm`` is the run's plugin manager. Without one (validation before launch) a plugin manager
+    of just the selected optimizer answers, so no other plugin is imported.
+    """
+    if pm is None:
+        pm = new_plugin_manager()
+        register_driver(pm, "optimizer", resolve_optimizer(config))
+    return bool(pm.hook.optimizer_shards_gradients(config=config))

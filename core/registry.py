@@ -1,17 +1,20 @@
 """Which plugin? The stevedore side of plugtron: one entry-point group per swappable role.
 
 Listing reads entry-point metadata only, so an uninstalled or broken plugin costs nothing until a
-run selects it. Loading goes through stevedore's ``DriverManager``, which imports just the one
-entry point that was named.
+run selects it. Loading imports exactly the ``importlib.metadata`` entry point that listing found
+and hands it to stevedore as the one driver of its group. stevedore's own entry-point scan is
+never used: its cache (in memory and on disk) is keyed by directory mtimes packed into 32-bit
+floats, about two minutes of resolution, so a plugin re-installed with a new entry point would
+be listed here but "not found" there.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from stevedore import DriverManager
-from stevedore.exception import MultipleMatches, NoMatches
+from stevedore.extension import Extension
 
 from .errors import PluginError
 
@@ -38,6 +41,8 @@ class PluginInfo:
     value: str
     distribution: str
     version: str
+    #: The metadata object itself: :func:`load` imports exactly this one.
+    entry_point: metadata.EntryPoint = field(compare=False, repr=False)
 
     @property
     def origin(self) -> str:
@@ -58,7 +63,7 @@ def available(role: str) -> list[PluginInfo]:
         dist = getattr(ep, "dist", None)
         infos.append(PluginInfo(role, ep.name, ep.value,
                                 dist.metadata["Name"] if dist else "?",
-                                dist.version if dist else "?"))
+                                dist.version if dist else "?", ep))
     return sorted(infos, key=lambda info: (info.name, info.distribution))
 
 
@@ -82,23 +87,20 @@ def load(role: str, name: str):
     if len(matches) > 1:
         raise PluginError(f"{role} {name!r} is registered by more than one distribution: "
                           + ", ".join(m.origin for m in matches) + "; uninstall all but one")
-    failures = []
+    return load_entry_point(matches[0])
 
-    def on_failure(_manager, entrypoint, exc):
-        failures.append(exc)
 
+def load_entry_point(info: PluginInfo):
+    """Import the entry point that listing found; a failure names the plugin, its distribution
+    and version, and the exception that the import raised."""
     try:
-        driver = DriverManager(namespace=_group(role), name=name, invoke_on_load=False,
-                               on_load_failure_callback=on_failure,
-                               on_missing_entrypoints_callback=lambda _names: None)
-    except (NoMatches, MultipleMatches, RuntimeError):
-        driver = None
-    if failures or driver is None:
-        info = matches[0]
-        reason = f"{type(failures[0]).__name__}: {failures[0]}" if failures else "not loadable"
-        raise PluginError(f"{role} {name!r} from {info.origin} failed to import "
-                          f"({info.value}): {reason}")
-    return driver.driver
+        obj = info.entry_point.load()
+    except Exception as exc:  # whatever a plugin's import raises must not become a traceback
+        raise PluginError(f"{info.role} {info.name!r} from {info.origin} failed to import "
+                          f"({info.value}): {type(exc).__name__}: {exc}") from exc
+    # stevedore still answers "which one?": the loaded entry point is its group's only driver.
+    extension = Extension(info.name, info.entry_point, obj, None)
+    return DriverManager.make_test_instance(extension, namespace=_group(info.role)).driver
 
 
 def instantiate(obj):

@@ -15,9 +15,10 @@ from .errors import ConfigError
 from .lr_schedule import LRScheduler
 from .metrics import MetricsLogger, Throughput
 from .model_info import ModelInfo, metric_name
+from .optimizer import checked_optimizer
 from .p2p import P2PCommunicator
 from .parallel_context import ParallelContext
-from .plugin_manager import build_plugin_manager
+from .plugin_manager import build_plugin_manager, wants_sharded_gradients
 from .plugin_options import with_plugin_sections
 from .random import seed_everything
 from .schedule_plan import check_schedule
@@ -90,6 +91,7 @@ def model_dtype(config: TrainConfig) -> torch.dtype:
 
 def build_model_chunks(config, pm, backend, parallel, device) -> list:
     vp = config.parallel.virtual_pipeline_model_parallel_size
+    sharded = wants_sharded_gradients(config, pm)
     chunks = []
     for stage in range(vp or 1):
         pre = parallel.is_pipeline_first_stage() and stage == 0
@@ -98,7 +100,7 @@ def build_model_chunks(config, pm, backend, parallel, device) -> list:
                                         vp_stage=stage if vp else None, layer_backend=backend,
                                         parallel=parallel)
         module.to(device=device, dtype=model_dtype(config))
-        chunks.append(DistributedDataParallel(module, config, parallel))
+        chunks.append(DistributedDataParallel(module, config, parallel, sharded=sharded))
     shared_params.check_placement(chunks, parallel)
     return chunks
 
@@ -126,8 +128,8 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None)
 
     model_chunks = build_model_chunks(config, pm, backend, parallel, world.device)
     pm.hook.plugtron_model_built(config=config, model_chunks=model_chunks, parallel=parallel)
-    optimizer = pm.hook.build_optimizer(config=config, model_chunks=model_chunks,
-                                        parallel=parallel)
+    optimizer = checked_optimizer(pm.hook.build_optimizer(
+        config=config, model_chunks=model_chunks, parallel=parallel), config)
     scheduler = LRScheduler.from_config(optimizer, config)
     p2p = None
     if parallel.pp_size > 1:

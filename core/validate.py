@@ -120,10 +120,10 @@ def _check_data_parallel(config: TrainConfig) -> None:
 
     p, t = config.parallel, config.training
     if p.overlap_param_gather:
-        from .ddp import optimizer_shards_grads
+        from .plugin_manager import wants_sharded_gradients
 
         try:
-            sharded = optimizer_shards_grads(config)
+            sharded = wants_sharded_gradients(config)
         except PluginError:
             sharded = True  # an unknown optimizer is reported by the plugin check
         if not sharded:

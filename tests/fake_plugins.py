@@ -24,17 +24,10 @@ def install_fake_distribution(root: pathlib.Path, name: str, version: str,
         (root / f"{module}.py").write_text(textwrap.dedent(source))
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    _forget()
-
-
-def _forget() -> None:
-    from .conftest import forget_entry_points
-
-    importlib.invalidate_caches()
-    forget_entry_points()
+    importlib.invalidate_caches()  # the import system must see the files written just now
 
 
 def remove_path(root: pathlib.Path) -> None:
     if str(root) in sys.path:
         sys.path.remove(str(root))
-    _forget()
+    importlib.invalidate_caches()

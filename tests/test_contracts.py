@@ -3,15 +3,18 @@ lifecycle hooks fire at their documented points."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from plugtron.core import registry
 from plugtron.core.distributed import single_process
+from plugtron.core.errors import PluginError
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.optimizer import StepResult
 from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.plugin_manager import build_plugin_manager
+from plugtron.core.plugin_manager import build_plugin_manager, wants_sharded_gradients
 from plugtron.core.training import finalize_model_config, setup, split_sizes
 
+from .fake_plugins import install_fake_distribution, remove_path
 from .utils import tiny_config, train_in_process
 
 
@@ -109,6 +112,48 @@ def test_hook_build_optimizer():
         p.main_grad.fill_(1.0)  # the data-parallel buffer the optimizer reads
     result = run.optimizer.step()
     assert isinstance(result, StepResult) and result.stepped and result.grad_norm > 0
+
+
+TORCH_OPTIMIZER_PLUGIN = """
+import torch
+from plugtron.core.hookspecs import hookimpl
+from plugtron.core.optimizer import named_params
+
+class BareSGD:
+    @hookimpl
+    def build_optimizer(self, config, model_chunks):
+        return torch.optim.SGD([p for _, p in named_params(model_chunks)], lr=0.1)
+"""
+
+
+def test_build_optimizer_must_return_an_optimizer(tmp_path):
+    install_fake_distribution(tmp_path, "bare-optimizers", "0.9",
+                              {"plugtron.optimizers": {"bare-sgd": "bare_sgd:BareSGD"}},
+                              {"bare_sgd": TORCH_OPTIMIZER_PLUGIN})
+    try:
+        with pytest.raises(PluginError) as err:
+            setup(tiny_config(optimizer="bare-sgd"), world=single_process())
+    finally:
+        remove_path(tmp_path)
+    assert str(err.value) == (
+        "optimizer 'bare-sgd' from bare-optimizers 0.9: build_optimizer returned "
+        "torch.optim.sgd.SGD, not a plugtron.core.optimizer.Optimizer (subclass it, or wrap a "
+        "torch optimizer in plugtron.core.optimizer.TorchOptimizer)")
+
+
+def test_hook_optimizer_shards_gradients():
+    # No implementation means no: adam's buffers are all-reduced whole.
+    config, run = _built()
+    assert run.pm.hook.optimizer_shards_gradients(config=config) is None
+    assert not wants_sharded_gradients(config, run.pm)
+    assert not run.model_chunks[0].sharded
+    # distributed-adam says yes, so the core builds sharded buffers before the optimizer.
+    config, run = _built(tiny_config(use_distributed_optimizer=True))
+    assert run.pm.hook.optimizer_shards_gradients(config=config) is True
+    assert run.model_chunks[0].sharded
+    # Before launch (validation): a plugin manager of the selected optimizer alone answers.
+    assert wants_sharded_gradients(tiny_config(optimizer="distributed-adam"))
+    assert not wants_sharded_gradients(tiny_config(optimizer="sgd"))
 
 
 class Recorder:

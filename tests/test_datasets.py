@@ -13,12 +13,18 @@ from plugtron.core import hookspecs
 from plugtron.core.config import TrainConfig
 from plugtron.core.errors import ConfigError
 from plugtron.plugins.datasets.common import (
+    BlockWindowDataset,
     TokenWindowDataset,
     parse_split,
     split_counts,
     split_documents,
 )
-from plugtron.plugins.datasets.mock import BRANCHING, MAX_ARITHMETIC_STEP, MockDataset
+from plugtron.plugins.datasets.mock import (
+    BRANCHING,
+    MAX_ARITHMETIC_STEP,
+    MockDataset,
+    windows_per_block,
+)
 from plugtron.plugins.datasets.text import ByteTokenizer, TextDataset
 
 SAMPLE_KEYS = {"tokens", "labels", "loss_mask", "position_ids"}
@@ -132,7 +138,7 @@ def test_mock_documents_follow_a_learnable_grammar():
     """Each token has few possible successors (arithmetic steps, Markov branches, EOD), so next
     token prediction can beat the uniform log(vocab) loss by far."""
     train, _, _ = MockDataset().dataset_provider(make_config(), (2000, 0, 0))
-    stream = train.stream.astype(np.int64)
+    stream = train.block(0).astype(np.int64)
     eod = 511
     successors: dict[int, set] = {}
     for current, following in zip(stream[:-1].tolist(), stream[1:].tolist()):
@@ -140,6 +146,44 @@ def test_mock_documents_follow_a_learnable_grammar():
             successors.setdefault(current, set()).add(following)
     assert np.count_nonzero(stream == eod) > 10
     assert max(len(s) for s in successors.values()) <= MAX_ARITHMETIC_STEP + BRANCHING + 1
+
+
+def test_mock_sample_depends_only_on_seed_dataset_and_index():
+    """Not on how many samples a run asks for (--train-iters): any sample, in any block, is the
+    same whatever the split sizes."""
+    short = MockDataset().dataset_provider(make_config(), (24, 8, 8))
+    long = MockDataset().dataset_provider(make_config(), (200_000, 80, 8))
+    per_block = long[0].windows_per_block
+    assert per_block == windows_per_block(16) and 200_000 > 4 * per_block
+    for split in range(3):
+        for index in (0, 7, len(short[split]) - 1):
+            a, b = short[split][index], long[split][index]
+            assert all(torch.equal(a[key], b[key]) for key in SAMPLE_KEYS), (split, index)
+    # A later block is made on its own (without the ones before) and alike in every dataset.
+    far = MockDataset().dataset_provider(make_config(), (200_000, 0, 0))[0]
+    for index in (3 * per_block + 5, per_block, per_block - 1):
+        assert torch.equal(far[index]["tokens"], long[0][index]["tokens"])
+    # A different sequence length is a different dataset.
+    other = MockDataset().dataset_provider(make_config(seq_length=32), (24, 8, 8))[0]
+    assert not torch.equal(other[0]["tokens"][:16], short[0][0]["tokens"])
+
+
+def test_block_windows_cover_each_block_once_in_a_shuffled_order():
+    blocks = {}
+
+    def make_block(index, num_tokens):
+        blocks[index] = np.arange(num_tokens, dtype=np.int64) + 1000 * index
+        return blocks[index]
+
+    dataset = BlockWindowDataset(make_block, windows_per_block=4, seq_length=10,
+                                 num_samples=10, seed=3, split_index=0)
+    assert dataset.windows_per_block == 4 and dataset.block_tokens == 41 and len(dataset) == 10
+    starts = [int(dataset[i]["tokens"][0]) for i in range(8)]
+    assert sorted(starts[:4]) == [0, 10, 20, 30] and starts[:4] != [0, 10, 20, 30]
+    assert sorted(starts[4:]) == [1000, 1010, 1020, 1030]
+    assert int(dataset[3]["labels"][-1]) == int(dataset[3]["tokens"][-1]) + 1
+    with pytest.raises(IndexError):
+        dataset[10]
 
 
 def test_mock_registers_as_a_pluggy_plugin():

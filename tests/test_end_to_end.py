@@ -54,6 +54,24 @@ def test_two_ranks_match_one_rank(tmp_path, dataset):
         assert y["consumed_samples"] == x["consumed_samples"]
 
 
+def test_mock_data_does_not_depend_on_the_run_length(tmp_path):
+    """Same seed: a 3-iteration run starts on the same batch as a 5-iteration one, so its first
+    loss (before any step, which the run length's LR schedule would change) is identical."""
+    common = ["train", "--preset", "tiny", "--data", "mock", "--vocab-size", "128",
+              "--hidden-dropout", "0", "--attention-dropout", "0", "--eval-interval", "0",
+              "--no-progress"]
+    first = []
+    for iters in (3, 5):
+        metrics = tmp_path / f"iters{iters}.jsonl"
+        result = run_cli(common + ["--train-iters", str(iters), "--metrics-file", str(metrics)],
+                         tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = read_losses(metrics)
+        assert len(records) == iters and records[0]["iteration"] == 1
+        first.append(records[0]["lm_loss"])
+    assert first[0] == first[1]
+
+
 def test_user_error_inside_ranks_exits_2_without_traceback(tmp_path):
     """Errors found only once ranks run (here: an empty corpus) still exit 2 cleanly."""
     empty = tmp_path / "empty"

@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-from plugtron.core.config import TrainConfig
-from plugtron.core.ddp import DistributedDataParallel, optimizer_shards_grads
+from plugtron.core.ddp import DistributedDataParallel
 from plugtron.core.errors import ConfigError
 from plugtron.core.grad_buffer import default_bucket_size, plan_buckets, shard_alignment
 from plugtron.core.parallel_context import ParallelContext
@@ -132,13 +131,6 @@ def test_a_grad_after_its_bucket_started_is_an_error():
     ddp(x).sum().backward()  # last-microbatch semantics: buckets start
     with pytest.raises(RuntimeError, match="no_sync"):
         ddp(x).sum().backward()
-
-
-def test_optimizer_plugin_declares_sharding():
-    config = TrainConfig()
-    assert not optimizer_shards_grads(config)
-    config.parallel.use_distributed_optimizer = True
-    assert optimizer_shards_grads(config)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -41,10 +41,11 @@ def test_every_hookspec_has_a_test():
 
 
 def test_driver_hooks_are_firstresult_and_lifecycle_hooks_are_not():
+    driver_hooks = {**hookspecs.CONTRACT_HOOKS, **hookspecs.OPTIONAL_DRIVER_HOOKS}
     for name, fn in spec_functions():
         opts = fn.plugtron_spec
-        driver_hook = name in hookspecs.CONTRACT_HOOKS or name in hookspecs.OPTIONAL_DRIVER_HOOKS
-        assert opts["firstresult"] == driver_hook, name
+        assert opts["firstresult"] == (name in driver_hooks), name
+        assert name.startswith("plugtron_") == (name not in driver_hooks), name
 
 
 def test_hookimpl_may_take_a_subset_of_arguments():

@@ -18,6 +18,7 @@ from plugtron.core.comm import (
 )
 from plugtron.core.config import ConfigSection, TrainConfig, opt
 from plugtron.core.data import collate
+from plugtron.core.ddp import DistributedDataParallel
 from plugtron.core.errors import CheckpointError, ConfigError, PluginError, PlugtronError
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.inference import load_model
@@ -37,6 +38,7 @@ from plugtron.core.optimizer import (
     no_weight_decay,
     param_groups_for,
 )
+from plugtron.core.optimizer_shards import BucketShard, ParamShard
 from plugtron.core.parallel_context import ParallelContext
 from plugtron.core.pipeline_executor import ActionListSchedule, execute_actions
 from plugtron.core.pipeline_layout import chunk_layers, stage_layer_counts
@@ -96,6 +98,7 @@ __all__ = [
     # optimizers
     "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",
     "named_params", "no_weight_decay", "param_groups_for", "OPTIMIZER_STATE_KEY",
+    "DistributedDataParallel", "BucketShard", "ParamShard",
     # datasets
     "collate",
 ]

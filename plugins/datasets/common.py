@@ -1,15 +1,17 @@
-"""What the built-in dataset providers share: the split-by-weights rule and the windowed dataset.
+"""What the built-in dataset providers share: the split-by-weights rule and the windowed datasets.
 
-A provider turns its source (synthetic documents, text files) into one token stream per split,
-with an end-of-document token after each document, and hands the stream to
-:class:`TokenWindowDataset`, which cuts it into samples of ``seq_length + 1`` tokens. Keeping that
-here means every provider produces samples with exactly the same layout and epoch order.
+A provider turns its source into one token stream per split, with an end-of-document token after
+each document, and cuts it into samples of ``seq_length + 1`` tokens: a finite source (text
+files) hands its stream to :class:`TokenWindowDataset`; an unbounded one (synthetic documents)
+produces it in fixed-size blocks for :class:`BlockWindowDataset`. Keeping both here means every
+provider produces samples with exactly the same layout.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -180,3 +182,70 @@ class TokenWindowDataset:
             raise IndexError(f"sample {index} out of range for a dataset of {len(self)}")
         start = self.window_start(index)
         return make_sample(self.stream[start:start + self.seq_length + 1])
+
+
+#: Tag of the within-block window order's random stream (see :func:`seeded_rng`).
+_BLOCK_ORDER_TAG = 404
+
+
+class BlockWindowDataset:
+    """Map-style dataset of ``seq_length + 1``-token windows over an unbounded stream of blocks.
+
+    Block ``b`` is ``make_block(b, n)``: exactly ``n = windows_per_block * seq_length + 1``
+    tokens, cut into non-overlapping windows (consecutive windows share one token, so every
+    token is a label once). Sample ``i`` is window ``perm_b[i % windows_per_block]`` of
+    block ``b = i // windows_per_block``, the permutation seeded by ``(seed, split_index, b)``.
+    So a sample depends on its index and on what ``make_block`` depends on, never on how many
+    samples a run asks for (``num_samples`` only sets the length): a 3-iteration run sees the
+    same first batches as a 5-iteration one. Any rank builds any sample alone, and samples are
+    read in order, so holding the last two blocks bounds memory.
+    """
+
+    def __init__(self, make_block: Callable[[int, int], np.ndarray], windows_per_block: int,
+                 seq_length: int, num_samples: int, seed: int, split_index: int):
+        if seq_length < 1:
+            raise ConfigError(f"--seq-length must be at least 1, got {seq_length}")
+        if windows_per_block < 1:
+            raise ValueError(f"windows_per_block must be at least 1, got {windows_per_block}")
+        self.make_block = make_block
+        self.windows_per_block = windows_per_block
+        self.seq_length = seq_length
+        self.num_samples = max(1, num_samples)
+        self.seed = seed
+        self.split_index = split_index
+        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    @property
+    def block_tokens(self) -> int:
+        return self.windows_per_block * self.seq_length + 1
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def block(self, index: int) -> np.ndarray:
+        """The tokens of block ``index``."""
+        return self._block(index)[0]
+
+    def _block(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        if index not in self._blocks:
+            tokens = self.make_block(index, self.block_tokens)
+            if len(tokens) != self.block_tokens:
+                raise ValueError(f"block {index} has {len(tokens)} tokens, not "
+                                 f"{self.block_tokens}")
+            order = seeded_rng(self.seed, _BLOCK_ORDER_TAG, self.split_index, index) \
+                .permutation(self.windows_per_block)
+            self._blocks[index] = (tokens, order)
+            while len(self._blocks) > 2:
+                self._blocks.popitem(last=False)
+        return self._blocks[index]
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = int(index)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} out of range for a dataset of {len(self)}")
+        block, position = divmod(index, self.windows_per_block)
+        tokens, order = self._block(block)
+        start = int(order[position]) * self.seq_length
+        return make_sample(tokens[start:start + self.seq_length + 1])

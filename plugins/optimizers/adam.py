@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.optimizer import TorchOptimizer, adamw_factory
+from plugtron.api import TorchOptimizer, adamw_factory, hookimpl
 
 
 class Adam:

@@ -5,15 +5,16 @@ Weight decay is not applied to norms and biases."""
 
 from __future__ import annotations
 
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.optimizer import adamw_factory
+from plugtron.api import adamw_factory, hookimpl
 
 from .distributed_optimizer import DistributedOptimizer
 
 
 class DistributedAdam:
-    #: Read by the core's data-parallel wrapper: lay gradients out in padded, sharded buckets.
-    shards_grad_buffers = True
+    @hookimpl
+    def optimizer_shards_gradients(self, config):
+        # The core's data-parallel wrapper then lays gradients out in padded, sharded buckets.
+        return True
 
     @hookimpl
     def build_optimizer(self, config, model_chunks, parallel):

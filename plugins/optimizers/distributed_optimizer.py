@@ -3,59 +3,35 @@ Megatron-Core's DistributedOptimizer).
 
 The data-parallel wrapper lays gradients and parameters out in flat, padded buckets and
 reduce-scatters the gradients, so that rank ``r`` holds the summed gradient of the ``r``-th
-equal, contiguous range of each bucket (ranges ignore parameter boundaries). This optimizer keeps
-fp32 main parameters and optimizer state for that range only: one main tensor per
-(parameter, shard) intersection, so weight decay can still follow the parameter. After the step
-the updated range is written into the parameter buffer and all-gathered by the wrapper.
+equal, contiguous range of each bucket (ranges ignore parameter boundaries). It describes that
+layout through its public ``optimizer_shards()`` (``plugtron.api.BucketShard``). This
+optimizer keeps fp32 main parameters and optimizer state for those ranges only: one main tensor
+per (parameter, shard) intersection, so weight decay can still follow the parameter. After the
+step the updated range is written into the parameter's storage and all-gathered by the wrapper's
+``start_param_sync()``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-from plugtron.core import comm
-from plugtron.core.errors import PluginError
-from plugtron.core.optimizer import (
+from plugtron.api import (
     OPTIMIZER_STATE_KEY,
     MixedPrecisionOptimizer,
-    named_params,
+    PluginError,
+    all_gather_tensor,
     no_weight_decay,
 )
 
 
-@dataclass
-class ShardSlice:
-    """The part of one parameter that falls in this rank's shard of one bucket."""
-
-    name: str
-    param: torch.nn.Parameter
-    buffer: object  # GradBuffer
-    bucket: object  # Bucket
-    lo: int  # range in buffer coordinates
-    hi: int
-    param_lo: int  # the same range in the parameter's flattened coordinates
-    param_hi: int
-
-
-def shard_slices(model_chunks) -> list[ShardSlice]:
-    names = {id(p): n for n, p in named_params(model_chunks)}
+def bucket_shards(model_chunks) -> list:
+    """Every chunk's ``BucketShard`` list, chunk after chunk (the same order on every rank)."""
     out = []
     for chunk in model_chunks:
-        buffers = getattr(chunk, "grad_buffers", None)
-        if buffers is None or not all(b.sharded for b in buffers):
+        if not getattr(chunk, "sharded", False) or not hasattr(chunk, "optimizer_shards"):
             raise PluginError("the distributed optimizer needs model chunks wrapped by the core's "
                               "DistributedDataParallel with sharded gradient buffers (its plugin "
-                              "class must set shards_grad_buffers = True)")
-        for buffer in buffers:
-            for bucket in buffer.buckets:
-                shard_lo, shard_hi = bucket.shard_range()
-                for param in bucket.params:
-                    p_lo, p_hi = buffer.ranges[id(param)]
-                    lo, hi = max(p_lo, shard_lo), min(p_hi, shard_hi)
-                    if lo < hi:
-                        out.append(ShardSlice(names[id(param)], param, buffer, bucket, lo, hi,
-                                              lo - p_lo, hi - p_lo))
+                              "must answer hook optimizer_shards_gradients with True)")
+        out += chunk.optimizer_shards()
     return out
 
 
@@ -66,14 +42,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def __init__(self, model_chunks, config, parallel, make_inner):
         super().__init__(config, parallel)
         self.model_chunks = list(model_chunks)
-        self.slices = shard_slices(self.model_chunks)
+        self.bucket_shards = bucket_shards(self.model_chunks)
+        # One entry per (parameter, shard) piece; ``slices_of[b]`` indexes bucket b's pieces.
+        self.slices, self.slices_of = [], []
+        for bucket in self.bucket_shards:
+            self.slices_of.append(range(len(self.slices), len(self.slices) + len(bucket.shards)))
+            self.slices += bucket.shards
         # fp32 model parameters are their own main parameters (a view of the parameter
-        # buffer); bf16/fp16 ones get fp32 copies of the shard.
-        self.aliased = [s.buffer.param_data.dtype == torch.float32 for s in self.slices]
-        self.mains = []
-        for s, aliased in zip(self.slices, self.aliased):
-            view = s.buffer.param_data[s.lo:s.hi]
-            self.mains.append(view if aliased else view.detach().float().clone())
+        # storage); bf16/fp16 ones get fp32 copies of the shard.
+        self.aliased = [bucket.param_dtype == torch.float32
+                        for bucket in self.bucket_shards for _ in bucket.shards]
+        self.mains = [s.data if aliased else s.data.detach().float().clone()
+                      for s, aliased in zip(self.slices, self.aliased)]
         decay, plain = [], []
         for s, main in zip(self.slices, self.mains):
             (plain if no_weight_decay(s.name, s.param) else decay).append(main)
@@ -89,11 +69,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _prepare_main_grads(self):
         for chunk in self.model_chunks:
-            chunk.finish_param_sync()  # the step rewrites the parameter buffer
+            chunk.finish_param_sync()  # the step rewrites the parameter storage
         pairs = []
         for s, main in zip(self.slices, self.mains):
-            grad = s.buffer.grad_data[s.lo:s.hi]
-            main.grad = grad if grad.dtype == torch.float32 else grad.float()
+            main.grad = s.grad if s.grad.dtype == torch.float32 else s.grad.float()
             pairs.append((main.grad, s.param))
         return pairs
 
@@ -101,7 +80,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         with torch.no_grad():
             for s, main, aliased in zip(self.slices, self.mains, self.aliased):
                 if not aliased:
-                    s.buffer.param_data[s.lo:s.hi].copy_(main)
+                    s.data.copy_(main)
         for chunk in self.model_chunks:
             chunk.start_param_sync()
 
@@ -109,7 +88,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         with torch.no_grad():
             for s, main, aliased in zip(self.slices, self.mains, self.aliased):
                 if not aliased:
-                    main.copy_(s.buffer.param_data[s.lo:s.hi])
+                    main.copy_(s.data)
 
     def _main_param_bytes(self) -> int:
         return sum(m.numel() * m.element_size()
@@ -117,9 +96,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # ------------------------------------------------------------------ checkpoint state
 
-    def _keys_for(self, buffer) -> list[str]:
+    def _keys_for(self, bucket) -> list[str]:
         keys = list(self.STATE_KEYS) if self.num_steps > 0 else []
-        if buffer.param_data.dtype != torch.float32:
+        if bucket.param_dtype != torch.float32:
             keys.append("main_param")
         return keys
 
@@ -135,29 +114,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         all-gathered over the data-parallel group (a collective)."""
         for chunk in self.model_chunks:
             chunk.finish_param_sync()
-        by_bucket: dict[int, list[int]] = {}
-        for index, s in enumerate(self.slices):
-            by_bucket.setdefault(id(s.bucket), []).append(index)
-        names = {id(p): n for n, p in named_params(self.model_chunks)}
         state: dict = {}
-        for chunk in self.model_chunks:
-            for buffer in chunk.grad_buffers:
-                keys = self._keys_for(buffer)
-                for bucket in buffer.buckets:
-                    for param in bucket.params:
-                        state[names[id(param)]] = {}
-                    for key in keys:
-                        local = torch.zeros(bucket.shard_size, dtype=torch.float32,
-                                            device=bucket.grad.device)
-                        shard_lo = bucket.shard_range()[0]
-                        for index in by_bucket.get(id(bucket), ()):
-                            s = self.slices[index]
-                            local[s.lo - shard_lo:s.hi - shard_lo] = self._value(index, key)
-                        full = comm.all_gather_tensor(local, buffer.group)
-                        for param in bucket.params:
-                            p_lo, p_hi = buffer.ranges[id(param)]
-                            value = full[p_lo - bucket.start:p_hi - bucket.start]
-                            state[names[id(param)]][key] = value.view(param.shape).clone()
+        for bucket, indices in zip(self.bucket_shards, self.slices_of):
+            for member in bucket.params:
+                state[member.name] = {}
+            for key in self._keys_for(bucket):
+                local = torch.zeros(bucket.shard_size, dtype=torch.float32, device=bucket.device)
+                for index in indices:
+                    lo, hi = self.slices[index].shard_range
+                    local[lo:hi] = self._value(index, key)
+                full = all_gather_tensor(local, bucket.group)
+                for member in bucket.params:
+                    lo, hi = member.bucket_range
+                    state[member.name][key] = full[lo:hi].view(member.param.shape).clone()
         state[OPTIMIZER_STATE_KEY] = self.scalar_state()
         return state
 
@@ -169,13 +138,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             chunk.finish_param_sync()
         self.reload_model_params()
         for s, main, aliased in zip(self.slices, self.mains, self.aliased):
-            saved = {k: v.reshape(-1)[s.param_lo:s.param_hi]
-                     for k, v in state.get(s.name, {}).items()}
+            lo, hi = s.param_range
+            saved = {k: v.reshape(-1)[lo:hi] for k, v in state.get(s.name, {}).items()}
             if "main_param" in saved:  # the fp32 master weights beat a bf16 model's
                 with torch.no_grad():
                     main.copy_(saved["main_param"])
                     if not aliased:
-                        s.buffer.param_data[s.lo:s.hi].copy_(main)
+                        s.data.copy_(main)
             entries = self.inner_state_for(main, saved)
             if entries:
                 self.inner.state[main] = entries

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import torch
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.optimizer import TorchOptimizer
+from plugtron.api import TorchOptimizer, hookimpl
 
 
 class SGD:

@@ -18,7 +18,7 @@ def train_resumable(config, world=None, stop_at: int | None = None):
     """setup -> --load -> train (with its saves) -> per-iteration losses and the run.
 
     ``stop_at``: end the loop early (with the final save), as a job that is cut off would, while
-    the data and LR schedule stay those of the full ``--train-iters`` (both are sized from it).
+    the LR schedule stays that of the full ``--train-iters`` (it is sized from it).
     """
     recorder = StepRecorder()
     run = setup(config, extra_plugins=[recorder], world=world)
