@@ -117,8 +117,9 @@ def check_hooks(info: registry.PluginInfo, obj) -> list[Problem]:
     def problem(hook, message):
         problems.append(Problem(info, hook, message))
 
+    methods = plugin_methods(obj)
     implemented = set()
-    for method in plugin_methods(obj):
+    for method in methods:
         spec = specs.get(method.hook)
         if spec is None:
             if method.impl is not None or method.hook.startswith(f"{hookspecs.PROJECT_NAME}_"):
@@ -147,7 +148,7 @@ def check_hooks(info: registry.PluginInfo, obj) -> list[Problem]:
                                f"implementations")
 
     if info.role in DRIVER_ROLES:
-        defined = {m.hook for m in plugin_methods(obj)}
+        defined = {m.hook for m in methods}
         for spec in specs.values():
             if spec.required and spec.role == info.role and spec.name not in implemented:
                 hint = (" (a method of that name exists but is not marked @hookimpl)"
