@@ -7,6 +7,7 @@ resume under pp 2; ``plugtron.api.load_model`` reads the pp 2 checkpoint into on
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -18,7 +19,6 @@ import pytest
 import torch
 from plugtron.core.distributed import single_process
 
-from tests.conftest import forget_entry_points
 from tests.distributed.harness import DistributedPool
 from tests.utils import tiny_config, train_in_process
 
@@ -44,12 +44,12 @@ def installed(tmp_path_factory):
                     "--no-build-isolation", "--target", str(site), str(package)],
                    check=True, capture_output=True)
     sys.path.insert(0, str(site))
-    forget_entry_points()
+    importlib.invalidate_caches()
     yield site
     sys.path.remove(str(site))
     for module in [m for m in sys.modules if m == "shiftmlp"]:
         del sys.modules[module]
-    forget_entry_points()
+    importlib.invalidate_caches()
 
 
 def test_the_page_has_the_package_and_the_plugin_is_short():
