@@ -7,6 +7,7 @@ import click
 from .checkpoint_cmd import checkpoint
 from .convert import convert
 from .evaluate import make_evaluate_command
+from .plot import plot
 from .plugins_cmd import plugins
 from .schedule_cmd import schedule
 from .topology import topology
@@ -44,6 +45,7 @@ cli.add_command(topology)
 cli.add_command(checkpoint)
 cli.add_command(convert)
 cli.add_command(schedule)
+cli.add_command(plot)
 
 
 def main():

@@ -185,6 +185,12 @@ class LoggingConfig:
                                       "Count zero gradient elements each step.", is_flag=True)
     progress: bool = opt(True, "--progress", "Progress bar on rank 0.", is_flag=True,
                          negative="--no-progress")
+    profile: bool = opt(False, "--profile", "Trace steps --profile-step-start..end with the "
+                        "torch profiler (Chrome trace JSON per rank).", is_flag=True)
+    profile_step_start: int = opt(10, "--profile-step-start", "First profiled iteration.")
+    profile_step_end: int = opt(12, "--profile-step-end", "Last profiled iteration.")
+    profile_ranks: list = opt([0], "--profile-ranks", "Global ranks to profile (repeatable).")
+    profile_dir: str = opt("profiles", "--profile-dir", "Where the traces are written.")
 
 
 SECTIONS = {

@@ -13,6 +13,7 @@ from .ddp import DistributedDataParallel
 from .distributed import WorldInfo, init_distributed
 from .errors import ConfigError
 from .lr_schedule import LRScheduler
+from .memory import step_memory_mb
 from .metrics import MetricsLogger, Throughput
 from .model_info import ModelInfo, metric_name
 from .optimizer import checked_optimizer
@@ -20,6 +21,7 @@ from .p2p import P2PCommunicator
 from .parallel_context import ParallelContext
 from .plugin_manager import build_plugin_manager, wants_sharded_gradients
 from .plugin_options import with_plugin_sections
+from .profiling import StepProfiler
 from .random import seed_everything
 from .schedule_plan import check_schedule
 from .validate import validate_plugins
@@ -272,12 +274,14 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
     iterators = data_iterators(run, run.datasets[0], state.consumed_samples)
     run.pm.hook.plugtron_train_start(config=config, state=state)
     throughput = Throughput()
+    profiler = StepProfiler(config, run.world.rank)
     losses = {}
     start = time.perf_counter()
     while state.iteration < t.train_iters:
         iteration = state.iteration + 1
         step_info.current.iteration = iteration
         lr = run.scheduler.prepare(iteration)
+        profiler.before_step(iteration)
         step_start = time.perf_counter()
         try:
             losses, result = train_step(run, iterators)
@@ -285,12 +289,14 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
             raise ConfigError(f"the training data ran out at iteration {iteration}; the dataset "
                               f"is smaller than --train-iters x --global-batch-size") from None
         step_time = time.perf_counter() - step_start
+        profiler.after_step(iteration)
         state.iteration = iteration
         state.consumed_samples += t.global_batch_size
         record = {"iteration": iteration, **loss_metrics(losses),
                   "grad_norm": result.grad_norm, "lr": lr,
                   "tokens_per_sec": throughput.add(tokens_per_iter), "step_time_s": step_time,
-                  "consumed_samples": state.consumed_samples, "skipped": not result.stepped}
+                  "consumed_samples": state.consumed_samples, "skipped": not result.stepped,
+                  "memory_mb": step_memory_mb(run.world.device)}
         if result.num_zeros is not None:
             record["num_zeros"] = result.num_zeros
         if hasattr(run.optimizer, "current_loss_scale"):
@@ -300,6 +306,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
         if t.eval_interval and iteration % t.eval_interval == 0:
             run_evaluation(run, metrics, iteration)
         after_step(run, iteration)
+    profiler.finish()
     for chunk in run.model_chunks:  # whoever reads parameters next gets the gathered ones
         chunk.finish_param_sync()
     checkpoint.at_train_end(run)

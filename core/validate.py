@@ -60,6 +60,9 @@ def validate(config: TrainConfig, world_size: int) -> None:
     check_pipeline_schedule(config, dp)
     if config.checkpoint.save_interval is not None and not config.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
+    from .profiling import validate_profile
+
+    validate_profile(config)
     validate_plugins(config, world_size)
 
 
