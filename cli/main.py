@@ -7,6 +7,7 @@ import click
 from .checkpoint_cmd import checkpoint
 from .convert import convert
 from .evaluate import make_evaluate_command
+from .plugin_new import plugin
 from .plugins_cmd import plugins
 from .schedule_cmd import schedule
 from .topology import topology
@@ -40,6 +41,7 @@ def cli():
 
 
 cli.add_command(plugins)
+cli.add_command(plugin)
 cli.add_command(topology)
 cli.add_command(checkpoint)
 cli.add_command(convert)
