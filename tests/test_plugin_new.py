@@ -1,6 +1,7 @@
-"""``plugtron plugin new``: every kind writes a package that installs and passes its own tests
-exactly as generated; the code on docs/plugins/*.md is the generated code; a bad NAME or an
-existing DIR exits 2 and writes nothing; the templates ship in the wheel.
+"""``plugtron plugin new``: every kind writes a package that installs, passes its own tests
+exactly as generated and passes ``plugtron plugins check``; the code on docs/plugins/*.md is
+the generated code; a bad NAME or an existing DIR exits 2 and writes nothing; the templates
+ship in the wheel.
 
 Each package is pip-installed with ``--target`` into its own folder (never into this venv) and
 its tests run in a subprocess that sees that folder, as they would after ``pip install -e``.
@@ -77,6 +78,10 @@ def test_the_generated_package_passes_its_own_tests(generated, kind):
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in summary and "skipped" not in summary, summary
+    # and its hooks hold against the hookspecs, as `plugtron plugins check` sees them
+    check = subprocess.run([sys.executable, "-m", "plugtron.cli.main", "plugins", "check",
+                            NAMES[kind]], env=env_with(site), capture_output=True, text=True)
+    assert check.returncode == 0 and "0 problem(s)" in check.stdout, check.stdout + check.stderr
 
 
 def test_the_generated_model_trains_from_the_cli_and_lists_its_options(generated):
