@@ -8,6 +8,7 @@ from .checkpoint_cmd import checkpoint
 from .convert import convert
 from .evaluate import make_evaluate_command
 from .plot import plot
+from .plugin_new import plugin
 from .plugins_cmd import plugins
 from .schedule_cmd import schedule
 from .topology import topology
@@ -41,6 +42,7 @@ def cli():
 
 
 cli.add_command(plugins)
+cli.add_command(plugin)
 cli.add_command(topology)
 cli.add_command(checkpoint)
 cli.add_command(convert)

@@ -10,6 +10,7 @@ from plugtron.core.config import TrainConfig
 from plugtron.core.errors import ConfigError
 from plugtron.core.parallel_context import validate_sizes
 from plugtron.core.plugin_manager import resolve_schedule
+from plugtron.core.plugin_options import with_plugin_sections
 from plugtron.core.schedule_plan import (
     Action,
     bubble_fraction,
@@ -32,6 +33,7 @@ def describe_schedule(name: str, pp: int, vp: int | None, microbatches: int,
     config.parallel.pipeline_model_parallel_size = pp
     config.parallel.virtual_pipeline_model_parallel_size = vp
     config.parallel.microbatch_group_size_per_vp_stage = group_size
+    with_plugin_sections(config)  # a plugin schedule reads its own options (defaults here)
     resolved = resolve_schedule(config)
     schedule = registry.instantiate(registry.load("schedule", resolved))
     per_rank = check_schedule(schedule.schedule_actions, pp, vp or 1, microbatches, config)

@@ -29,10 +29,22 @@ def assert_series_close(got: list, want: list, rtol: float, what: str) -> None:
                                  f"difference {diff} > rtol {rtol:g}); got {got}, want {want}")
 
 
+def loss_keys(records: list[dict]) -> list[str]:
+    """Every loss a run logged (the model's main loss whatever its report key, other report
+    keys, losses added inside the model), then the grad norm."""
+    from plugtron.core.metrics import MetricsLogger
+
+    first = records[0] if records else {}
+    losses = [k for k, v in first.items()
+              if k not in MetricsLogger.STEP_KEYS and isinstance(v, (int, float))]
+    return sorted(losses) + ["grad_norm"]
+
+
 def assert_records_close(got: list[dict], want: list[dict], rtol: float, what: str,
-                         keys=("lm_loss", "grad_norm")) -> None:
-    """Per-iteration ``keys`` of two runs' records agree within relative ``rtol``."""
-    for key in keys:
+                         keys=None) -> None:
+    """Per-iteration ``keys`` of two runs' records agree within relative ``rtol``; by default
+    every loss the reference run logged and the grad norm."""
+    for key in loss_keys(want) if keys is None else keys:
         assert_series_close([r.get(key) for r in got], [r.get(key) for r in want], rtol,
                             f"{what}: {key}")
 

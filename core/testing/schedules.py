@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from plugtron.core import registry
+from plugtron.core.config import section_flag_fields
 from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.plugin_options import collect_sections
 from plugtron.core.schedule_plan import check_schedule
 
 from .compare import assert_records_close, assert_value_close
-from .config import make_config, merge_flags
+from .config import canonical, make_config, merge_flags
 from .pool import DistributedPool
 from .runs import pool_for, train_run
 
@@ -20,6 +22,17 @@ def _schedule_object(schedule):
         except PluginError as exc:
             raise AssertionError(str(exc)) from None
     return schedule
+
+
+def _schedule_option_keys(config) -> set[str]:
+    """Every spelling (canonical) of the options the config's schedule declares: the reference
+    run does not select that schedule, so it must not get them."""
+    keys = set()
+    for declared in collect_sections(config):
+        if declared.plugin.role == "schedule":
+            for f in section_flag_fields(declared.section.name, declared.section.cls):
+                keys.update(canonical(s) for s in (f.flag, *f.aliases, f.negative, f.name) if s)
+    return keys
 
 
 def assert_schedule_matches_1f1b(schedule, pp: int = 2, vp: int | None = None,
@@ -40,25 +53,29 @@ def assert_schedule_matches_1f1b(schedule, pp: int = 2, vp: int | None = None,
 
     Tolerance (fp32): ``lm_loss``, ``grad_norm`` and the validation loss relative ``rtol``
     (default 1e-6: only the order in which microbatch gradients are summed differs). ``flags``
-    adds model options over the kit's tiny defaults; ``num-layers`` must divide by pp x vp.
+    adds model options over the kit's tiny defaults, and for a schedule given by name its own
+    options (the reference run goes without them); ``num-layers`` must divide by pp x vp.
     """
-    micro_batch = make_config(flags or {}).training.micro_batch_size
+    named = isinstance(schedule, str)
+    flags = merge_flags(flags or {}, {"schedule": schedule} if named else {})
+    micro_batch = make_config(flags).training.micro_batch_size
     layout = {"pp": pp, "global-batch-size": microbatches * micro_batch}
     if vp:
         layout["vp"] = vp
-    base = merge_flags(flags or {}, layout, {"train-iters": iters})
+    base = merge_flags(flags, layout, {"train-iters": iters})
+    config = make_config(base)
     obj = _schedule_object(schedule)
     try:
-        check_schedule(obj.schedule_actions, pp, vp or 1, microbatches, make_config(base))
+        check_schedule(obj.schedule_actions, pp, vp or 1, microbatches, config)
     except ConfigError as exc:
         raise AssertionError(f"schedule {schedule!r} on pp {pp} vp {vp} with {microbatches} "
                              f"microbatches: {exc}") from None
     reference_name = "interleaved-1f1b" if vp else "1f1b"
-    named = isinstance(schedule, str)
+    own_options = _schedule_option_keys(config) if named else set()
+    reference = {k: v for k, v in base.items() if k not in own_options}
     with pool_for(pp, pool) as p:
-        got = train_run(merge_flags(base, {"schedule": schedule}) if named else base, pp, p,
-                        schedule=None if named else obj, evaluate=True)
-        want = train_run(merge_flags(base, {"schedule": reference_name}), pp, p,
+        got = train_run(base, pp, p, schedule=None if named else obj, evaluate=True)
+        want = train_run(merge_flags(reference, {"schedule": reference_name}), pp, p,
                          evaluate=True)
     what = f"schedule {schedule!r} against {reference_name} (pp {pp}, vp {vp})"
     assert_records_close(got.records, want.records, rtol, what)
