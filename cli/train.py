@@ -39,6 +39,20 @@ def check_data_paths(config) -> None:
             raise ConfigError(f"--data-path {path!r} does not exist")
 
 
+def check_load(config) -> None:
+    """``--load``: the whole checkpoint is validated (names, headers, pieces) before any rank
+    starts, so a hostile or broken one is refused in seconds, not after the model is built."""
+    from plugtron.core.checkpoint import CheckpointReader, layout
+
+    path = config.checkpoint.load
+    if not path:
+        return
+    save = config.checkpoint.save
+    if save and os.path.abspath(save) == os.path.abspath(path) and not layout.has_checkpoint(path):
+        return  # --load equal to --save with nothing saved yet: a fresh start
+    CheckpointReader(path).close()
+
+
 def make_train_command(args: list[str]) -> click.Command:
     """The ``train`` command with the options of the plugins that ``args`` select."""
     selection = prescan(args)
@@ -67,6 +81,7 @@ def make_train_command(args: list[str]) -> click.Command:
         check_plugins(config)
         validate(config, world_size)
         check_data_paths(config)
+        check_load(config)
         if nproc_per_node > 1:
             launch_local_ranks(config.to_json(), nproc_per_node)
             return
