@@ -12,7 +12,7 @@ from plugtron.core.plugin_manager import selected_drivers
 from plugtron.core.validate import validate
 
 from .errors import user_errors
-from .launch import launch_local_ranks
+from .launch import JobStopped, launch_local_ranks
 from .options import (
     SectionedCommand,
     build_config,
@@ -85,8 +85,14 @@ def make_train_command(args: list[str]) -> click.Command:
         if nproc_per_node > 1:
             launch_local_ranks(config.to_json(), nproc_per_node)
             return
+        from plugtron.core import preemption
+        from plugtron.core.distributed import init_distributed, timeout_seconds
         from plugtron.core.training import pretrain
 
+        preemption.install(extra=config.training.exit_signal_handler)
+        init_distributed(timeout_seconds(config))
         pretrain(config)
+        if preemption.stopped is not None:
+            raise JobStopped(preemption.final_message(config), preemption.stopped[1])
 
     return train

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import run_status
 from ..errors import CheckpointError
 from . import layout, state, writer
 
@@ -72,6 +73,7 @@ class Checkpointer:
         iteration = run.state.iteration if iteration is None else iteration
         start = time.perf_counter()
         self.wait()
+        run_status.set_phase(f"saving checkpoint {iteration}")
         os.makedirs(parent, exist_ok=True)
         tmp_dir = os.path.join(parent, layout.tmp_dirname(iteration))
         snap, optimizer_state = state.snapshot(run, copy=async_save, staging=self.staging)
