@@ -81,6 +81,11 @@ def make_train_command(args: list[str]) -> click.Command:
         check_plugins(config)
         validate(config, world_size)
         check_data_paths(config)
+        if config.checkpoint.save and int(os.environ.get("RANK", 0)) == 0:
+            from plugtron.core.checkpoint import dir_lock
+
+            # Held until this process exits; taking it also repairs crashed saves.
+            dir_lock.acquire(config.checkpoint.save)
         check_load(config)
         if nproc_per_node > 1:
             launch_local_ranks(config.to_json(), nproc_per_node)

@@ -9,6 +9,7 @@ torch. Tensor files are read through safetensors slices: a rank reads only the p
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -35,9 +36,36 @@ class CheckpointReader:
     """One checkpoint directory, opened for reading."""
 
     def __init__(self, path: str):
+        explicit, candidates = layout.load_candidates(path)
+        if explicit:
+            self._open(candidates[0])
+            return
+        # A directory of checkpoints: the newest one that is complete and valid, every file
+        # checked against its CRC; a bad one is skipped with a warning naming it.
+        for i, candidate in enumerate(candidates):
+            try:
+                self._open(candidate)
+                self.verify_all()
+                return
+            except CheckpointError as exc:
+                if i == len(candidates) - 1:
+                    raise
+                if int(os.environ.get("RANK", 0)) == 0:
+                    print(f"warning: skipping checkpoint {candidate}: {exc}; trying the "
+                          f"previous one", file=sys.stderr, flush=True)
+
+    def verify_all(self) -> None:
+        """Every tensor file against the CRC-32 its manifest recorded."""
+        for name, digest in self.file_digests.items():
+            if name not in self._verified:
+                jsonio.verify_file(os.path.join(self.path, name), digest)
+                self._verified.add(name)
+
+    def _open(self, path: str) -> None:
         self._owner: dict[str, str] = {}  # tensor file -> the manifest that lists it
         self._where: dict[str, str] = {}  # logical tensor -> the manifest that declared it
-        self.path = layout.resolve_load_path(path)
+        self._verified: set[str] = set()
+        self.path = path
         meta_path = os.path.join(self.path, layout.METADATA)
         regular_file_size(self.path, layout.METADATA, self.path, layout.METADATA)
         self.metadata = jsonio.read_json(meta_path)
@@ -55,7 +83,6 @@ class CheckpointReader:
         for name, digest in sorted(self.metadata["manifests"].items()):
             self._read_manifest(name, digest, meta_path)
         self._check_tensors()
-        self._verified: set[str] = set()
         self._handles: dict[str, object] = {}
 
     def _read_manifest(self, name: str, digest: dict, meta_path: str) -> None:
@@ -148,7 +175,7 @@ class CheckpointReader:
                              f"{os.path.join(self.path, layout.manifest_name(rank))}: field rng")
 
     # ------------------------------------------------------------------ tensor data
-    def _open(self, file: str):
+    def _handle(self, file: str):
         handle = self._handles.get(file)
         if handle is not None:
             return handle
@@ -168,7 +195,7 @@ class CheckpointReader:
 
     def _read_piece(self, piece: Piece, slices: tuple) -> torch.Tensor:
         try:
-            return self._open(piece.file).get_slice(piece.key)[slices]
+            return self._handle(piece.file).get_slice(piece.key)[slices]
         except SafetensorError as exc:
             raise CheckpointError(f"checkpoint file {os.path.join(self.path, piece.file)}: "
                                   f"tensor {piece.key!r} cannot be read: {exc}") from None

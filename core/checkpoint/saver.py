@@ -136,6 +136,16 @@ class Checkpointer:
         self.run.pm.hook.plugtron_checkpoint_saved(iteration=job.iteration, path=final)
         return final
 
+    def poll(self) -> None:
+        """Between steps: commit a pending async save as soon as every rank's background write
+        has finished, not at the next save (a crash in between would discard it). One small
+        all-reduce per step while a save is pending."""
+        job = self.pending
+        if job is None or job.thread is None:
+            return
+        if _all_ok(self.run, not job.thread.is_alive()):
+            self.wait()
+
     def abandon(self) -> None:
         """On an error path: let the writer thread finish its files but commit nothing (no
         collectives: other ranks may be gone). The previous checkpoint stays the latest."""
