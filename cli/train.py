@@ -22,6 +22,7 @@ from .options import (
     model_presets,
     prescan,
 )
+from .preflight import preflight
 
 
 def check_plugins(config) -> None:
@@ -79,6 +80,7 @@ def make_train_command(args: list[str]) -> click.Command:
                               "already started the ranks")
         world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
         check_plugins(config)
+        preflight(config, world_size)
         validate(config, world_size)
         check_data_paths(config)
         if config.checkpoint.save and int(os.environ.get("RANK", 0)) == 0:
