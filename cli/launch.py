@@ -65,7 +65,7 @@ class _Signals:
 def _patch_torch_elastic(handler) -> None:
     """torch.distributed.run installs its own handlers (which kill the ranks at once) when it
     starts them; put ours in their place, and shorten its 30 s grace when it ends ranks after
-    a failure (a stopped rank is woken first so that SIGTERM can reach it)."""
+    a failure."""
     from torch.distributed.elastic.multiprocessing import api
 
     api._terminate_process_handler = handler
@@ -73,7 +73,8 @@ def _patch_torch_elastic(handler) -> None:
         original = api.PContext.close
 
         def close(self, death_sig=None, timeout=5):
-            _signal_all(signal.SIGCONT)
+            # A frozen (SIGSTOPped) rank is not woken: it would report a timeout of its own
+            # and hide that it never arrived; SIGKILL after the grace ends it anyway.
             return original(self, death_sig, min(timeout, 5))
 
         close._plugtron = True
