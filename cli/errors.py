@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 
 import click
 from plugtron.core.errors import PlugtronError
@@ -20,9 +21,17 @@ def user_errors(func):
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):
+        from .launch import JobStopped, RankFailure
+
         try:
             return func(*args, **kwargs)
         except PlugtronError as exc:
             raise UserError(str(exc)) from None
+        except JobStopped as exc:  # a clean stop: one line, the documented code (README)
+            click.echo(str(exc))
+            sys.exit(exc.code)
+        except RankFailure as exc:
+            click.echo(f"Error: {exc}", err=True)
+            sys.exit(1)
 
     return wrapper

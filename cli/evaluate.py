@@ -20,6 +20,7 @@ from .options import (
     headings,
     prescan,
 )
+from .preflight import preflight
 from .train import check_data_paths, check_plugins
 
 
@@ -86,6 +87,7 @@ def make_evaluate_command(args: list[str]) -> click.Command:
         external = launched_externally()
         world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
         check_plugins(config)
+        preflight(config, world_size)
         validate(config, world_size)
         check_data_paths(config)
         if nproc_per_node > 1 and not external:

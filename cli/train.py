@@ -12,7 +12,7 @@ from plugtron.core.plugin_manager import selected_drivers
 from plugtron.core.validate import validate
 
 from .errors import user_errors
-from .launch import launch_local_ranks
+from .launch import JobStopped, launch_local_ranks
 from .options import (
     SectionedCommand,
     build_config,
@@ -22,6 +22,7 @@ from .options import (
     model_presets,
     prescan,
 )
+from .preflight import preflight
 
 
 def check_plugins(config) -> None:
@@ -37,6 +38,20 @@ def check_data_paths(config) -> None:
     for path in config.data.data_path:
         if not os.path.exists(path):
             raise ConfigError(f"--data-path {path!r} does not exist")
+
+
+def check_load(config) -> None:
+    """``--load``: the whole checkpoint is validated (names, headers, pieces) before any rank
+    starts, so a hostile or broken one is refused in seconds, not after the model is built."""
+    from plugtron.core.checkpoint import CheckpointReader, layout
+
+    path = config.checkpoint.load
+    if not path:
+        return
+    save = config.checkpoint.save
+    if save and os.path.abspath(save) == os.path.abspath(path) and not layout.has_checkpoint(path):
+        return  # --load equal to --save with nothing saved yet: a fresh start
+    CheckpointReader(path).close()
 
 
 def make_train_command(args: list[str]) -> click.Command:
@@ -65,13 +80,26 @@ def make_train_command(args: list[str]) -> click.Command:
                               "already started the ranks")
         world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
         check_plugins(config)
+        preflight(config, world_size)
         validate(config, world_size)
         check_data_paths(config)
+        if config.checkpoint.save and int(os.environ.get("RANK", 0)) == 0:
+            from plugtron.core.checkpoint import dir_lock
+
+            # Held until this process exits; taking it also repairs crashed saves.
+            dir_lock.acquire(config.checkpoint.save)
+        check_load(config)
         if nproc_per_node > 1:
             launch_local_ranks(config.to_json(), nproc_per_node)
             return
+        from plugtron.core import preemption
+        from plugtron.core.distributed import init_distributed, timeout_seconds
         from plugtron.core.training import pretrain
 
+        preemption.install(extra=config.training.exit_signal_handler)
+        init_distributed(timeout_seconds(config))
         pretrain(config)
+        if preemption.stopped is not None:
+            raise JobStopped(preemption.final_message(config), preemption.stopped[1])
 
     return train

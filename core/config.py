@@ -112,6 +112,10 @@ class ParallelConfig:
         True, "--accumulate-allreduce-grads-in-fp32",
         "Accumulate and reduce gradients in fp32 under bf16/fp16.", is_flag=True,
         negative="--no-accumulate-allreduce-grads-in-fp32")
+    distributed_timeout_minutes: float = opt(
+        10.0, "--distributed-timeout-minutes",
+        "Bound on every collective and P2P wait; on expiry the job exits naming the ranks "
+        "that did not arrive.")
 
 
 @dataclass
@@ -148,6 +152,14 @@ class TrainingConfig:
     loss_scale_window: int = opt(1000, "--loss-scale-window",
                                  "fp16: steps without overflow before the scale grows.")
     hysteresis: int = opt(2, "--hysteresis", "fp16: overflows tolerated before backing off.")
+    # Clean stops (core/preemption.py); SIGTERM/SIGINT are always handled.
+    exit_signal_handler: bool = opt(False, "--exit-signal-handler",
+                                    "Also stop cleanly (finish the step, save) on SIGUSR1.",
+                                    is_flag=True)
+    exit_duration_in_mins: float | None = opt(None, "--exit-duration-in-mins",
+                                              "Stop cleanly (and save) after this many minutes.")
+    exit_interval: int | None = opt(None, "--exit-interval",
+                                    "Stop cleanly (and save) at an iteration divisible by N.")
 
 
 @dataclass

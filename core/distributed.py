@@ -29,7 +29,13 @@ def single_process(device: str = "cpu") -> WorldInfo:
     return WorldInfo(0, 1, 0, 1, torch.device(device))
 
 
-def init_distributed(timeout_s: int = 600) -> WorldInfo:
+def timeout_seconds(config) -> float:
+    """``--distributed-timeout-minutes`` in seconds (Megatron's default: 10 minutes)."""
+    minutes = getattr(config.parallel, "distributed_timeout_minutes", None) or 10
+    return float(minutes) * 60
+
+
+def init_distributed(timeout_s: float = 600) -> WorldInfo:
     """Join the world torchrun describes, or the one already initialised in this process."""
     if torch.distributed.is_initialized():
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -50,6 +56,13 @@ def init_distributed(timeout_s: int = 600) -> WorldInfo:
         # Ranks share the cores; oversubscribing threads makes every rank slower.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if world_size > 1 and not torch.distributed.is_initialized():
+        # Subgroups (tp, pp, dp, ...) take torch's default timeout (30 min), not the world's:
+        # make it this one so that every collective and P2P wait is bounded by it.
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=timeout_s)
+        if hasattr(distributed_c10d, "default_pg_nccl_timeout"):
+            distributed_c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=timeout_s)
         torch.distributed.init_process_group(
             backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s))

@@ -4,8 +4,10 @@ metrics file (one object per training iteration, per evaluation, and a final sum
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
+import uuid
 
 
 class MetricsLogger:
@@ -19,6 +21,7 @@ class MetricsLogger:
         self.enabled = rank == 0
         self.file = None
         self.bar = None
+        self.run_id = uuid.uuid4().hex[:12]
         if not self.enabled:
             return
         path = config.logging.metrics_file
@@ -31,8 +34,10 @@ class MetricsLogger:
                             unit="it", dynamic_ncols=True, file=sys.stderr)
 
     def write(self, record: dict) -> None:
+        # Strict JSON, one object per line: NaN/Inf become null; run_id tells runs apart.
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
+            line = json.dumps({**_finite(record), "run_id": self.run_id}, allow_nan=False)
+            self.file.write(line + "\n")
 
     def train_step(self, record: dict) -> None:
         if not self.enabled:
@@ -91,6 +96,16 @@ class MetricsLogger:
         if self.file:
             self.file.close()
             self.file = None
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _number(value) -> str:

@@ -7,7 +7,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import aux_losses, checkpoint, comm, data, grads, registry, shared_params, step_info
+from . import (
+    aux_losses,
+    checkpoint,
+    comm,
+    data,
+    grads,
+    preemption,
+    registry,
+    run_status,
+    shared_params,
+    step_info,
+)
 from .config import TrainConfig, num_microbatches, padded_vocab_size
 from .ddp import DistributedDataParallel
 from .distributed import WorldInfo, init_distributed
@@ -280,6 +291,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
     while state.iteration < t.train_iters:
         iteration = state.iteration + 1
         step_info.current.iteration = iteration
+        run_status.set_phase(f"step {iteration}")
         lr = run.scheduler.prepare(iteration)
         profiler.before_step(iteration)
         step_start = time.perf_counter()
@@ -306,6 +318,8 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
         if t.eval_interval and iteration % t.eval_interval == 0:
             run_evaluation(run, metrics, iteration)
         after_step(run, iteration)
+        if preemption.check(run, iteration):  # a signal or exit limit: stop cleanly, save
+            break
     profiler.finish()
     for chunk in run.model_chunks:  # whoever reads parameters next gets the gathered ones
         chunk.finish_param_sync()

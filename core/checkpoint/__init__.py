@@ -59,6 +59,8 @@ def after_step(run, iteration: int) -> None:
     c = run.config.checkpoint
     if c.save and c.save_interval and iteration % c.save_interval == 0:
         checkpointer(run).save(iteration)
+    elif getattr(run, "checkpointer", None) is not None:
+        run.checkpointer.poll()
 
 
 def at_train_end(run) -> None:

@@ -20,8 +20,11 @@ from .. import registry
 from ..config import TrainConfig, apply_values, padded_vocab_size
 from ..errors import CheckpointError, ConfigError
 from . import state, writer
+from .loader import malformed
 from .pieces import Box
 from .reader import CheckpointReader
+from .safe_files import check_plain_name, read_small, regular_file_size
+from .st_header import read_header
 
 
 class Converter(Protocol):
@@ -53,31 +56,61 @@ def load_converter(model: str) -> Converter:
     return registry.instantiate(registry.load("converter", model))
 
 
+def _hf_json(path: str, name: str):
+    """A JSON object file of a Hugging Face directory (checked: plain regular file)."""
+    regular_file_size(path, name, path, name)
+    file = os.path.join(path, name)
+    try:
+        data = json.loads(read_small(file))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object")
+    return data
+
+
 def read_hf_dir(path: str) -> tuple[dict, dict]:
     """``config.json`` and every tensor of ``model.safetensors`` (or of the shards listed in
-    ``model.safetensors.index.json``)."""
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
+    ``model.safetensors.index.json``). The directory is untrusted: shard names must be plain
+    file names of regular files in it, and each file's safetensors header is checked against
+    its size before it is loaded."""
+    if not os.path.lexists(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path!r} has no config.json: not a Hugging Face model directory")
-    with open(config_path) as f:
-        config = json.load(f)
-    single = os.path.join(path, "model.safetensors")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(single):
-        files = [single]
-    elif os.path.isfile(index):
-        with open(index) as f:
-            files = sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+    config = _hf_json(path, "config.json")
+    index_name = "model.safetensors.index.json"
+    if os.path.lexists(os.path.join(path, "model.safetensors")):
+        names = ["model.safetensors"]
+    elif os.path.lexists(os.path.join(path, index_name)):
+        weight_map = _hf_json(path, index_name).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{os.path.join(path, index_name)}: field weight_map must be "
+                                  f"an object of tensor name -> file name")
+        names = sorted({check_plain_name(v, os.path.join(path, index_name),
+                                         f"weight_map[{k!r}]") for k, v in weight_map.items()})
     else:
         raise CheckpointError(f"{path!r} has no model.safetensors (only safetensors weights "
                               f"are read; pickled .bin files never are)")
     tensors = {}
-    for file in files:
+    for name in names:
+        regular_file_size(path, name, path, name)
+        file = os.path.join(path, name)
+        read_header(file)  # offsets and sizes inside the file before safetensors maps it
         try:
             tensors.update(load_file(file))
         except (SafetensorError, OSError) as exc:
             raise CheckpointError(f"{file} cannot be read: {exc}") from None
     return config, tensors
+
+
+def _check_vocab_rows(hf_dir: str, vocab_size: int, tensors: dict, vocab_tensors) -> None:
+    """``vocab_size`` of config.json cannot exceed the rows the files hold: padding a handful
+    of rows is expected, padding to an absurd size would allocate it."""
+    for name in vocab_tensors:
+        tensor = tensors.get(name)
+        if tensor is not None and tensor.dim() and vocab_size > tensor.shape[0]:
+            raise CheckpointError(f"{os.path.join(hf_dir, 'config.json')}: field vocab_size "
+                                  f"{vocab_size} exceeds the {tensor.shape[0]} rows of {name} "
+                                  f"in the weight files")
 
 
 def write_hf_dir(path: str, config: dict, tensors: dict) -> None:
@@ -103,10 +136,20 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     ``out_dir`` (iteration 0, no optimizer state). Returns (path, the run config it implies)."""
     converter = load_converter(model)
     hf_config, hf_tensors = read_hf_dir(hf_dir)
-    flags, tensors = converter.import_hf(hf_config, hf_tensors)
+    where = os.path.join(hf_dir, "config.json")
+    try:
+        flags, tensors = converter.import_hf(hf_config, hf_tensors)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError,
+            OverflowError) as exc:
+        raise CheckpointError(f"{where} does not describe the weight files "
+                              f"({type(exc).__name__}: {exc})") from None
     config = TrainConfig()
     apply_values(config, {**flags, "model": model}, f"converted {hf_dir!r}")
     m = config.model
+    if not isinstance(m.vocab_size, int) or m.vocab_size < 1:
+        raise CheckpointError(f"{where}: field vocab_size must be a positive integer, got "
+                              f"{m.vocab_size!r}")
+    _check_vocab_rows(hf_dir, m.vocab_size, tensors, converter.vocab_tensors)
     m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
     entries = []
     for name, tensor in sorted(tensors.items()):
@@ -133,8 +176,10 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
 
 def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
     """The model's full tensors from a checkpoint of any layout, vocabulary padding removed."""
+
     reader = CheckpointReader(path)
-    config = TrainConfig.from_dict(reader.config)
+    with malformed(reader, "config"):
+        config = TrainConfig.from_dict(reader.config)
     converter = load_converter(config.plugins.model)
     tensors = {}
     for name in reader.names("model/"):
@@ -147,11 +192,12 @@ def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
 
 def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
     """Write the model of checkpoint ``path`` as a Hugging Face directory."""
-    config, tensors, _ = checkpoint_tensors(path)
+    config, tensors, reader = checkpoint_tensors(path)
     converter = load_converter(config.plugins.model)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir!r} exists and is not empty; choose a new directory")
-    hf_config, hf_tensors = converter.export_hf(config.model, tensors)
+    with malformed(reader, "config.model"):
+        hf_config, hf_tensors = converter.export_hf(config.model, tensors)
     if dtype is not None:
         hf_tensors = {k: v.to(dtype) for k, v in hf_tensors.items()}
     hf_config["torch_dtype"] = str(next(iter(hf_tensors.values())).dtype).removeprefix("torch.")

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
+from .safe_files import open_regular, read_small, regular_file_size
 
 _TENSOR_TAG = "__tensor__"
 
@@ -38,17 +39,36 @@ def encode(value):
     return value
 
 
-def decode(value):
-    """Inverse of :func:`encode`."""
+def decode(value, where: str = "checkpoint"):
+    """Inverse of :func:`encode`; a malformed tensor record is a ``CheckpointError`` naming
+    ``where`` (the file and field)."""
     if isinstance(value, dict):
         if _TENSOR_TAG in value:
-            dtype = getattr(torch, value[_TENSOR_TAG])
-            raw = np.frombuffer(base64.b64decode(value["data"]), dtype=np.uint8).copy()
-            return torch.from_numpy(raw).view(dtype).reshape(value["shape"])
-        return {k: decode(v) for k, v in value.items()}
+            return _decode_tensor(value, where)
+        return {k: decode(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, list):
-        return [decode(v) for v in value]
+        return [decode(v, f"{where}[{i}]") for i, v in enumerate(value)]
     return value
+
+
+def _decode_tensor(value: dict, where: str) -> torch.Tensor:
+    from .st_header import TORCH_DTYPES, is_shape
+
+    name, shape, data = value[_TENSOR_TAG], value.get("shape"), value.get("data")
+    if not isinstance(name, str) or name not in TORCH_DTYPES or not is_shape(shape) or not isinstance(data, str):
+        raise CheckpointError(f"{where}: malformed tensor record (dtype {name!r}, shape "
+                              f"{shape!r})")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except ValueError:
+        raise CheckpointError(f"{where}: tensor data is not base64") from None
+    itemsize = TORCH_DTYPES[name]
+    count = max(1, int(np.prod(shape, dtype=np.int64)))
+    if len(raw) != count * itemsize:
+        raise CheckpointError(f"{where}: tensor data has {len(raw)} bytes, dtype {name} shape "
+                              f"{shape} needs {count * itemsize}")
+    array = np.frombuffer(raw, dtype=np.uint8).copy()
+    return torch.from_numpy(array).view(getattr(torch, name)).reshape(shape)
 
 
 def _canonical(content) -> bytes:
@@ -86,10 +106,7 @@ def read_json(path: str):
     """Content of a checked JSON file; ``CheckpointError`` naming the file if it is missing,
     truncated or altered."""
     try:
-        with open(path, "rb") as f:
-            body = json.loads(f.read())
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
+        body = json.loads(read_small(path))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint file {path} is unreadable or truncated "
                               f"({type(exc).__name__}: {exc})") from None
@@ -106,7 +123,7 @@ def file_digest(path: str, chunk: int = 1 << 24) -> dict:
     and flipped bits (the threat here is damage, not tampering) at several GB/s, which SHA-256
     does not on a CPU without SHA instructions."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         while True:
             block = f.read(chunk)
             if not block:
@@ -116,12 +133,11 @@ def file_digest(path: str, chunk: int = 1 << 24) -> dict:
     return {"crc32": f"{crc:08x}", "bytes": size}
 
 
-def verify_file(path: str, expected: dict) -> None:
-    """``CheckpointError`` naming ``path`` unless it has the recorded size and digest."""
-    try:
-        actual_size = os.path.getsize(path)
-    except OSError:
-        raise CheckpointError(f"checkpoint file {path} is missing") from None
+def verify_file(path: str, expected: dict, where: str = "checkpoint",
+                field: str = "files") -> None:
+    """``CheckpointError`` naming ``path`` unless it is a regular file (not a link) with the
+    recorded size and digest; the size is compared before a byte is read."""
+    actual_size = regular_file_size(os.path.dirname(path), os.path.basename(path), where, field)
     if actual_size != expected["bytes"]:
         raise CheckpointError(f"checkpoint file {path} is truncated or altered: {actual_size} "
                               f"bytes, expected {expected['bytes']}")

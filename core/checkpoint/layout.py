@@ -69,18 +69,34 @@ def read_latest(parent: str) -> str | None:
         return None
 
 
-def resolve_load_path(path: str) -> str:
-    """The checkpoint directory ``--load path`` means: ``path`` itself when it is one, else the
-    newest complete ``iter_*`` checkpoint inside it."""
+def iteration_of(name: str) -> int | None:
+    match = _ITER_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
+def load_candidates(path: str) -> tuple[bool, list[str]]:
+    """What ``--load path`` may mean, best first: (explicit, paths). ``path`` itself when it
+    is a checkpoint (explicit: it must load or fail). Otherwise the checkpoints inside it,
+    newest first, starting from the one ``latest`` names: checkpoints newer than that were
+    written by another run into the same directory and are never resumed from."""
     if is_checkpoint(path):
-        return path
+        return True, [path]
     if not os.path.isdir(path):
         raise CheckpointError(f"--load {path!r}: no such directory")
     found = complete_checkpoints(path)
+    latest = read_latest(path)
+    limit = iteration_of(latest) if latest else None
+    if limit is not None:
+        found = [(i, p) for i, p in found if i <= limit]
     if not found:
         raise CheckpointError(f"--load {path!r}: no complete checkpoint in it (a checkpoint is a "
                               f"directory with {METADATA}, or iter_XXXXXXX directories of them)")
-    return found[-1][1]
+    return False, [p for _, p in reversed(found)]
+
+
+def resolve_load_path(path: str) -> str:
+    """The checkpoint directory ``--load path`` means first (see :func:`load_candidates`)."""
+    return load_candidates(path)[1][0]
 
 
 def has_checkpoint(path: str) -> bool:

@@ -14,6 +14,8 @@ resume differ from the uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import random as random_module
@@ -22,6 +24,20 @@ from ..random import resume_seed, seed_everything, set_rng_state
 from . import jsonio, state
 from .pieces import ShardSpec
 from .reader import CheckpointReader
+
+
+@contextlib.contextmanager
+def malformed(reader, field: str, file: str | None = None):
+    """A checkpoint value that its consumer (scheduler, optimizer, RNG) cannot take is the
+    checkpoint's fault: a ``CheckpointError`` naming the file and the field, not a traceback."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError,
+            OverflowError) as exc:
+        raise CheckpointError(f"{file or reader.metadata_path}: field {field} is malformed "
+                              f"({type(exc).__name__}: {exc})") from None
 
 
 def check_compatible(saved_config: dict, run) -> None:
@@ -72,8 +88,9 @@ def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReade
     ``run``. Collective when the optimizer gathers its state. ``model_only``: weights only
     (evaluation, fine-tuning from converted weights)."""
     reader = CheckpointReader(path)
-    check_compatible(reader.config, run)
-    saved_vocab = reader.config["model"].get("padded_vocab_size")
+    with malformed(reader, "config"):
+        check_compatible(reader.config, run)
+    saved_vocab = (reader.config.get("model") or {}).get("padded_vocab_size")
     current_vocab = run.config.model.padded_vocab_size
     vocab = run.config.model.vocab_size
 
@@ -94,10 +111,12 @@ def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReade
         _load_optimizer(run, reader, specs, target_spec)
     if not model_only:
         run.state.iteration = reader.iteration
-        run.state.consumed_samples = int(reader.metadata["consumed_samples"])
+        run.state.consumed_samples = reader.metadata.get("consumed_samples") or 0
         if reader.metadata.get("scheduler"):
-            run.scheduler.load_state_dict(reader.metadata["scheduler"])
-        _restore_rng(run, reader, contents.get("rng", False))
+            with malformed(reader, "scheduler"):
+                run.scheduler.load_state_dict(reader.metadata["scheduler"])
+        with malformed(reader, "rng", reader.manifest_path(run.world.rank)):
+            _restore_rng(run, reader, contents.get("rng", False))
     if run.world.rank == 0:
         saved = reader.metadata.get("layout", {})
         print(f"loaded checkpoint {reader.path} (iteration {reader.iteration}, saved with "
@@ -127,8 +146,10 @@ def _load_optimizer(run, reader, specs, target_spec) -> None:
             reader.read_into(logical, value, spec)
             entries[key] = value.to(param.device)
         loaded[name] = entries
-    loaded[state.OPTIMIZER_GLOBAL_KEY] = jsonio.decode(reader.metadata.get("optimizer") or {})
-    run.optimizer.load_sharded_state_dict(loaded)
+    loaded[state.OPTIMIZER_GLOBAL_KEY] = jsonio.decode(reader.metadata.get("optimizer") or {},
+                                                       f"{reader.metadata_path}: field optimizer")
+    with malformed(reader, "optimizer"):
+        run.optimizer.load_sharded_state_dict(loaded)
 
 
 def _restore_rng(run, reader, has_rng: bool) -> None:

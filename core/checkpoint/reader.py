@@ -9,14 +9,17 @@ torch. Tensor files are read through safetensors slices: a rank reads only the p
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
-from . import jsonio, layout
+from . import jsonio, layout, schema
 from .pieces import Piece, ShardSpec, fill_shard
+from .safe_files import check_plain_name, regular_file_size
+from .st_header import read_header
 
 FORMAT = "plugtron-checkpoint"
 VERSION = 1
@@ -33,12 +36,44 @@ class CheckpointReader:
     """One checkpoint directory, opened for reading."""
 
     def __init__(self, path: str):
-        self.path = layout.resolve_load_path(path)
-        self.metadata = jsonio.read_json(os.path.join(self.path, layout.METADATA))
-        if self.metadata.get("format") != FORMAT:
-            raise CheckpointError(f"{self.path} is not a plugtron checkpoint "
-                                  f"(format {self.metadata.get('format')!r})")
-        if self.metadata.get("version", 0) > VERSION:
+        explicit, candidates = layout.load_candidates(path)
+        if explicit:
+            self._open(candidates[0])
+            return
+        # A directory of checkpoints: the newest one that is complete and valid, every file
+        # checked against its CRC; a bad one is skipped with a warning naming it.
+        for i, candidate in enumerate(candidates):
+            try:
+                self._open(candidate)
+                self.verify_all()
+                return
+            except CheckpointError as exc:
+                if i == len(candidates) - 1:
+                    raise
+                if int(os.environ.get("RANK", 0)) == 0:
+                    print(f"warning: skipping checkpoint {candidate}: {exc}; trying the "
+                          f"previous one", file=sys.stderr, flush=True)
+
+    def verify_all(self) -> None:
+        """Every tensor file against the CRC-32 its manifest recorded."""
+        for name, digest in self.file_digests.items():
+            if name not in self._verified:
+                jsonio.verify_file(os.path.join(self.path, name), digest)
+                self._verified.add(name)
+
+    def _open(self, path: str) -> None:
+        self._owner: dict[str, str] = {}  # tensor file -> the manifest that lists it
+        self._where: dict[str, str] = {}  # logical tensor -> the manifest that declared it
+        self._verified: set[str] = set()
+        self.path = path
+        meta_path = os.path.join(self.path, layout.METADATA)
+        regular_file_size(self.path, layout.METADATA, self.path, layout.METADATA)
+        self.metadata = jsonio.read_json(meta_path)
+        if not isinstance(self.metadata, dict) or self.metadata.get("format") != FORMAT:
+            found = self.metadata.get("format") if isinstance(self.metadata, dict) else None
+            raise CheckpointError(f"{self.path} is not a plugtron checkpoint (format {found!r})")
+        schema.check_metadata(self.metadata, meta_path)
+        if self.metadata["version"] > VERSION:
             raise CheckpointError(f"{self.path} has checkpoint format version "
                                   f"{self.metadata['version']}; this plugtron reads up to "
                                   f"{VERSION}")
@@ -46,31 +81,88 @@ class CheckpointReader:
         self.file_digests: dict[str, dict] = {}
         self.tensors: dict[str, TensorRecord] = {}
         for name, digest in sorted(self.metadata["manifests"].items()):
-            file = os.path.join(self.path, name)
-            jsonio.verify_file(file, digest)
-            manifest = jsonio.read_json(file)
-            self.manifests[int(manifest["rank"])] = manifest
-            self.file_digests.update(manifest["files"])
-            for logical, rec in manifest["tensors"].items():
-                pieces = [Piece(p["file"], p["key"], tuple(p["offset"]), tuple(p["shape"]))
-                          for p in rec["pieces"]]
-                known = self.tensors.get(logical)
-                if known is None:
-                    self.tensors[logical] = TensorRecord(tuple(rec["global_shape"]),
-                                                         rec["dtype"], pieces)
-                else:
-                    known.pieces.extend(pieces)
-        self._verified: set[str] = set()
+            self._read_manifest(name, digest, meta_path)
+        self._check_tensors()
         self._handles: dict[str, object] = {}
+
+    def _read_manifest(self, name: str, digest: dict, meta_path: str) -> None:
+        check_plain_name(name, meta_path, f"manifests[{name!r}]")
+        file = os.path.join(self.path, name)
+        jsonio.verify_file(file, digest, meta_path, f"manifests[{name!r}]")
+        manifest = jsonio.read_json(file)
+        schema.check_manifest(manifest, file)
+        rank = manifest["rank"]
+        if rank in self.manifests:
+            raise CheckpointError(f"{file}: field rank {rank} is claimed by two manifests")
+        self.manifests[rank] = manifest
+        if manifest.get("rng") is not None:  # its tensor records, checked now, used on resume
+            jsonio.decode(manifest["rng"], f"{file}: field rng")
+        for fname, fdigest in manifest["files"].items():
+            check_plain_name(fname, file, f"files[{fname!r}]")
+            if fname in self.file_digests or fname in self.metadata["manifests"]:
+                raise CheckpointError(f"{file}: field files[{fname!r}] is listed by another "
+                                      f"manifest too")
+            size = regular_file_size(self.path, fname, file, f"files[{fname!r}]")
+            if size != fdigest["bytes"]:
+                raise CheckpointError(f"checkpoint file {os.path.join(self.path, fname)} is "
+                                      f"truncated or altered: {size} bytes, expected "
+                                      f"{fdigest['bytes']}")
+            self.file_digests[fname] = fdigest
+            self._owner[fname] = file
+        for logical, rec in manifest["tensors"].items():
+            pieces = [Piece(p["file"], p["key"], tuple(p["offset"]), tuple(p["shape"]))
+                      for p in rec["pieces"]]
+            known = self.tensors.get(logical)
+            if known is None:
+                self.tensors[logical] = TensorRecord(tuple(rec["global_shape"]), rec["dtype"],
+                                                     pieces)
+                self._where[logical] = file
+            elif known.global_shape != tuple(rec["global_shape"]) or known.dtype != rec["dtype"]:
+                raise CheckpointError(f"{file}: field tensors[{logical!r}] has global shape "
+                                      f"{rec['global_shape']} {rec['dtype']}, another manifest "
+                                      f"{list(known.global_shape)} {known.dtype}")
+            else:
+                known.pieces.extend(pieces)
+
+    def _check_tensors(self) -> None:
+        """Every piece against its file's safetensors header (key, dtype, shape), and the
+        pieces of each tensor tile it exactly once; nothing is read or allocated before."""
+        headers = {}
+        for logical, rec in self.tensors.items():
+            where = self._where[logical]
+            for piece in rec.pieces:
+                if piece.file not in headers:
+                    headers[piece.file] = read_header(os.path.join(self.path, piece.file))
+                entry = headers[piece.file].get(piece.key)
+                st = f"safetensors file {os.path.join(self.path, piece.file)}"
+                if entry is None:
+                    raise CheckpointError(f"{where}: tensor {logical!r}: key {piece.key!r} is "
+                                          f"not in {st}")
+                if entry.dtype != rec.dtype:
+                    raise CheckpointError(f"{where}: field tensors[{logical!r}].dtype "
+                                          f"{rec.dtype!r} differs from {st}, which stores "
+                                          f"{piece.key!r} as {entry.dtype}")
+                if entry.shape != piece.shape:
+                    raise CheckpointError(f"{where}: tensor {logical!r}: piece shape "
+                                          f"{list(piece.shape)} differs from {st}, which stores "
+                                          f"{piece.key!r} with shape {list(entry.shape)}")
+            schema.check_tiling(logical, rec.global_shape, rec.pieces, where)
 
     # ------------------------------------------------------------------ metadata views
     @property
     def iteration(self) -> int:
-        return int(self.metadata["iteration"])
+        return self.metadata["iteration"]
+
+    @property
+    def metadata_path(self) -> str:
+        return os.path.join(self.path, layout.METADATA)
+
+    def manifest_path(self, rank: int) -> str:
+        return os.path.join(self.path, layout.manifest_name(rank))
 
     @property
     def config(self) -> dict:
-        return self.metadata["config"]
+        return self.metadata.get("config") or {}
 
     def names(self, prefix: str) -> list[str]:
         return sorted(n[len(prefix):] for n in self.tensors if n.startswith(prefix))
@@ -79,10 +171,11 @@ class CheckpointReader:
         manifest = self.manifests.get(rank)
         if manifest is None or manifest.get("rng") is None:
             return None
-        return jsonio.decode(manifest["rng"])
+        return jsonio.decode(manifest["rng"],
+                             f"{os.path.join(self.path, layout.manifest_name(rank))}: field rng")
 
     # ------------------------------------------------------------------ tensor data
-    def _open(self, file: str):
+    def _handle(self, file: str):
         handle = self._handles.get(file)
         if handle is not None:
             return handle
@@ -102,7 +195,7 @@ class CheckpointReader:
 
     def _read_piece(self, piece: Piece, slices: tuple) -> torch.Tensor:
         try:
-            return self._open(piece.file).get_slice(piece.key)[slices]
+            return self._handle(piece.file).get_slice(piece.key)[slices]
         except SafetensorError as exc:
             raise CheckpointError(f"checkpoint file {os.path.join(self.path, piece.file)}: "
                                   f"tensor {piece.key!r} cannot be read: {exc}") from None

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .. import run_status
 from ..errors import CheckpointError
 from . import layout, state, writer
 
@@ -72,6 +73,7 @@ class Checkpointer:
         iteration = run.state.iteration if iteration is None else iteration
         start = time.perf_counter()
         self.wait()
+        run_status.set_phase(f"saving checkpoint {iteration}")
         os.makedirs(parent, exist_ok=True)
         tmp_dir = os.path.join(parent, layout.tmp_dirname(iteration))
         snap, optimizer_state = state.snapshot(run, copy=async_save, staging=self.staging)
@@ -133,6 +135,16 @@ class Checkpointer:
                   f"({took:.2f} s, loop blocked {job.blocked_s:.2f} s)", flush=True)
         self.run.pm.hook.plugtron_checkpoint_saved(iteration=job.iteration, path=final)
         return final
+
+    def poll(self) -> None:
+        """Between steps: commit a pending async save as soon as every rank's background write
+        has finished, not at the next save (a crash in between would discard it). One small
+        all-reduce per step while a save is pending."""
+        job = self.pending
+        if job is None or job.thread is None:
+            return
+        if _all_ok(self.run, not job.thread.is_alive()):
+            self.wait()
 
     def abandon(self) -> None:
         """On an error path: let the writer thread finish its files but commit nothing (no

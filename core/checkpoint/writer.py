@@ -98,9 +98,11 @@ def commit(parent: str, tmp_dir: str, iteration: int, metadata: dict, ranks: lis
     final = os.path.join(parent, layout.iteration_dirname(iteration))
     if os.path.exists(final):
         # Saving an iteration again (a rerun into the same directory): move the old one aside
-        # first; directories cannot be replaced atomically.
+        # first; directories cannot be replaced atomically. A crash in between leaves the old
+        # copy as ``.old-PID``, which the next run puts back (dir_lock.recover).
         trash = f"{final}.old-{os.getpid()}"
         os.rename(final, trash)
+        _test_delay()
         os.rename(tmp_dir, final)
         shutil.rmtree(trash, ignore_errors=True)
     else:

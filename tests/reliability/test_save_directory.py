@@ -1,0 +1,105 @@
+"""The save directory under faults: two runs, a crashed re-save, an async save cut off, a
+corrupt newest checkpoint, another run's newer checkpoints, leftovers of crashed saves."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+
+from .test_ranks_and_signals import _start, _steps, _wait_training
+from .tools import finish, kill_group, run_cli, tiny_flags, wait_for
+
+
+def _train(save, iters, *extra):
+    return run_cli(["train", *tiny_flags(train_iters=iters), "--save", save, *extra])
+
+
+def _loaded(out: str) -> str | None:
+    for line in out.splitlines():
+        if line.startswith("loaded checkpoint "):
+            return os.path.basename(line.split()[2])
+    return None
+
+
+def test_second_run_is_refused_and_a_dead_holder_is_taken_over(tmp_path):
+    save = str(tmp_path / "save")
+    first, metrics = _start(tmp_path, "--save", save, nproc=1)
+    try:
+        _wait_training(first, metrics)
+        second = _train(save, 2)
+        assert second.rc == 2, second.out
+        assert f"pid {first.pid} on host {socket.gethostname()}" in second.out, second.out
+    finally:
+        os.kill(first.pid, signal.SIGKILL)  # leaves a stale lock file behind
+        finish(first, 10)
+    third = _train(save, 2)
+    assert third.rc == 0, third.out
+
+
+def test_crashed_resave_keeps_latest_loadable(tmp_path, saved_run):
+    save = str(tmp_path / "save")
+    shutil.copytree(saved_run[0], save)
+    # What a kill between the two renames of a re-save leaves: the old copy moved aside.
+    os.rename(os.path.join(save, "iter_0000002"), os.path.join(save, "iter_0000002.old-4242"))
+    done = _train(save, 3, "--load", save)
+    assert done.rc == 0, done.out
+    assert _loaded(done.out) == "iter_0000002", done.out
+    assert not any(".old-" in n for n in os.listdir(save))
+
+
+def test_crashed_save_leftovers_removed_at_next_start(tmp_path, saved_run):
+    save = str(tmp_path / "save")
+    shutil.copytree(saved_run[0], save)
+    os.makedirs(os.path.join(save, ".tmp-iter_0000009"))
+    done = _train(save, 3, "--load", save, "--exit-interval", "3")
+    assert done.rc == 0 and not os.path.exists(os.path.join(save, ".tmp-iter_0000009"))
+
+
+def test_async_save_committed_when_written(tmp_path):
+    save = str(tmp_path / "save")
+    proc, metrics = _start(tmp_path, "--save", save, "--save-interval", "100", "--async-save",
+                           nproc=1, env={"PLUGTRON_CHECKPOINT_TEST_FILE_DELAY": "0.3"})
+    try:
+        committed = wait_for(lambda: os.path.isfile(os.path.join(save, "iter_0000100",
+                                                                  "metadata.json")), 60)
+        steps = _steps(metrics)
+        assert committed and proc.poll() is None
+        assert steps < 200, f"committed only at the next save (step {steps})"
+    finally:
+        kill_group(proc.pid)  # a crash after the write: the checkpoint must stay
+        finish(proc, 10)
+    with open(os.path.join(save, "latest")) as f:
+        assert f.read().strip() == "iter_0000100"
+
+
+def test_corrupt_newest_falls_back_with_a_warning(tmp_path):
+    save = str(tmp_path / "save")
+    assert _train(save, 4, "--save-interval", "2").rc == 0
+    model = os.path.join(save, "iter_0000004", "model_rank_00000.safetensors")
+    with open(model, "r+b") as f:
+        f.seek(-5, os.SEEK_END)
+        f.write(b"\xff\xfe\xfd\xfc\xfb")
+    done = _train(save, 5, "--load", save, "--exit-interval", "3")
+    assert done.rc == 0, done.out
+    assert "warning: skipping checkpoint" in done.out and "iter_0000004" in done.out
+    assert _loaded(done.out) == "iter_0000002"
+    explicit = run_cli(["train", *tiny_flags(train_iters=5), "--load",
+                        os.path.join(save, "iter_0000004")])
+    assert explicit.rc == 2 and "CRC" in explicit.out, explicit.out
+
+
+def test_another_runs_newer_checkpoints_are_not_resumed(tmp_path, saved_run):
+    save = str(tmp_path / "save")
+    assert _train(save, 4).rc == 0  # run A: iter_0000004
+    os.remove(os.path.join(save, "latest"))
+    shutil.rmtree(os.path.join(save, "iter_0000004"))
+    shutil.copytree(saved_run[0] + "/iter_0000002", os.path.join(save, "iter_0000002"))
+    assert _train(str(tmp_path / "a"), 6, "--save-interval", "6").rc == 0
+    shutil.copytree(str(tmp_path / "a" / "iter_0000006"), os.path.join(save, "iter_0000006"))
+    # Run B starts from scratch into the directory holding run A's iteration 6.
+    assert _train(save, 3, "--save-interval", "3").rc == 0
+    done = _train(save, 4, "--load", save)
+    assert done.rc == 0, done.out
+    assert _loaded(done.out) == "iter_0000003", done.out
