@@ -17,8 +17,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .. import registry
-from ..config import TrainConfig, apply_values, padded_vocab_size
+from ..config import TrainConfig, padded_vocab_size
 from ..errors import CheckpointError, ConfigError
+from ..plugin_options import config_from_dict, config_from_flags
 from . import state, writer
 from .pieces import Box
 from .reader import CheckpointReader
@@ -42,6 +43,18 @@ class Converter(Protocol):
     def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
         """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``)."""
 
+    # Optional, for converters that another plugin ships for a model it extends (plugtron-moe's
+    # Mixtral for the ``gpt`` model):
+    #
+    # * ``model_types: tuple[str, ...]``: the HF ``model_type``\ s it reads; ``import_hf``
+    #   prefers it over the ``--model`` plugin's converter for those;
+    # * ``model: str``: the model plugin the imported checkpoint runs with (default: the
+    #   converter's entry-point name);
+    # * ``handles(config) -> bool`` (classmethod): ``export_hf`` uses it for a run config it
+    #   claims;
+    # * ``export_hf_from(config, tensors)``: like ``export_hf`` with the whole run config
+    #   (plugin sections included), preferred when present.
+
 
 def _plugin_info(role: str, name: str) -> dict:
     info = next((i for i in registry.available(role) if i.name == name), None)
@@ -51,6 +64,34 @@ def _plugin_info(role: str, name: str) -> dict:
 
 def load_converter(model: str) -> Converter:
     return registry.instantiate(registry.load("converter", model))
+
+
+def _installed_converters() -> list:
+    out = []
+    for info in registry.available("converter"):
+        try:
+            out.append(registry.load("converter", info.name))
+        except Exception:  # noqa: BLE001 - a broken converter must not break the others
+            continue
+    return out
+
+
+def converter_for_hf(model: str, hf_config: dict) -> Converter:
+    """An installed converter that declares this HF ``model_type``, else ``model``'s."""
+    kind = hf_config.get("model_type")
+    for cls in _installed_converters():
+        if kind in getattr(cls, "model_types", ()):
+            return registry.instantiate(cls)
+    return load_converter(model)
+
+
+def converter_for_config(config: TrainConfig) -> Converter:
+    """An installed converter that claims this run config (``handles``), else its model's."""
+    for cls in _installed_converters():
+        handles = getattr(cls, "handles", None)
+        if callable(handles) and handles(config):
+            return registry.instantiate(cls)
+    return load_converter(config.plugins.model)
 
 
 def read_hf_dir(path: str) -> tuple[dict, dict]:
@@ -101,11 +142,12 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
               dtype: torch.dtype | None = None) -> tuple[str, TrainConfig]:
     """Convert a Hugging Face model directory into a weights-only plugtron checkpoint at
     ``out_dir`` (iteration 0, no optimizer state). Returns (path, the run config it implies)."""
-    converter = load_converter(model)
     hf_config, hf_tensors = read_hf_dir(hf_dir)
+    converter = converter_for_hf(model, hf_config)
     flags, tensors = converter.import_hf(hf_config, hf_tensors)
-    config = TrainConfig()
-    apply_values(config, {**flags, "model": model}, f"converted {hf_dir!r}")
+    model = getattr(converter, "model", model)
+    # With the options of the plugins the run selects (an MoE converter sets --num-experts).
+    config = config_from_flags({**flags, "model": model}, f"converted {hf_dir!r}")
     m = config.model
     m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
     entries = []
@@ -134,8 +176,8 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
 def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
     """The model's full tensors from a checkpoint of any layout, vocabulary padding removed."""
     reader = CheckpointReader(path)
-    config = TrainConfig.from_dict(reader.config)
-    converter = load_converter(config.plugins.model)
+    config = config_from_dict(reader.config)
+    converter = converter_for_config(config)
     tensors = {}
     for name in reader.names("model/"):
         tensor = reader.read_full(f"model/{name}")
@@ -148,10 +190,13 @@ def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
 def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
     """Write the model of checkpoint ``path`` as a Hugging Face directory."""
     config, tensors, _ = checkpoint_tensors(path)
-    converter = load_converter(config.plugins.model)
+    converter = converter_for_config(config)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir!r} exists and is not empty; choose a new directory")
-    hf_config, hf_tensors = converter.export_hf(config.model, tensors)
+    if hasattr(converter, "export_hf_from"):
+        hf_config, hf_tensors = converter.export_hf_from(config, tensors)
+    else:
+        hf_config, hf_tensors = converter.export_hf(config.model, tensors)
     if dtype is not None:
         hf_tensors = {k: v.to(dtype) for k, v in hf_tensors.items()}
     hf_config["torch_dtype"] = str(next(iter(hf_tensors.values())).dtype).removeprefix("torch.")
