@@ -164,3 +164,9 @@ def test_aux_losses_are_logged_per_layer_when_asked():
     assert record["load_balancing_loss"] > 0 and record["z_loss"] > 0
     per_layer = record["load_balancing_loss_layer_1"] + record["load_balancing_loss_layer_2"]
     assert per_layer == pytest.approx(record["load_balancing_loss"], rel=1e-6)
+
+
+def test_topology_shows_the_expert_groups():
+    out = invoke(["topology", "--world-size", "4", "--ep", "2"]).output
+    assert "ep=2" in out and "edp=2" in out
+    assert "ep: [0, 1] [2, 3]" in out and "edp: [0, 2] [1, 3]" in out
