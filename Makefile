@@ -1,5 +1,6 @@
 # The two set-up commands of the README: `make train` and `make test`.
-# Each creates .venv (if missing) and installs plugtron, plugtron-gpt and their dependencies.
+# Each creates .venv (if missing) and installs plugtron, plugtron-gpt, plugtron-moe and their
+# dependencies.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -8,11 +9,11 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: train test install clean
 
-$(STAMP): setup.cfg gpt_plugin/setup.cfg pyproject.toml
+$(STAMP): setup.cfg gpt_plugin/setup.cfg moe_plugin/setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]' -e ./gpt_plugin
+	$(PY) -m pip install -q -e '.[dev]' -e ./gpt_plugin -e ./moe_plugin
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -26,4 +27,4 @@ test: $(STAMP)
 	$(PY) -m pytest -q $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info gpt_plugin/*.egg-info
+	rm -rf $(VENV) build *.egg-info gpt_plugin/*.egg-info moe_plugin/*.egg-info

@@ -32,17 +32,18 @@ def import_hf(hf_dir, out_dir, model, dtype):
     """Write a weights-only plugtron checkpoint (iteration 0) from HF_DIR into OUT_DIR, and
     print the model flags to train or evaluate it with (--load OUT_DIR)."""
     from plugtron.core.checkpoint.hf import import_hf as run_import
-    from plugtron.core.config import flag_fields
+    from plugtron.core.config import flag_fields, section_flag_fields
 
     path, config = run_import(hf_dir, out_dir, model, _dtype(dtype))
-    defaults = {f.name: f.default for f in flag_fields() if f.section == "model"}
-    flags = {f.name: f for f in flag_fields() if f.section == "model"}
+    # The model's flags, then those of plugin sections the converter set (e.g. --num-experts).
+    fields = [f for f in flag_fields() if f.section == "model"]
+    for name, cls in config.plugin_sections.items():
+        fields += section_flag_fields(name, cls)
     parts = []
-    for name, default in defaults.items():
-        value = getattr(config.model, name)
-        if value == default:
+    for flag in fields:
+        value = getattr(getattr(config, flag.section), flag.name)
+        if value == flag.default:
             continue
-        flag = flags[name]
         if flag.is_flag:
             parts.append(flag.flag if value else (flag.negative or ""))
         else:

@@ -141,6 +141,9 @@ class MixedPrecisionOptimizer(Optimizer):
         self.num_steps = 0
         #: extra groups the grad norm and zero count are summed over (optimizer shards).
         self.norm_groups: tuple = ()
+        #: the same for expert parameters (``allreduce = False``), whose shards are over edp;
+        #: the expert-parallel group is always added (each ep rank holds other experts).
+        self.expert_norm_groups: tuple = ()
 
     @property
     def param_groups(self):
@@ -177,13 +180,14 @@ class MixedPrecisionOptimizer(Optimizer):
             if found_inf:
                 self._clear_main_grads()
                 return StepResult(False, math.nan, None)
-        counted = [g for g, p in pairs if grad_utils.counts_for_norm(p, self.parallel)]
-        norm = grad_utils.global_norm(grad_utils.local_sq_norm(counted), self.parallel,
-                                      self.norm_groups)
+        counted = [(g, p) for g, p in pairs if grad_utils.counts_for_norm(p, self.parallel)]
+        norm = grad_utils.total_norm(counted, self.parallel, self.norm_groups,
+                                     self.expert_norm_groups)
         grad_utils.clip_(grads, norm, self.config.training.clip_grad)
         num_zeros = None
         if self.config.logging.log_num_zeros_in_grad:
-            num_zeros = grad_utils.count_zeros(counted, self.parallel, self.norm_groups)
+            num_zeros = grad_utils.total_zeros(counted, self.parallel, self.norm_groups,
+                                               self.expert_norm_groups)
         self.inner.step()
         self.num_steps += 1
         self._clear_main_grads()

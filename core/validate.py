@@ -93,7 +93,6 @@ def validate_tensor_parallel(config: TrainConfig, tp: int | None = None) -> None
 #: yet: refused rather than accepted and ignored.
 NOT_YET_SUPPORTED = (
     ("context_parallel_size", "--context-parallel-size/--cp"),
-    ("expert_model_parallel_size", "--expert-model-parallel-size/--ep"),
 )
 
 
@@ -104,9 +103,11 @@ def _refuse_unbuilt(config: TrainConfig) -> None:
             raise ConfigError(f"{flag} {value}: not supported yet (only 1); plugtron does not "
                               f"accept a flag that would change nothing")
     p = config.parallel
+    # Experts (plugtron-moe) are split over etp exactly as the dense layers over tp; another
+    # etp would need its own sharding bookkeeping (norm, checkpoints), which is not built.
     if p.expert_tensor_parallel_size not in (None, p.tensor_model_parallel_size):
         raise ConfigError(f"--expert-tensor-parallel-size/--etp {p.expert_tensor_parallel_size}: "
-                          f"not supported yet (experts do not exist before the MoE plugin)")
+                          f"only etp = tp ({p.tensor_model_parallel_size}) is supported yet")
 
 
 def validate_plugins(config: TrainConfig, world_size: int, plugins=None) -> None:

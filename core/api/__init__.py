@@ -20,12 +20,13 @@ from plugtron.core.config import ConfigSection, TrainConfig, opt
 from plugtron.core.data import collate
 from plugtron.core.ddp import DistributedDataParallel
 from plugtron.core.errors import CheckpointError, ConfigError, PluginError, PlugtronError
+from plugtron.core.expert_comm import all_to_all, all_to_all_counts
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.inference import load_model
 from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.layer_backend import LayerBackend
 from plugtron.core.layer_stack import ComposedLayer
-from plugtron.core.layers import load_layer_types
+from plugtron.core.layers import load_layer_types, substitute_symbols
 from plugtron.core.model_info import ModelInfo
 from plugtron.core.optimizer import (
     OPTIMIZER_STATE_KEY,
@@ -43,7 +44,8 @@ from plugtron.core.parallel_context import ParallelContext
 from plugtron.core.pipeline_executor import ActionListSchedule, execute_actions
 from plugtron.core.pipeline_layout import chunk_layers, stage_layer_counts
 from plugtron.core.plugin_manager import selected_drivers
-from plugtron.core.random import RNGStatesTracker, model_parallel_rng_tracker
+from plugtron.core.random import EXPERT_PARALLEL_RNG, RNGStatesTracker, model_parallel_rng_tracker
+from plugtron.core.registry import load as load_plugin
 from plugtron.core.schedule_plan import Action
 from plugtron.core.schedule_utils import backward_step as schedule_backward_step
 from plugtron.core.schedule_utils import forward_step as schedule_forward_step
@@ -77,7 +79,8 @@ __all__ = [
     "hookimpl", "ConfigSection", "opt", "TrainConfig", "selected_drivers",
     "PlugtronError", "ConfigError", "PluginError", "CheckpointError",
     # models
-    "ModelInfo", "LayerBackend", "load_layer_types", "ComposedLayer", "chunk_layers", "stage_layer_counts",
+    "load_plugin",
+    "ModelInfo", "LayerBackend", "load_layer_types", "substitute_symbols", "ComposedLayer", "chunk_layers", "stage_layer_counts",
     "InitMethod", "normal_init", "scaled_normal_init", "check_finite", "add_loss",
     "share_parameter", "ParallelContext", "load_model",
     # tensor parallelism
@@ -87,10 +90,10 @@ __all__ = [
     "reduce_scatter_to_sequence_parallel_region", "sequence_parallel_linear",
     "set_tensor_parallel", "is_tensor_parallel", "shard_of", "mark_sequence_parallel",
     "VocabParallelEmbedding", "parallel_logits", "vocab_parallel_cross_entropy",
-    "RNGStatesTracker", "model_parallel_rng_tracker",
+    "RNGStatesTracker", "model_parallel_rng_tracker", "EXPERT_PARALLEL_RNG",
     # collectives
     "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "broadcast", "group_size",
-    "group_rank",
+    "group_rank", "all_to_all", "all_to_all_counts",
     # schedules
     "Action", "ActionListSchedule", "execute_actions", "schedule_forward_step",
     "schedule_backward_step",

@@ -17,8 +17,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .. import registry
-from ..config import TrainConfig, apply_values, padded_vocab_size
+from ..config import TrainConfig, padded_vocab_size
 from ..errors import CheckpointError, ConfigError
+from ..plugin_options import config_from_dict, config_from_flags
 from . import state, writer
 from .loader import malformed
 from .pieces import Box
@@ -45,6 +46,18 @@ class Converter(Protocol):
     def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
         """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``)."""
 
+    # Optional, for converters that another plugin ships for a model it extends (plugtron-moe's
+    # Mixtral for the ``gpt`` model):
+    #
+    # * ``model_types: tuple[str, ...]``: the HF ``model_type``\ s it reads; ``import_hf``
+    #   prefers it over the ``--model`` plugin's converter for those;
+    # * ``model: str``: the model plugin the imported checkpoint runs with (default: the
+    #   converter's entry-point name);
+    # * ``handles(config) -> bool`` (classmethod): ``export_hf`` uses it for a run config it
+    #   claims;
+    # * ``export_hf_from(config, tensors)``: like ``export_hf`` with the whole run config
+    #   (plugin sections included), preferred when present.
+
 
 def _plugin_info(role: str, name: str) -> dict:
     info = next((i for i in registry.available(role) if i.name == name), None)
@@ -67,6 +80,34 @@ def _hf_json(path: str, name: str):
     if not isinstance(data, dict):
         raise CheckpointError(f"{file} must hold a JSON object")
     return data
+
+
+def _installed_converters() -> list:
+    out = []
+    for info in registry.available("converter"):
+        try:
+            out.append(registry.load("converter", info.name))
+        except Exception:  # noqa: BLE001 - a broken converter must not break the others
+            continue
+    return out
+
+
+def converter_for_hf(model: str, hf_config: dict) -> Converter:
+    """An installed converter that declares this HF ``model_type``, else ``model``'s."""
+    kind = hf_config.get("model_type")
+    for cls in _installed_converters():
+        if kind in getattr(cls, "model_types", ()):
+            return registry.instantiate(cls)
+    return load_converter(model)
+
+
+def converter_for_config(config: TrainConfig) -> Converter:
+    """An installed converter that claims this run config (``handles``), else its model's."""
+    for cls in _installed_converters():
+        handles = getattr(cls, "handles", None)
+        if callable(handles) and handles(config):
+            return registry.instantiate(cls)
+    return load_converter(config.plugins.model)
 
 
 def read_hf_dir(path: str) -> tuple[dict, dict]:
@@ -134,8 +175,8 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
               dtype: torch.dtype | None = None) -> tuple[str, TrainConfig]:
     """Convert a Hugging Face model directory into a weights-only plugtron checkpoint at
     ``out_dir`` (iteration 0, no optimizer state). Returns (path, the run config it implies)."""
-    converter = load_converter(model)
     hf_config, hf_tensors = read_hf_dir(hf_dir)
+    converter = converter_for_hf(model, hf_config)
     where = os.path.join(hf_dir, "config.json")
     try:
         flags, tensors = converter.import_hf(hf_config, hf_tensors)
@@ -143,8 +184,9 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
             OverflowError) as exc:
         raise CheckpointError(f"{where} does not describe the weight files "
                               f"({type(exc).__name__}: {exc})") from None
-    config = TrainConfig()
-    apply_values(config, {**flags, "model": model}, f"converted {hf_dir!r}")
+    model = getattr(converter, "model", model)
+    # With the options of the plugins the run selects (an MoE converter sets --num-experts).
+    config = config_from_flags({**flags, "model": model}, f"converted {hf_dir!r}")
     m = config.model
     if not isinstance(m.vocab_size, int) or m.vocab_size < 1:
         raise CheckpointError(f"{where}: field vocab_size must be a positive integer, got "
@@ -179,8 +221,8 @@ def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
 
     reader = CheckpointReader(path)
     with malformed(reader, "config"):
-        config = TrainConfig.from_dict(reader.config)
-    converter = load_converter(config.plugins.model)
+        config = config_from_dict(reader.config)
+    converter = converter_for_config(config)
     tensors = {}
     for name in reader.names("model/"):
         tensor = reader.read_full(f"model/{name}")
@@ -193,11 +235,14 @@ def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
 def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
     """Write the model of checkpoint ``path`` as a Hugging Face directory."""
     config, tensors, reader = checkpoint_tensors(path)
-    converter = load_converter(config.plugins.model)
+    converter = converter_for_config(config)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir!r} exists and is not empty; choose a new directory")
     with malformed(reader, "config.model"):
-        hf_config, hf_tensors = converter.export_hf(config.model, tensors)
+        if hasattr(converter, "export_hf_from"):
+            hf_config, hf_tensors = converter.export_hf_from(config, tensors)
+        else:
+            hf_config, hf_tensors = converter.export_hf(config.model, tensors)
     if dtype is not None:
         hf_tensors = {k: v.to(dtype) for k, v in hf_tensors.items()}
     hf_config["torch_dtype"] = str(next(iter(hf_tensors.values())).dtype).removeprefix("torch.")

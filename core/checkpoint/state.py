@@ -5,7 +5,8 @@ Rules (the contracts in docs/checkpoints.md):
 
 * Model tensors are every chunk's ``state_dict`` entry (parameters and persistent buffers) under
   its global name; sharding is what the layer declared on the tensor (core/sharding.py).
-* Data-parallel replicas are identical: only dp-cp rank 0 writes. Tensor-parallel replicas
+* Data-parallel replicas are identical: only dp-cp rank 0 writes (expert tensors, which differ
+  across ep ranks: expert-data-parallel rank 0). Tensor-parallel replicas
   (tensors that are not tp-sharded) are written by tp rank 0 only.
 * A parameter shared between stages (``share_parameter``, e.g. a tied output weight) is stored
   once, under its group's name (its name on the first stage); the other copies are never
@@ -85,9 +86,17 @@ def rng_tracker(run):
     return getattr(getattr(run, "backend", None), "rng_tracker", None)
 
 
-def writes_here(run, spec: ShardSpec) -> bool:
+def writes_here(run, spec: ShardSpec, expert: bool = False) -> bool:
+    """Whether this rank writes a tensor: its data-parallel rank 0 (for expert tensors the
+    expert-data-parallel rank 0: the ep ranks hold different experts), and tp rank 0 unless
+    the tensor is tp-sharded."""
     p = run.parallel
-    return p.dp_cp_rank == 0 and (spec.sharded or p.tp_rank == 0)
+    first = p.edp_rank == 0 if expert else p.dp_cp_rank == 0
+    return first and (spec.sharded or p.tp_rank == 0)
+
+
+def _is_expert(tensor: torch.Tensor) -> bool:
+    return getattr(tensor, "allreduce", True) is False
 
 
 def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot, dict]:
@@ -104,8 +113,8 @@ def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot
             finish()
     for name, tensor, spec in model_tensors(run):
         stored = stored_name(run, name, tensor)
-        specs[name] = (stored, spec)
-        if stored == name and writes_here(run, spec):
+        specs[name] = (stored, spec, _is_expert(tensor))
+        if stored == name and writes_here(run, spec, _is_expert(tensor)):
             model.append(_entry(f"model/{name}", tensor, spec, copy, seen, staging))
     state = dict(run.optimizer.sharded_state_dict())
     global_state = state.pop(OPTIMIZER_GLOBAL_KEY, {})
@@ -113,8 +122,8 @@ def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot
         if name not in specs:
             raise CheckpointError(f"the optimizer has state for {name!r}, which is not a "
                                   f"tensor of the model")
-        stored, spec = specs[name]
-        if stored != name or not writes_here(run, spec):
+        stored, spec, expert = specs[name]
+        if stored != name or not writes_here(run, spec, expert):
             continue
         for key, value in entries.items():
             if not torch.is_tensor(value) or tuple(value.shape) != spec.local_shape:

@@ -63,16 +63,22 @@ def _replace_schedule(run, schedule) -> None:
 
 def gathered_params(run) -> dict[str, torch.Tensor]:
     """This rank's parameters as full tensors by stored name (a collective over tp: every rank
-    calls it). A tied copy (the last stage's output weight) is keyed ``NAME@copy`` so that the
-    caller can check it equals the original."""
+    calls it), those it is the first replica of: dense ones on dp-cp rank 0, expert ones
+    (``allreduce = False``, different on each ep rank) on expert-dp rank 0. A tied copy (the
+    last stage's output weight) is keyed ``NAME@copy`` so that the caller can check it equals
+    the original."""
     out = {}
+    p = run.parallel
     for chunk in run.model_chunks:
         chunk.finish_param_sync()
         for name, param in getattr(chunk, "module", chunk).named_parameters():
             key = stored_name(run, name, param)
             if key != name:
                 key += "@copy"
-            out[key] = gather_tensor_parallel(param, run.parallel.tp_group).float().clone()
+            full = gather_tensor_parallel(param, p.tp_group).float().clone()
+            expert = getattr(param, "allreduce", True) is False
+            if p.tp_rank == 0 and (p.edp_rank if expert else p.dp_cp_rank) == 0:
+                out[key] = full
     return out
 
 
@@ -93,8 +99,7 @@ def _rank_train(rank, world_size, flags, plugins=(), schedule=None, stop_at=None
         checkpoint.close(run)
     valid = training.evaluate(run) if evaluate else None
     params = gathered_params(run) if gather else None
-    keeps_params = run.parallel.dp_cp_rank == 0 and run.parallel.tp_rank == 0
-    return RunResult(recorder.records, params if keeps_params else None, valid)
+    return RunResult(recorder.records, params or None, valid)
 
 
 def merge_rank_params(results: list[RunResult]) -> dict[str, torch.Tensor]:

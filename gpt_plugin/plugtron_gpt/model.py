@@ -15,7 +15,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plugtron.api import ComposedLayer, chunk_layers, load_layer_types, normal_init, share_parameter
+from plugtron.api import (
+    ComposedLayer,
+    chunk_layers,
+    load_layer_types,
+    normal_init,
+    share_parameter,
+    substitute_symbols,
+)
 
 from .attention import dropout
 from .decoder import Decoder
@@ -69,13 +76,17 @@ class GPTModel(torch.nn.Module):
                                         p.decoder_last_pipeline_num_layers)
         if pre_process:
             self.embedding = GPTEmbedding(config, backend, seed)
-        layer_types = load_layer_types(layer_symbols)
+        # An installed layer type may take a slot of the pattern at some layers (the MoE layer
+        # `E` replaces `-` where --num-experts and --moe-layer-freq say); the registry answers.
+        symbols_at = substitute_symbols(layer_symbols, config,
+                                        [index + 1 for index in self.layer_range])
+        layer_types = load_layer_types("".join(symbols_at.values()) or layer_symbols)
         # One decoder layer runs its symbols' layer types in order under one global index; their
         # children sit directly under decoder.layers.{i} (Megatron-Core's names).
         layers = {}
         for index in self.layer_range:
             parts = [layer_types[symbol](config, backend, parallel, index + 1, seed)
-                     for symbol in layer_symbols]
+                     for symbol in symbols_at[index + 1]]
             layers[index] = ComposedLayer(parts)
         self.decoder = Decoder(layers, backend.norm(m.hidden_size) if post_process else None)
         self.use_rotary = m.position_embedding_type == "rope"

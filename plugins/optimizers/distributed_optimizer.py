@@ -64,6 +64,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             groups = [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
         self.inner = make_inner(groups)
         self.norm_groups = (parallel.dp_cp_group,)
+        self.expert_norm_groups = (parallel.edp_group,)  # expert buffers shard over edp
 
     # ------------------------------------------------------------------ the step
 

@@ -1,0 +1,11 @@
+"""plugtron-moe: the mixture-of-experts layer type ``E`` for plugtron.
+
+Public for third parties: :class:`plugtron_moe.dispatcher.TokenDispatcher` (the dispatch/combine
+contract a token dispatcher implements) and :class:`plugtron_moe.dispatcher.Dispatched`.
+Everything else is this plugin's own. docs/moe.md describes the flags, the contract, expert
+parallel layouts and the HF mapping.
+"""
+
+from .dispatcher import Dispatched, TokenDispatcher
+
+__all__ = ["Dispatched", "TokenDispatcher"]

@@ -1,0 +1,138 @@
+"""The token dispatcher contract: the swappable part of the MoE layer.
+
+A dispatcher moves each token to the ranks holding the experts the router chose for it and
+back. It is found by name in the entry-point group ``plugtron.moe_dispatchers`` and selected
+with ``--moe-token-dispatcher-type NAME``; a third party ships one as its own package::
+
+    # setup.cfg of plugtron-mydispatch
+    [options.entry_points]
+    plugtron.moe_dispatchers =
+        mine = mydispatch:MyDispatcher
+
+    # mydispatch.py
+    from plugtron_moe import Dispatched, TokenDispatcher
+
+    class MyDispatcher(TokenDispatcher):
+        def dispatch(self, hidden, probs, routing_map): ...
+        def combine(self, expert_output, dispatched): ...
+
+The MoE layer calls, for every microbatch, ``dispatch`` then the experts then ``combine``:
+
+* ``dispatch(hidden [T, H], probs [T, E], routing_map [T, E] bool) -> Dispatched``: ``hidden``
+  are this rank's tokens (this tp rank's sequence shard under sequence parallelism), ``probs``
+  the routing weights (0 where not routed), ``routing_map`` the routed (token, expert) pairs
+  after capacity dropping/padding. Returns the rows for this rank's experts sorted by local
+  expert (``tokens``, ``[sum(tokens_per_expert), H]``), their count per local expert
+  (``tokens_per_expert``, in :attr:`local_experts` order) and whatever combine needs.
+* ``combine(expert_output, dispatched) -> [T, H]``: ``expert_output`` is the experts' output
+  for ``dispatched.tokens``, row for row, and is a *partial sum over tensor parallelism* (each
+  tp rank holds a slice of every expert). Returns, for this rank's tokens, the sum over the
+  token's experts of ``prob x output``, reduced over tp (reduce-scattered back to the sequence
+  shard under SP).
+
+Both must be differentiable (use the autograd collectives of ``plugtron.api``: ``all_to_all``,
+``gather_from_sequence_parallel_region``, ...), and every rank of the expert-parallel group
+calls them the same number of times (they are collectives). :meth:`enter_tp` / :meth:`exit_tp`
+are the tensor-parallel boundary every dispatcher needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from plugtron.api import (
+    all_gather_tensor,
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    group_size,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+
+@dataclass
+class Dispatched:
+    """What ``dispatch`` hands the experts: ``tokens`` sorted by local expert,
+    ``tokens_per_expert`` (one int per local expert), and ``state`` for ``combine``."""
+
+    tokens: torch.Tensor
+    tokens_per_expert: list[int]
+    state: Any = None
+
+
+class TokenDispatcher:
+    """Base class of token dispatchers (public API of plugtron-moe).
+
+    Built once per MoE layer with ``(config, parallel, num_experts, local_experts)``:
+    ``parallel`` is the run's ``ParallelContext`` (``ep_group``, ``tp_group``, ...),
+    ``local_experts`` the global ids of this rank's experts (a contiguous block; ep rank r
+    holds ``r*E/ep .. (r+1)*E/ep - 1``). A dispatcher may declare its own options with a
+    ``plugtron_config_sections`` staticmethod, like any plugin.
+    """
+
+    #: the entry-point name, for messages
+    name = "abstract"
+
+    def __init__(self, config, parallel, num_experts: int, local_experts: list[int]):
+        self.config, self.parallel = config, parallel
+        self.num_experts, self.local_experts = num_experts, list(local_experts)
+        self.sequence_parallel = bool(config.parallel.sequence_parallel) and parallel.tp_size > 1
+        self.tp_group, self.ep_group = parallel.tp_group, parallel.ep_group
+
+    def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor,
+                 routing_map: torch.Tensor) -> Dispatched:
+        raise NotImplementedError
+
+    def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+
+    def enter_tp(self, x: torch.Tensor, differentiable: bool = True) -> torch.Tensor:
+        """Make ``x`` (rows = tokens) the same on every tp rank: gathered over tp under SP,
+        as it is otherwise. Backward sums the tp ranks' partial gradients."""
+        if group_size(self.tp_group) == 1:
+            return x
+        if self.sequence_parallel:
+            if not differentiable:
+                return all_gather_tensor(x, self.tp_group, 0)
+            return gather_from_sequence_parallel_region(x, self.tp_group, 0, True)
+        return copy_to_tensor_parallel_region(x, self.tp_group) if differentiable else x
+
+    def exit_tp(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum partial outputs over tp (back to this rank's sequence shard under SP)."""
+        if group_size(self.tp_group) == 1:
+            return x
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(x, self.tp_group, 0)
+        return reduce_from_tensor_parallel_region(x, self.tp_group)
+
+    def rows_by_expert(self, routing_map: torch.Tensor, experts) -> tuple[torch.Tensor,
+                                                                          torch.Tensor,
+                                                                          list[int]]:
+        """``(token rows, expert ids, counts)`` of the routed pairs of ``experts``, expert by
+        expert, tokens in order within each (Megatron's permutation order)."""
+        rows, cols, counts = [], [], []
+        for e in experts:
+            idx = routing_map[:, e].nonzero().squeeze(1)
+            rows.append(idx)
+            cols.append(torch.full_like(idx, e))
+            counts.append(int(idx.numel()))
+        return torch.cat(rows), torch.cat(cols), counts
+
+    @staticmethod
+    def weighted_sum(rows: torch.Tensor, cols: torch.Tensor, probs: torch.Tensor,
+                     output: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """``out[t] = sum over pairs (t, e) of probs[t, e] x output[pair]``."""
+        weights = probs[rows, cols].unsqueeze(-1).to(output.dtype)
+        out = output.new_zeros(num_tokens, output.shape[-1])
+        return out.index_add(0, rows, output * weights)
+
+
+def load_dispatcher(name: str) -> type:
+    """The dispatcher class registered under ``name`` (``PluginError`` lists the others)."""
+    from plugtron.api import load_plugin
+
+    return load_plugin("moe_dispatcher", name)

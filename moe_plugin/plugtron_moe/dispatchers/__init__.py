@@ -1,0 +1,1 @@
+"""The built-in token dispatchers: ``allgather`` and ``alltoall``."""

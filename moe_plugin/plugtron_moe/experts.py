@@ -1,0 +1,155 @@
+"""The routed experts (``mlp.experts``): Megatron-Core's SequentialMLP names, one module per
+expert under its *global* index, ``mlp.experts.local_experts.{e}.linear_fc1.weight`` and
+``.linear_fc2.weight`` (and biases). A global index makes a checkpoint independent of the
+expert-parallel size: resharding over ep is only "which experts does this rank hold".
+
+Each expert is split over etp (= tp here) as a column- then row-parallel MLP, but the row
+reduction is *not* done here: the expert outputs are partial sums over tp, which the dispatcher's
+combine reduces (with the reduction it needs anyway). fc2's bias is added as ``bias / tp`` on
+every tp rank so the partial sums add up to one bias, and it is marked ``sequence_parallel``
+so that its gradient is summed over tp by the core.
+
+Expert parameters carry ``allreduce = False``: the core reduces their gradients over the
+expert-data-parallel group. ``--moe-grouped-gemm`` computes all local experts at once
+(torch's grouped mm on CUDA, else a padded batched matmul) on the same parameters, so the two
+paths are interchangeable and give the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from plugtron.api import (
+    EXPERT_PARALLEL_RNG,
+    normal_init,
+    scaled_normal_init,
+    set_tensor_parallel,
+    shard_of,
+)
+
+from .options import expert_ffn_size
+
+
+def local_expert_ids(num_experts: int, ep_size: int, ep_rank: int) -> list[int]:
+    """The whole experts this ep rank holds: a contiguous block."""
+    per_rank = num_experts // ep_size
+    return list(range(ep_rank * per_rank, (ep_rank + 1) * per_rank))
+
+
+class ExpertLinear(torch.nn.Module):
+    """A weight (and bias) only: the expert MLP does the maths, so both paths share them."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        self.bias = torch.nn.Parameter(bias) if bias is not None else None
+
+
+def _expert_param(param: torch.nn.Parameter) -> None:
+    param.allreduce = False
+
+
+class ExpertMLP(torch.nn.Module):
+    def __init__(self, config, parallel, prefix: str, seed: int, ffn: int | None = None):
+        super().__init__()
+        m = config.model
+        ffn = ffn or expert_ffn_size(config)
+        tp, rank = parallel.tp_size, parallel.tp_rank
+        chunks = 2 if m.swiglu else 1
+        self.swiglu, self.tp_size = m.swiglu, tp
+        w1 = normal_init(m.init_method_std, seed, f"{prefix}.linear_fc1.weight")(
+            (ffn * chunks, m.hidden_size))
+        w2 = scaled_normal_init(m.init_method_std, m.num_layers, seed,
+                                f"{prefix}.linear_fc2.weight")((m.hidden_size, ffn))
+        b1 = torch.zeros(ffn * chunks // tp) if m.add_bias_linear else None
+        b2 = torch.zeros(m.hidden_size) if m.add_bias_linear else None
+        self.linear_fc1 = ExpertLinear(shard_of(w1, 0, rank, tp, chunks), b1)
+        self.linear_fc2 = ExpertLinear(shard_of(w2, 1, rank, tp), b2)
+        set_tensor_parallel(self.linear_fc1.weight, 0, chunks)
+        set_tensor_parallel(self.linear_fc2.weight, 1)
+        if b1 is not None:
+            set_tensor_parallel(self.linear_fc1.bias, 0, chunks)
+            self.linear_fc2.bias.sequence_parallel = True  # partial per tp rank: sum the grads
+        for param in self.parameters():
+            _expert_param(param)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return F.gelu(x)
+
+    def fc2_bias(self) -> torch.Tensor | None:
+        bias = self.linear_fc2.bias
+        return None if bias is None else bias / self.tp_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Partial output over tp (summed by the dispatcher's combine)."""
+        h = self.activation(F.linear(x, self.linear_fc1.weight, self.linear_fc1.bias))
+        return F.linear(h, self.linear_fc2.weight, self.fc2_bias())
+
+
+class SequentialMLP(torch.nn.Module):
+    """This rank's experts, looped (default) or as one grouped matmul."""
+
+    def __init__(self, config, parallel, prefix: str, seed: int, expert_ids: list[int]):
+        super().__init__()
+        self.expert_ids = list(expert_ids)
+        self.grouped = bool(config.moe.moe_grouped_gemm)
+        self.local_experts = torch.nn.ModuleDict({
+            str(e): ExpertMLP(config, parallel, f"{prefix}.local_experts.{e}", seed)
+            for e in self.expert_ids})
+        self.rng_tracker = None  # the run's tracker, set by the layer (expert RNG stream)
+
+    def forward(self, tokens: torch.Tensor, tokens_per_expert: list[int]) -> torch.Tensor:
+        """``tokens`` sorted by local expert, ``tokens_per_expert[i]`` rows for the i-th."""
+        if self.rng_tracker is not None:
+            with self.rng_tracker.fork(EXPERT_PARALLEL_RNG):
+                return self._compute(tokens, tokens_per_expert)
+        return self._compute(tokens, tokens_per_expert)
+
+    def _compute(self, tokens, counts):
+        experts = list(self.local_experts.values())
+        if self.grouped and sum(counts) > 0:
+            return grouped_forward(experts, tokens, counts)
+        outputs = [expert(chunk) for expert, chunk in zip(experts, tokens.split(counts))]
+        return torch.cat(outputs) if outputs else tokens
+
+
+def _grouped_mm_works(device: torch.device) -> bool:
+    # torch's grouped mm has a backward on CUDA only (on CPU in torch 2.13 it runs forward and
+    # fails in backward), and needs 16-byte aligned strides.
+    return device.type == "cuda" and hasattr(torch, "_grouped_mm")
+
+
+def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
+                    counts: list[int]) -> torch.Tensor:
+    """Every local expert in one (grouped or batched) matmul per linear."""
+    w1 = torch.stack([e.linear_fc1.weight for e in experts])  # [E, out, H]
+    w2 = torch.stack([e.linear_fc2.weight for e in experts])  # [E, H, ffn]
+    b1 = [e.linear_fc1.bias for e in experts]
+    b2 = [e.fc2_bias() for e in experts]
+    if _grouped_mm_works(tokens.device) and tokens.dtype == torch.bfloat16:
+        offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(tokens, w1.transpose(1, 2), offs=offs)
+        if b1[0] is not None:
+            h = h + torch.cat([b.expand(n, -1) for b, n in zip(b1, counts)])
+        h = experts[0].activation(h)
+        out = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+        if b2[0] is not None:
+            out = out + torch.cat([b.expand(n, -1) for b, n in zip(b2, counts)])
+        return out
+    # Batched equivalent: pad each expert's rows to the largest count, one bmm per linear.
+    width = max(counts) if counts else 0
+    index = torch.cat([torch.arange(n, device=tokens.device) + i * width
+                       for i, n in enumerate(counts)]) if counts else None
+    padded = tokens.new_zeros(len(experts) * width, tokens.shape[-1])
+    padded = padded.index_copy(0, index, tokens).view(len(experts), width, -1)
+    h = torch.bmm(padded, w1.transpose(1, 2))
+    if b1[0] is not None:
+        h = h + torch.stack(b1).unsqueeze(1)
+    h = experts[0].activation(h)
+    out = torch.bmm(h, w2.transpose(1, 2))
+    if b2[0] is not None:
+        out = out + torch.stack(b2).unsqueeze(1)
+    return out.reshape(len(experts) * width, -1).index_select(0, index)

@@ -1,0 +1,101 @@
+"""Layer type ``E``: pre-norm mixture of experts, ``hidden + dropout(moe(norm(hidden)))``.
+
+Children as in Megatron-Core, so parameters read ``decoder.layers.{i}.pre_mlp_layernorm.*``,
+``decoder.layers.{i}.mlp.router.weight``, ``.mlp.experts.local_experts.{e}.linear_fc{1,2}.*``
+(global expert index e) and ``.mlp.shared_experts.*``. The layer also answers
+``substitutes_for``: it takes the place of the MLP ``-`` on the layers ``--moe-layer-freq``
+selects when ``--num-experts`` is set, which is how the GPT model uses it without importing
+this package.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from plugtron.api import ConfigSection, add_loss
+
+from .dispatcher import load_dispatcher
+from .experts import SequentialMLP, local_expert_ids
+from .options import MoEOptions, moe_layer_pattern
+from .router import TopKRouter
+from .shared_experts import SharedExpertMLP
+from .validate import validate
+
+
+class MoE(torch.nn.Module):
+    """``mlp`` of an MoE layer: router, dispatcher, experts, shared experts."""
+
+    def __init__(self, config, backend, parallel, layer_number: int, seed: int):
+        super().__init__()
+        o = config.moe
+        prefix = f"decoder.layers.{layer_number - 1}.mlp"
+        self.router = TopKRouter(config, parallel, f"{prefix}.router", seed, layer_number)
+        ids = local_expert_ids(o.num_experts, parallel.ep_size, parallel.ep_rank)
+        self.experts = SequentialMLP(config, parallel, f"{prefix}.experts", seed, ids)
+        self.experts.rng_tracker = getattr(backend, "rng_tracker", None)
+        self.shared_experts = (SharedExpertMLP(config, backend, f"{prefix}.shared_experts", seed)
+                               if o.moe_shared_expert_intermediate_size else None)
+        dispatcher_cls = load_dispatcher(o.moe_token_dispatcher_type)
+        # Not a module: it holds no parameters, only the recipe for moving tokens.
+        self.dispatcher = dispatcher_cls(config, parallel, o.num_experts, ids)
+
+    def forward(self, x: torch.Tensor):
+        """``x`` ``[b, s, h]`` -> ``(output [b, s, h], aux losses)``."""
+        b, s, h = x.shape
+        tokens = x.reshape(-1, h)
+        self.router._seq_shape = (s, b)
+        probs, routing_map, aux = self.router(tokens)
+        dispatched = self.dispatcher.dispatch(tokens, probs, routing_map)
+        expert_output = self.experts(dispatched.tokens, dispatched.tokens_per_expert)
+        out = self.dispatcher.combine(expert_output, dispatched).view(b, s, h)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out, aux
+
+
+class MoELayer(torch.nn.Module):
+    symbol = "E"
+
+    def __init__(self, config, backend, parallel, layer_number: int, seed: int):
+        super().__init__()
+        m = config.model
+        self.layer_number = layer_number
+        self.per_layer_logging = config.moe.moe_per_layer_logging
+        self.pre_mlp_layernorm = backend.norm(m.hidden_size)
+        self.mlp = MoE(config, backend, parallel, layer_number, seed)
+        self.hidden_dropout = m.hidden_dropout
+        self.backend = backend
+
+    def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
+        out, aux = self.mlp(self.pre_mlp_layernorm(hidden))
+        if self.hidden_dropout and self.training:
+            # Under SP each tp rank holds other tokens: draw from the tp-rank-specific stream.
+            sp = self.backend.sequence_parallel
+            with self.backend.dropout_rng() if sp else contextlib.nullcontext():
+                out = F.dropout(out, self.hidden_dropout, True)
+        out = hidden + out
+        for name, loss in aux:
+            out = add_loss(out, name, loss)
+            if self.per_layer_logging:  # report only: a detached value adds nothing to backward
+                out = add_loss(out, f"{name} layer {self.layer_number}", loss.detach())
+        return out
+
+    # ------------------------------------------------------------------ plugin side
+
+    @staticmethod
+    def plugtron_config_sections():
+        return [ConfigSection("moe", MoEOptions, title="Mixture of experts")]
+
+    @staticmethod
+    def plugtron_validate(config, world_size):
+        validate(config, world_size)
+
+    @classmethod
+    def substitutes_for(cls, config, symbol: str, layer_number: int) -> bool:
+        """``E`` runs in place of the MLP ``-`` on the MoE layers of an MoE run."""
+        moe = getattr(config, "moe", None)
+        if symbol != "-" or moe is None or not moe.num_experts:
+            return False
+        return moe_layer_pattern(moe.moe_layer_freq, config.model.num_layers)[layer_number - 1]

@@ -1,0 +1,111 @@
+"""The MoE options: Megatron-LM's flags, names and defaults, as the ``moe`` config section."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from plugtron.api import ConfigError, opt
+
+
+@dataclass
+class MoEOptions:
+    num_experts: int | None = opt(None, "--num-experts",
+                                  "Number of routed experts; set it to turn the MLP of the "
+                                  "layers --moe-layer-freq selects into an MoE layer.")
+    moe_ffn_hidden_size: int | None = opt(None, "--moe-ffn-hidden-size",
+                                          "Hidden size of each routed expert (default "
+                                          "--ffn-hidden-size).")
+    moe_layer_freq: str = opt("1", "--moe-layer-freq",
+                              "Which layers are MoE: an int N (every N-th layer, from the "
+                              "first) or a Python list expression of 0/1 per layer, e.g. "
+                              "'([0]+[1]*3)*2'.")
+    moe_router_topk: int = opt(2, "--moe-router-topk", "Experts per token.")
+    moe_router_score_function: str = opt("softmax", "--moe-router-score-function",
+                                         "Router score function.",
+                                         choices=("softmax", "sigmoid"))
+    moe_router_pre_softmax: bool = opt(False, "--moe-router-pre-softmax",
+                                       "Softmax over all experts before top-k (no "
+                                       "renormalisation).", is_flag=True)
+    moe_router_num_groups: int | None = opt(None, "--moe-router-num-groups",
+                                            "Expert groups for group-limited routing.")
+    moe_router_group_topk: int | None = opt(None, "--moe-router-group-topk",
+                                            "Groups each token may use (group-limited "
+                                            "routing).")
+    moe_router_topk_scaling_factor: float | None = opt(None, "--moe-router-topk-scaling-factor",
+                                                       "Multiply the routing weights by this.")
+    moe_router_load_balancing_type: str = opt(
+        "aux_loss", "--moe-router-load-balancing-type", "Load-balancing loss.",
+        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
+    moe_aux_loss_coeff: float = opt(0.0, "--moe-aux-loss-coeff",
+                                    "Coefficient of the load-balancing loss (0: off).")
+    moe_z_loss_coeff: float | None = opt(None, "--moe-z-loss-coeff",
+                                         "Coefficient of the router z-loss.")
+    moe_router_enable_expert_bias: bool = opt(
+        False, "--moe-router-enable-expert-bias",
+        "Aux-loss-free balancing: a per-expert bias on the selection scores, updated after "
+        "each step (sigmoid scores).", is_flag=True)
+    moe_router_bias_update_rate: float = opt(1e-3, "--moe-router-bias-update-rate",
+                                             "Step of the expert-bias update.")
+    moe_router_dtype: str | None = opt(None, "--moe-router-dtype",
+                                       "Dtype of the router's computation (default: the "
+                                       "model's).", choices=("fp32", "fp64"))
+    moe_input_jitter_eps: float | None = opt(None, "--moe-input-jitter-eps",
+                                             "Multiply router inputs by U(1-eps, 1+eps) in "
+                                             "training.")
+    moe_expert_capacity_factor: float | None = opt(None, "--moe-expert-capacity-factor",
+                                                   "Expert capacity factor (default: no "
+                                                   "dropping).")
+    moe_pad_expert_input_to_capacity: bool = opt(
+        False, "--moe-pad-expert-input-to-capacity",
+        "Fill every expert to exactly its capacity (needs a capacity factor).", is_flag=True)
+    moe_token_drop_policy: str = opt("probs", "--moe-token-drop-policy",
+                                     "Which tokens an over-full expert keeps.",
+                                     choices=("probs", "position"))
+    moe_shared_expert_intermediate_size: int | None = opt(
+        None, "--moe-shared-expert-intermediate-size",
+        "Hidden size of the shared expert (all shared experts together); none when unset.")
+    moe_shared_expert_gate: bool = opt(False, "--moe-shared-expert-gate",
+                                       "Sigmoid gate on the shared expert's output.",
+                                       is_flag=True)
+    moe_grouped_gemm: bool = opt(False, "--moe-grouped-gemm",
+                                 "One grouped matmul over the local experts instead of a loop.",
+                                 is_flag=True)
+    moe_token_dispatcher_type: str = opt("allgather", "--moe-token-dispatcher-type",
+                                         "Token dispatcher: any installed "
+                                         "plugtron.moe_dispatchers name (allgather, alltoall).")
+    moe_per_layer_logging: bool = opt(False, "--moe-per-layer-logging",
+                                      "Also log the aux losses of each layer.", is_flag=True)
+
+
+#: A list expression may hold only these characters (it is evaluated without builtins).
+_LIST_EXPRESSION = re.compile(r"^[\[\]0-9+*(),\s]+$")
+
+
+def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
+    """Which layers (0-based) are MoE, Megatron's ``moe_layer_freq`` semantics: an int N makes
+    layer i MoE when ``i % N == 0``; a list expression gives one 0/1 per layer."""
+    text = str(freq).strip()
+    if text.isdigit():
+        every = int(text)
+        if every < 1:
+            raise ConfigError(f"--moe-layer-freq {freq}: must be at least 1")
+        return [i % every == 0 for i in range(num_layers)]
+    if not _LIST_EXPRESSION.match(text):
+        raise ConfigError(f"--moe-layer-freq {freq!r}: expected an int or a list expression "
+                          f"such as '([0]+[1]*3)*2'")
+    try:
+        pattern = eval(text, {"__builtins__": {}}, {})  # noqa: S307 - characters checked above
+    except Exception as exc:  # noqa: BLE001
+        raise ConfigError(f"--moe-layer-freq {freq!r} does not evaluate: {exc}") from None
+    if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
+        raise ConfigError(f"--moe-layer-freq {freq!r}: must give a list of 0/1")
+    if len(pattern) != num_layers:
+        raise ConfigError(f"--moe-layer-freq {freq!r} gives {len(pattern)} layers, but "
+                          f"--num-layers is {num_layers}")
+    return [bool(v) for v in pattern]
+
+
+def expert_ffn_size(config) -> int:
+    m = config.model
+    return config.moe.moe_ffn_hidden_size or m.ffn_hidden_size or 4 * m.hidden_size

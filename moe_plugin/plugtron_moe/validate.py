@@ -1,0 +1,65 @@
+"""Refuse MoE settings that cannot run, before any rank starts (exit 2)."""
+
+from __future__ import annotations
+
+from plugtron.api import ConfigError, PluginError, load_plugin
+
+from .options import expert_ffn_size, moe_layer_pattern
+
+
+def validate(config, world_size: int) -> None:
+    o, m, p = config.moe, config.model, config.parallel
+    ep = p.expert_model_parallel_size or 1
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    etp = p.expert_tensor_parallel_size or tp
+    if not o.num_experts:
+        if ep > 1:
+            raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts (there "
+                              f"are no experts to split)")
+        return
+    if o.num_experts < 1:
+        raise ConfigError(f"--num-experts must be at least 1, got {o.num_experts}")
+    if o.num_experts % ep:
+        raise ConfigError(f"--num-experts {o.num_experts} is not divisible by "
+                          f"--expert-model-parallel-size {ep} (each ep rank holds whole experts)")
+    if world_size % (etp * ep * pp):
+        raise ConfigError(f"world size {world_size} is not divisible by etp {etp} x ep {ep} x "
+                          f"pp {pp} = {etp * ep * pp} (expert layout)")
+    if not 1 <= o.moe_router_topk <= o.num_experts:
+        raise ConfigError(f"--moe-router-topk {o.moe_router_topk} must be in 1.."
+                          f"{o.num_experts} (--num-experts)")
+    if o.moe_pad_expert_input_to_capacity and o.moe_expert_capacity_factor is None:
+        raise ConfigError("--moe-pad-expert-input-to-capacity needs "
+                          "--moe-expert-capacity-factor (the capacity to pad to)")
+    if o.moe_expert_capacity_factor is not None and o.moe_expert_capacity_factor <= 0:
+        raise ConfigError(f"--moe-expert-capacity-factor must be positive, got "
+                          f"{o.moe_expert_capacity_factor}")
+    groups, group_topk = o.moe_router_num_groups, o.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        raise ConfigError("--moe-router-num-groups and --moe-router-group-topk go together")
+    if groups is not None:
+        if o.num_experts % groups or not 1 <= group_topk <= groups \
+                or o.moe_router_topk % group_topk:
+            raise ConfigError(f"group-limited routing needs --num-experts {o.num_experts} "
+                              f"divisible by --moe-router-num-groups {groups}, 1 <= "
+                              f"--moe-router-group-topk {group_topk} <= groups, and "
+                              f"--moe-router-topk {o.moe_router_topk} divisible by it")
+    if o.moe_router_enable_expert_bias and o.moe_router_score_function != "sigmoid":
+        raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
+                          "sigmoid (Megatron's aux-loss-free balancing)")
+    if o.moe_shared_expert_gate and not o.moe_shared_expert_intermediate_size:
+        raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
+    for name, size in (("--moe-ffn-hidden-size", expert_ffn_size(config)),
+                       ("--moe-shared-expert-intermediate-size",
+                        o.moe_shared_expert_intermediate_size)):
+        if size and size % etp:
+            raise ConfigError(f"{name} {size} is not divisible by the expert tensor-parallel "
+                              f"size {etp}")
+    if etp != tp:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from --tp {tp}: only "
+                          f"etp = tp is supported (experts are split like the dense layers)")
+    moe_layer_pattern(o.moe_layer_freq, m.num_layers)  # raises on a bad expression
+    try:
+        load_plugin("moe_dispatcher", o.moe_token_dispatcher_type)
+    except PluginError as exc:
+        raise ConfigError(f"--moe-token-dispatcher-type: {exc}") from None
