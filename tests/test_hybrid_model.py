@@ -103,3 +103,19 @@ def test_model_info_names_the_architecture():
     assert info.places_layers and info.main_loss == "lm loss"
     assert arch["--hybrid-layer-pattern"] == "M*-M"  # boundaries do not change the weights
     assert (arch["--mamba-num-heads"], arch["--mamba-num-groups"], arch["--num-layers"]) == (8, 2, 4)
+
+
+def test_squared_relu_changes_the_mlp_and_refuses_swiglu():
+    losses = []
+    for flag in (False, True):
+        config, model, _ = build(**{"hybrid-layer-pattern": "-", "num-layers": 1,
+                                    "squared-relu": flag})
+        tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+        losses.append(model(tokens, labels=tokens).mean().item())
+    assert losses[0] != losses[1]
+    assert registry.instantiate(registry.load("model", "hybrid")).model_info(
+        config).architecture["--squared-relu"] is True
+    from plugtron_gpt.mlp import MLPLayer
+
+    with pytest.raises(ConfigError, match="--squared-relu and --swiglu"):
+        MLPLayer.plugtron_validate(make_config({"squared-relu": True, "swiglu": True}))

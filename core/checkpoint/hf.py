@@ -8,6 +8,7 @@ never imports a model). A converter implements :class:`Converter`.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from typing import Protocol
@@ -17,8 +18,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from .. import registry
-from ..config import TrainConfig, apply_values, padded_vocab_size
+from ..config import TrainConfig, padded_vocab_size
 from ..errors import CheckpointError, ConfigError
+from ..plugin_options import config_from_dict, config_from_flags
 from . import state, writer
 from .pieces import Box
 from .reader import CheckpointReader
@@ -40,7 +42,9 @@ class Converter(Protocol):
         Raise ``ConfigError`` for a model this converter cannot represent."""
 
     def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
-        """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``)."""
+        """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``). A converter whose
+        ``export_hf`` also takes ``config`` gets the whole ``TrainConfig`` there (its model's
+        own option sections included, e.g. ``config.hybrid``)."""
 
 
 def _plugin_info(role: str, name: str) -> dict:
@@ -104,8 +108,8 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     converter = load_converter(model)
     hf_config, hf_tensors = read_hf_dir(hf_dir)
     flags, tensors = converter.import_hf(hf_config, hf_tensors)
-    config = TrainConfig()
-    apply_values(config, {**flags, "model": model}, f"converted {hf_dir!r}")
+    # The model plugin's own sections are attached, so a converter may set their flags too.
+    config = config_from_flags({**flags, "model": model}, f"converted {hf_dir!r}")
     m = config.model
     m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
     entries = []
@@ -134,7 +138,7 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
 def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
     """The model's full tensors from a checkpoint of any layout, vocabulary padding removed."""
     reader = CheckpointReader(path)
-    config = TrainConfig.from_dict(reader.config)
+    config = config_from_dict(reader.config)
     converter = load_converter(config.plugins.model)
     tensors = {}
     for name in reader.names("model/"):
@@ -151,7 +155,10 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
     converter = load_converter(config.plugins.model)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir!r} exists and is not empty; choose a new directory")
-    hf_config, hf_tensors = converter.export_hf(config.model, tensors)
+    if "config" in inspect.signature(converter.export_hf).parameters:
+        hf_config, hf_tensors = converter.export_hf(config.model, tensors, config=config)
+    else:
+        hf_config, hf_tensors = converter.export_hf(config.model, tensors)
     if dtype is not None:
         hf_tensors = {k: v.to(dtype) for k, v in hf_tensors.items()}
     hf_config["torch_dtype"] = str(next(iter(hf_tensors.values())).dtype).removeprefix("torch.")

@@ -23,6 +23,9 @@ class HybridOptions:
     num_heads: int | None = opt(None, "--mamba-num-heads",
                                 "Mamba heads (default 2 x hidden / head dim).")
     chunk_size: int = opt(128, "--mamba-chunk-size", "Tokens per chunk of the SSD scan.")
+    dt_limit_min: float = opt(0.0, "--mamba-dt-limit-min",
+                              "Clamp softplus(dt) from below (NemotronH clamps at its "
+                              "time_step_min); 0 leaves dt unclamped.")
 
 
 SECTION = ConfigSection("hybrid", HybridOptions, title="Hybrid model")

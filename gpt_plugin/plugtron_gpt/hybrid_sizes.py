@@ -94,6 +94,7 @@ def hybrid_architecture(config) -> dict:
     if "M" in symbols:
         size = mamba_sizes(config)
         out.update({"--mamba-state-dim": size["state"], "--mamba-head-dim": size["head_dim"],
-                    "--mamba-num-groups": size["groups"], "--mamba-num-heads": size["heads"]})
+                    "--mamba-num-groups": size["groups"], "--mamba-num-heads": size["heads"],
+                    "--mamba-dt-limit-min": o.dt_limit_min})
     return out
 

@@ -78,6 +78,7 @@ class MambaMixer(torch.nn.Module):
         self.heads, self.groups = heads // tp, size["groups"] // tp
         self.head_dim, self.state = size["head_dim"], size["state"]
         self.chunk_size = config.hybrid.chunk_size
+        self.dt_limit_min = config.hybrid.dt_limit_min
         self.inner = inner // tp
         self.in_proj = backend.column_parallel_linear(
             m.hidden_size, 2 * inner + 2 * groups_state + heads, bias=False,
@@ -104,6 +105,8 @@ class MambaMixer(torch.nn.Module):
         # The scan runs in fp32 whatever the training dtype: its decays are exponentials of sums.
         x = x.reshape(batch, length, self.heads, self.head_dim)
         dt = F.softplus(dt.float() + self.dt_bias.float())
+        if self.dt_limit_min > 0:
+            dt = dt.clamp(min=self.dt_limit_min)
         A = -torch.exp(self.A_log.float())
         y = ssd_scan(x.float(), dt, A, B.reshape(batch, length, self.groups, self.state).float(),
                      C.reshape(batch, length, self.groups, self.state).float(), self.chunk_size)
