@@ -20,13 +20,16 @@ import torch.nn.functional as F
 
 def _decay_matrix(log_decay: torch.Tensor) -> torch.Tensor:
     """``exp(sum_{k=j+1..i} a_k)`` for ``i >= j``, 0 above the diagonal: ``[..., T, T]`` from
-    ``a`` of ``[..., T]``. Differences of one cumulative sum, masked *before* the exp so that
-    the upper triangle (positive exponents) can never overflow into inf x 0 = nan."""
+    ``a`` of ``[..., T]``. Each sum is its own cumulative sum down a column (not a difference
+    of two long cumulative sums, which loses digits once they grow large), and the upper
+    triangle is masked to -inf *before* the exp, so it can never become inf x 0 = nan."""
     length = log_decay.shape[-1]
-    cumulative = torch.cumsum(log_decay, dim=-1)
-    diff = cumulative[..., :, None] - cumulative[..., None, :]
+    strictly_below = torch.ones(length, length, dtype=torch.bool,
+                                device=log_decay.device).tril(-1)
+    terms = log_decay[..., :, None].expand(*log_decay.shape, length)   # [..., k, j] = a_k
+    sums = torch.cumsum(terms.masked_fill(~strictly_below, 0.0), dim=-2)
     causal = torch.ones(length, length, dtype=torch.bool, device=log_decay.device).tril()
-    return diff.masked_fill(~causal, float("-inf")).exp()
+    return sums.masked_fill(~causal, float("-inf")).exp()
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -36,45 +39,48 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     ``x``: ``[b, l, heads, head_dim]``; ``dt``: ``[b, l, heads]`` (after softplus); ``A``:
     ``[heads]`` (negative); ``B``, ``C``: ``[b, l, groups, state]``, head h reading group
     ``h // (heads / groups)``. Returns ``[b, l, heads, head_dim]`` in ``x``'s dtype.
+
+    Heads stay grouped (``g`` groups of ``r`` heads) so that ``C . B`` is computed once per
+    group, not once per head, and every product is a two-operand einsum (no large
+    intermediates from a three-way contraction order).
     """
-    batch, length, heads, _ = x.shape
-    groups = B.shape[2]
+    batch, length, heads, head_dim = x.shape
+    groups, state = B.shape[2], B.shape[3]
+    per_group = heads // groups
     pad = (-length) % chunk_size
     if pad:
         x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
         dt = F.pad(dt, (0, 0, 0, pad))
-    chunks = x.shape[1] // chunk_size
+    chunks, q = x.shape[1] // chunk_size, chunk_size
 
-    def by_chunk(t):  # [b, l, ...] -> [b, chunks, Q, ...]
-        return t.reshape(batch, chunks, chunk_size, *t.shape[2:])
-
-    # Each head reads its group's B and C.
-    B = B.repeat_interleave(heads // groups, dim=2)
-    C = C.repeat_interleave(heads // groups, dim=2)
-    x, dt, B, C = by_chunk(x), by_chunk(dt), by_chunk(B), by_chunk(C)
-    x_dt = x * dt[..., None]                               # the input term dt_j x_j
-    log_decay = (dt * A).permute(0, 3, 1, 2)                # [b, h, chunks, Q]
+    x = x.reshape(batch, chunks, q, groups, per_group, head_dim)
+    dt = dt.reshape(batch, chunks, q, groups, per_group)
+    B = B.reshape(batch, chunks, q, groups, state)
+    C = C.reshape(batch, chunks, q, groups, state)
+    x_dt = x * dt[..., None]                                      # the input term dt_j x_j
+    log_decay = (dt * A.reshape(groups, per_group)).permute(0, 3, 4, 1, 2)  # [b, g, r, c, Q]
     cumulative = torch.cumsum(log_decay, dim=-1)
 
     # 1. Within each chunk: y_i = sum_{j<=i} (C_i . B_j) decay(j -> i) dt_j x_j.
-    decay = _decay_matrix(log_decay)                        # [b, h, chunks, Q, Q]
-    scores = torch.einsum("bclhn,bcshn->bhcls", C, B) * decay
-    y = torch.einsum("bhcls,bcshp->bclhp", scores, x_dt)
+    scores = torch.einsum("bclgn,bcsgn->bgcls", C, B)             # once per group
+    scores = scores[:, :, None] * _decay_matrix(log_decay)         # [b, g, r, c, Q, Q]
+    y = torch.einsum("bgrcls,bcsgrp->bclgrp", scores, x_dt)
 
     # 2. Each chunk's final state from its own tokens: sum_j decay(j -> end) dt_j x_j B_j^T.
-    to_end = torch.exp(cumulative[..., -1:] - cumulative)   # [b, h, chunks, Q]
-    states = torch.einsum("bclhn,bhcl,bclhp->bchpn", B, to_end, x_dt)
+    to_end = torch.exp(cumulative[..., -1:] - cumulative)          # [b, g, r, c, Q]
+    weighted = x_dt * to_end.permute(0, 3, 4, 1, 2)[..., None]
+    states = torch.einsum("bclgn,bclgrp->bcgrpn", B, weighted)
 
     # 3. Pass states between chunks: the state entering chunk c sums the earlier chunks' states,
     #    each decayed over the chunks in between (a chunks x chunks decay matrix).
-    chunk_decay = _decay_matrix(F.pad(cumulative[..., -1], (1, 0)))  # [b, h, c+1, c+1]
+    chunk_decay = _decay_matrix(F.pad(cumulative[..., -1], (1, 0)))  # [b, g, r, c+1, c+1]
     states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
-    entering = torch.einsum("bhzc,bchpn->bzhpn", chunk_decay, states)[:, :-1]
+    entering = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)[:, :-1]
 
     # 4. The entering state's contribution inside each chunk: C_i . S decayed to token i.
-    from_start = torch.exp(cumulative)                      # [b, h, chunks, Q]
-    y = y + torch.einsum("bclhn,bchpn,bhcl->bclhp", C, entering, from_start)
-    return y.reshape(batch, chunks * chunk_size, heads, -1)[:, :length]
+    from_start = torch.exp(cumulative).permute(0, 3, 4, 1, 2)      # [b, c, Q, g, r]
+    y = y + torch.einsum("bclgn,bcgrpn->bclgrp", C, entering) * from_start[..., None]
+    return y.reshape(batch, chunks * q, heads, head_dim)[:, :length]
 
 
 def sequential_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
