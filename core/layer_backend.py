@@ -65,11 +65,14 @@ class LayerBackend(ABC):
     def column_parallel_linear(self, input_size: int, output_size: int, *, bias: bool,
                                init_method: InitMethod, gather_output: bool = False,
                                skip_bias_add: bool = False,
-                               partition_chunks: int = 1) -> torch.nn.Module:
+                               partition_chunks: int | tuple[int, ...] = 1
+                               ) -> torch.nn.Module:
         """Linear with the output dimension split over tp. Input: replicated activations
         (sequence-sharded under SP, gathered inside). Output: this rank's slice of features, or
-        all of them with ``gather_output``. ``partition_chunks``: the output is that many
-        blocks (e.g. [gate; up]) split separately, so the local output is [gate_r; up_r]."""
+        all of them with ``gather_output``. ``partition_chunks``: the output is that many equal
+        blocks (e.g. [gate; up]) split separately, so the local output is [gate_r; up_r]; or a
+        tuple of the blocks' full sizes when they differ (Mamba's [z, x, B, C, dt]), each
+        divisible by tp."""
 
     @abstractmethod
     def row_parallel_linear(self, input_size: int, output_size: int, *, bias: bool,

@@ -16,10 +16,14 @@ class ModelInfo:
     summary's ``final_loss``); every other report key is logged too.
     ``architecture``: ``{flag: effective value}`` of the settings that change tensor shapes or
     what the weights compute; resuming a checkpoint requires them all to agree.
+    ``places_layers``: the model decides which layers each pipeline stage holds (e.g. from a
+    layer pattern) and checks that split in its ``plugtron_validate``; the core then skips its
+    own even-split check of ``--num-layers`` over ``--pp`` x ``--vp``.
     """
 
     main_loss: str = DEFAULT_MAIN_LOSS
     architecture: dict = field(default_factory=dict)
+    places_layers: bool = False
 
 
 def metric_name(report_key: str) -> str:

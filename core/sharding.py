@@ -6,8 +6,10 @@ into any layout. Attributes (absent means "replicated, not sharded"):
 
 * ``tensor_model_parallel`` (bool): sharded over the tensor-parallel group.
 * ``partition_dim`` (int): the dimension that is split.
-* ``partition_chunks`` (int): the full tensor is ``partition_chunks`` equal blocks along
-  ``partition_dim`` (e.g. SwiGLU's [gate; up]) and each block is split across tp separately.
+* ``partition_chunks`` (int or tuple of ints): the full tensor is blocks along
+  ``partition_dim`` and each block is split across tp separately: an int is that many equal
+  blocks (SwiGLU's [gate; up]), a tuple gives each block's full size (Mamba's in_proj
+  [z, x, B, C, dt] has blocks of different sizes).
 * ``sequence_parallel`` (bool): replicated over tp but fed sequence-sharded activations, so its
   gradient must be all-reduced over tp when grads are finalised.
 * ``shared_group`` (str): one copy of a tensor shared between the first and last pipeline stage
@@ -21,30 +23,57 @@ from __future__ import annotations
 import torch
 
 
-def set_tensor_parallel(param: torch.nn.Parameter, dim: int, chunks: int = 1) -> None:
+def block_sizes(total: int, chunks: int | tuple[int, ...] = 1) -> list[int]:
+    """Full size of each block of a dimension of ``total`` elements split as ``chunks``."""
+    if isinstance(chunks, int):
+        if total % chunks:
+            raise ValueError(f"a dimension of {total} does not split into {chunks} equal blocks")
+        return [total // chunks] * chunks
+    sizes = [int(c) for c in chunks]
+    if sum(sizes) != total:
+        raise ValueError(f"blocks {sizes} do not add up to the dimension's {total}")
+    return sizes
+
+
+def local_block_sizes(local_total: int, size: int,
+                      chunks: int | tuple[int, ...] = 1) -> list[int]:
+    """Each block's size in one rank's shard (of ``local_total`` elements) of ``size`` ranks."""
+    if isinstance(chunks, int):
+        return block_sizes(local_total, chunks)
+    return [c // size for c in block_sizes(local_total * size, chunks)]
+
+
+def set_tensor_parallel(param: torch.nn.Parameter, dim: int,
+                        chunks: int | tuple[int, ...] = 1) -> None:
     param.tensor_model_parallel = True
     param.partition_dim = dim
-    param.partition_chunks = chunks
+    param.partition_chunks = chunks if isinstance(chunks, int) else tuple(chunks)
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
-def shard_of(full: torch.Tensor, dim: int, rank: int, size: int, chunks: int = 1) -> torch.Tensor:
-    """This rank's slice of ``full`` along ``dim`` (per chunk when ``chunks`` > 1)."""
+def shard_of(full: torch.Tensor, dim: int, rank: int, size: int,
+             chunks: int | tuple[int, ...] = 1) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim`` (per block when ``chunks`` gives several)."""
     if size == 1:
         return full
-    blocks = full.chunk(chunks, dim=dim)
+    blocks = full.split(block_sizes(full.shape[dim], chunks), dim=dim)
+    for block in blocks:
+        if block.shape[dim] % size:
+            raise ValueError(f"a block of {block.shape[dim]} does not split over {size} ranks")
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
 
 
-def unshard(shards: list[torch.Tensor], dim: int, chunks: int = 1) -> torch.Tensor:
+def unshard(shards: list[torch.Tensor], dim: int,
+            chunks: int | tuple[int, ...] = 1) -> torch.Tensor:
     """Inverse of ``shard_of`` given every rank's shard in rank order."""
     if len(shards) == 1:
         return shards[0]
-    per_rank = [s.chunk(chunks, dim=dim) for s in shards]
-    return torch.cat([torch.cat([r[c] for r in per_rank], dim=dim) for c in range(chunks)],
+    local = local_block_sizes(shards[0].shape[dim], len(shards), chunks)
+    per_rank = [s.split(local, dim=dim) for s in shards]
+    return torch.cat([torch.cat([r[c] for r in per_rank], dim=dim) for c in range(len(local))],
                      dim=dim)
 
 

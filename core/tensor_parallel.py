@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
+from .sharding import local_block_sizes
 
 
 def _own_chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -163,19 +164,21 @@ def scatter_to_tensor_parallel_region(x: torch.Tensor, group, dim: int = -1) -> 
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group, dim: int = -1,
-                                       chunks: int = 1) -> torch.Tensor:
+                                       chunks: int | tuple[int, ...] = 1) -> torch.Tensor:
     """Concatenate every rank's chunk along ``dim`` (rank order); backward keeps own chunk.
 
-    ``chunks`` > 1: each rank's piece is ``chunks`` blocks ([gate_r; up_r]) of a tensor whose
-    blocks were split separately (``sharding.shard_of`` with chunks); the result is put back in
-    block order ([gate; up])."""
+    ``chunks`` > 1 (or a tuple of full block sizes): each rank's piece is blocks ([gate_r; up_r])
+    of a tensor whose blocks were split separately (``sharding.shard_of`` with chunks); the
+    result is put back in block order ([gate; up])."""
     if _alone(group):
         return x
     dim = _dim(x, dim)
     out = _GatherFromRegion.apply(x, group, dim)
-    if chunks > 1:
-        per_rank = [part.chunk(chunks, dim=dim) for part in out.chunk(comm.group_size(group), dim)]
-        out = torch.cat([blocks[c] for c in range(chunks) for blocks in per_rank], dim=dim)
+    if chunks != 1:
+        size = comm.group_size(group)
+        local = local_block_sizes(x.shape[dim], size, chunks)
+        per_rank = [part.split(local, dim=dim) for part in out.chunk(size, dim)]
+        out = torch.cat([blocks[c] for c in range(len(local)) for blocks in per_rank], dim=dim)
     return out
 
 

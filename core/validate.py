@@ -53,10 +53,12 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError("--eval-interval and --eval-iters must be >= 0")
 
     vp = p.virtual_pipeline_model_parallel_size
-    for rank in range(pp):
-        for stage in range(vp or 1):
-            chunk_layers(m.num_layers, pp, rank, vp, stage if vp else None,
-                         p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+    if not _model_places_layers(config):
+        for rank in range(pp):
+            for stage in range(vp or 1):
+                chunk_layers(m.num_layers, pp, rank, vp, stage if vp else None,
+                             p.decoder_first_pipeline_num_layers,
+                             p.decoder_last_pipeline_num_layers)
     check_pipeline_schedule(config, dp)
     if config.checkpoint.save_interval is not None and not config.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
@@ -108,6 +110,19 @@ def _refuse_unbuilt(config: TrainConfig) -> None:
     if p.expert_tensor_parallel_size not in (None, p.tensor_model_parallel_size):
         raise ConfigError(f"--expert-tensor-parallel-size/--etp {p.expert_tensor_parallel_size}: "
                           f"only etp = tp ({p.tensor_model_parallel_size}) is supported yet")
+
+
+def _model_places_layers(config: TrainConfig) -> bool:
+    """Whether the selected model splits its layers over stages itself (``ModelInfo``)."""
+    from . import registry
+    from .errors import PluginError
+    from .model_info import model_info_of
+
+    try:
+        model = registry.instantiate(registry.load("model", config.plugins.model))
+    except PluginError:
+        return False  # reported by the plugin checks
+    return model_info_of(model, config).places_layers
 
 
 def validate_plugins(config: TrainConfig, world_size: int, plugins=None) -> None:

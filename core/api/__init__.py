@@ -51,6 +51,7 @@ from plugtron.core.schedule_utils import backward_step as schedule_backward_step
 from plugtron.core.schedule_utils import forward_step as schedule_forward_step
 from plugtron.core.schedule_utils import sync_context
 from plugtron.core.sharding import (
+    block_sizes,
     is_tensor_parallel,
     mark_sequence_parallel,
     set_tensor_parallel,
@@ -88,7 +89,8 @@ __all__ = [
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "sequence_parallel_linear",
-    "set_tensor_parallel", "is_tensor_parallel", "shard_of", "mark_sequence_parallel",
+    "set_tensor_parallel", "is_tensor_parallel", "shard_of", "block_sizes",
+    "mark_sequence_parallel",
     "VocabParallelEmbedding", "parallel_logits", "vocab_parallel_cross_entropy",
     "RNGStatesTracker", "model_parallel_rng_tracker", "EXPERT_PARALLEL_RNG",
     # collectives

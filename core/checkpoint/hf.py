@@ -8,6 +8,7 @@ never imports a model). A converter implements :class:`Converter`.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from typing import Protocol
@@ -44,7 +45,9 @@ class Converter(Protocol):
         Raise ``ConfigError`` for a model this converter cannot represent."""
 
     def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
-        """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``)."""
+        """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``). A converter whose
+        ``export_hf`` also takes ``config`` gets the whole ``TrainConfig`` there (its model's
+        own option sections included, e.g. ``config.hybrid``)."""
 
     # Optional, for converters that another plugin ships for a model it extends (plugtron-moe's
     # Mixtral for the ``gpt`` model):
@@ -241,6 +244,8 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
     with malformed(reader, "config.model"):
         if hasattr(converter, "export_hf_from"):
             hf_config, hf_tensors = converter.export_hf_from(config, tensors)
+        elif "config" in inspect.signature(converter.export_hf).parameters:
+            hf_config, hf_tensors = converter.export_hf(config.model, tensors, config=config)
         else:
             hf_config, hf_tensors = converter.export_hf(config.model, tensors)
     if dtype is not None:

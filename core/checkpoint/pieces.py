@@ -1,8 +1,8 @@
 """Where a rank's shard sits inside the global tensor, and copying between shards of two layouts.
 
 A tensor-parallel shard is not always one box of the global tensor: with ``partition_chunks``
-> 1 (SwiGLU's ``[gate; up]``) the global tensor is that many blocks along the partition
-dimension and each block is split over the tp ranks separately, so a rank holds one box per
+> 1 (SwiGLU's ``[gate; up]``) or a tuple of block sizes (Mamba's ``[z, x, B, C, dt]``) the
+global tensor is blocks along the partition dimension and each block is split over the tp ranks separately, so a rank holds one box per
 block. A checkpoint stores every box a writer held as a *piece* with its global offset; loading
 intersects the boxes the reading rank needs with the stored pieces. Neither side needs to know
 the other's layout.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sharding import is_tensor_parallel
+from ..sharding import block_sizes, is_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,12 @@ class Box:
 @dataclass(frozen=True)
 class ShardSpec:
     """How a local tensor maps onto its global tensor: split along ``dim`` over ``size`` ranks
-    (this one is ``rank``), per block when ``chunks`` > 1; ``dim`` None means replicated."""
+    (this one is ``rank``), per block when ``chunks`` > 1 or a tuple of block sizes; ``dim``
+    None means replicated."""
 
     global_shape: tuple[int, ...]
     dim: int | None = None
-    chunks: int = 1
+    chunks: int | tuple[int, ...] = 1
     rank: int = 0
     size: int = 1
 
@@ -68,16 +69,20 @@ class ShardSpec:
         if not self.sharded:
             return [Box(zeros, self.global_shape, zeros)]
         d, total = self.dim, self.global_shape[self.dim]
-        if total % (self.chunks * self.size):
+        try:
+            blocks = block_sizes(total, self.chunks)
+        except ValueError as exc:
+            raise ValueError(f"dimension {d} of {self.global_shape}: {exc}") from None
+        if any(block % self.size for block in blocks):
             raise ValueError(f"dimension {d} of {self.global_shape} does not split into "
-                             f"{self.chunks} block(s) x {self.size} ranks")
-        block = total // self.chunks
-        width = block // self.size
-        out = []
-        for c in range(self.chunks):
+                             f"blocks {blocks} x {self.size} ranks")
+        out, start, local_start = [], 0, 0
+        for block in blocks:
+            width = block // self.size
             offset, local, shape = list(zeros), list(zeros), list(self.global_shape)
-            offset[d], local[d], shape[d] = c * block + self.rank * width, c * width, width
+            offset[d], local[d], shape[d] = start + self.rank * width, local_start, width
             out.append(Box(tuple(offset), tuple(shape), tuple(local)))
+            start, local_start = start + block, local_start + width
         return out
 
 

@@ -1,4 +1,4 @@
-"""Layer type ``-``: pre-norm MLP, GeLU or SwiGLU, split column-then-row over tp.
+"""Layer type ``-``: pre-norm MLP, GeLU, SwiGLU or squared ReLU, split column-then-row over tp.
 
 Children as in Megatron-Core, so parameters read ``decoder.layers.{i}.pre_mlp_layernorm.*`` and
 ``decoder.layers.{i}.mlp.{linear_fc1,linear_fc2}.*``, alone or composed with ``*`` under the same
@@ -7,11 +7,30 @@ index (a GPT layer).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
-from plugtron.api import normal_init, scaled_normal_init
+from plugtron.api import ConfigError, ConfigSection, normal_init, opt, scaled_normal_init
 
 from .attention import dropout
+
+
+@dataclass
+class MLPOptions:
+    squared_relu: bool = opt(False, "--squared-relu",
+                             "relu(x)^2 MLP activation, non-gated (Megatron's; NemotronH's relu2).",
+                             is_flag=True)
+
+
+#: Declared by the ``-`` layer type itself, so every model composing it has the option.
+SECTION = ConfigSection("mlp", MLPOptions, title="MLP layer (-)")
+
+
+def squared_relu(config) -> bool:
+    """``--squared-relu``; False where the config was built without the section."""
+    options = getattr(config, "mlp", None)
+    return bool(options and options.squared_relu)
 
 
 class MLP(torch.nn.Module):
@@ -22,6 +41,7 @@ class MLP(torch.nn.Module):
         m = config.model
         ffn = m.ffn_hidden_size or 4 * m.hidden_size
         self.swiglu = m.swiglu
+        self.squared_relu = squared_relu(config)
         # Init keys are the parameters' final names: the same weights under every layout.
         # SwiGLU's fc1 is [gate; up]: two blocks that tp splits separately.
         self.linear_fc1 = backend.column_parallel_linear(
@@ -39,6 +59,8 @@ class MLP(torch.nn.Module):
         if self.swiglu:
             gate, up = x.chunk(2, dim=-1)
             x = F.silu(gate) * up
+        elif self.squared_relu:
+            x = F.relu(x).square()
         else:
             x = F.gelu(x)
         out, _ = self.linear_fc2(x)
@@ -49,6 +71,15 @@ class MLPLayer(torch.nn.Module):
     """``hidden + dropout(mlp(pre_mlp_layernorm(hidden)))``."""
 
     symbol = "-"
+
+    @staticmethod
+    def plugtron_config_sections():
+        return [SECTION]
+
+    @staticmethod
+    def plugtron_validate(config):
+        if squared_relu(config) and config.model.swiglu:
+            raise ConfigError("--squared-relu and --swiglu are two MLP activations; choose one")
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()

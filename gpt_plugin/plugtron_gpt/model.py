@@ -36,7 +36,7 @@ OUTPUT_LAYER_KEY = "output_layer.weight"
 
 
 class GPTEmbedding(torch.nn.Module):
-    def __init__(self, config, backend, seed: int):
+    def __init__(self, config, backend, seed: int, learned_positions: bool = True):
         super().__init__()
         m = config.model
         self.backend = backend
@@ -44,7 +44,7 @@ class GPTEmbedding(torch.nn.Module):
         self.word_embeddings = backend.vocab_parallel_embedding(m.padded_vocab_size,
                                                                 m.hidden_size, init_method=init)
         self.position_embeddings = None
-        if m.position_embedding_type == "learned_absolute":
+        if learned_positions and m.position_embedding_type == "learned_absolute":
             self.position_embeddings = torch.nn.Embedding(
                 m.max_position_embeddings or m.seq_length, m.hidden_size)
             with torch.no_grad():
@@ -62,31 +62,30 @@ class GPTEmbedding(torch.nn.Module):
 
 
 class GPTModel(torch.nn.Module):
+    """A GPT chunk; subclasses change which layer types make each decoder layer
+    (:meth:`layer_plan`) and whether there are learned position embeddings (the Hybrid model)."""
+
+    #: Learned absolute position embeddings when --position-embedding-type asks for them.
+    learned_positions = True
+
     def __init__(self, config, backend, parallel, pre_process: bool, post_process: bool,
                  vp_stage: int | None = None, layer_symbols: str = GPT_LAYER):
         super().__init__()
-        m, p = config.model, config.parallel
+        m = config.model
         seed = config.training.seed
         self.config, self.backend, self.parallel = config, backend, parallel
         self.pre_process, self.post_process = pre_process, post_process
         self.input_tensor = None
-        self.layer_range = chunk_layers(m.num_layers, parallel.pp_size, parallel.pp_rank,
-                                        p.virtual_pipeline_model_parallel_size, vp_stage,
-                                        p.decoder_first_pipeline_num_layers,
-                                        p.decoder_last_pipeline_num_layers)
+        plan = self.layer_plan(config, parallel, vp_stage, layer_symbols)
         if pre_process:
-            self.embedding = GPTEmbedding(config, backend, seed)
-        # An installed layer type may take a slot of the pattern at some layers (the MoE layer
-        # `E` replaces `-` where --num-experts and --moe-layer-freq say); the registry answers.
-        symbols_at = substitute_symbols(layer_symbols, config,
-                                        [index + 1 for index in self.layer_range])
-        layer_types = load_layer_types("".join(symbols_at.values()) or layer_symbols)
+            self.embedding = GPTEmbedding(config, backend, seed, self.learned_positions)
+        layer_types = load_layer_types("".join(plan.values()))
         # One decoder layer runs its symbols' layer types in order under one global index; their
         # children sit directly under decoder.layers.{i} (Megatron-Core's names).
         layers = {}
-        for index in self.layer_range:
+        for index, symbols in plan.items():
             parts = [layer_types[symbol](config, backend, parallel, index + 1, seed)
-                     for symbol in symbols_at[index + 1]]
+                     for symbol in symbols]
             layers[index] = ComposedLayer(parts)
         self.decoder = Decoder(layers, backend.norm(m.hidden_size) if post_process else None)
         self.use_rotary = m.position_embedding_type == "rope"
@@ -101,6 +100,18 @@ class GPTModel(torch.nn.Module):
         if not m.untie_embeddings_and_output_weights and parallel.pp_size > 1:
             for weight in self.shared_embedding_weights():
                 share_parameter(weight, WORD_EMBEDDING_KEY)
+
+    def layer_plan(self, config, parallel, vp_stage, layer_symbols: str) -> dict[int, str]:
+        """``{global layer index: its symbols}`` for this chunk: every GPT layer is ``*-``."""
+        p = config.parallel
+        indices = chunk_layers(config.model.num_layers, parallel.pp_size, parallel.pp_rank,
+                               p.virtual_pipeline_model_parallel_size, vp_stage,
+                               p.decoder_first_pipeline_num_layers,
+                               p.decoder_last_pipeline_num_layers)
+        # An installed layer type may take a slot of the pattern at some layers (the MoE layer
+        # `E` replaces `-` where --num-experts and --moe-layer-freq say); the registry answers.
+        symbols_at = substitute_symbols(layer_symbols, config, [index + 1 for index in indices])
+        return {index: symbols_at[index + 1] for index in indices}
 
     def shared_embedding_weights(self) -> list[torch.nn.Parameter]:
         out = []

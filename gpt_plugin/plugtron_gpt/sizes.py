@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from plugtron.api import ConfigError
 
+from .mlp import squared_relu
+
 
 def validate_sizes(config) -> None:
     """Heads, query groups and the hidden/ffn sizes that attention, the MLP and tensor
@@ -44,7 +46,9 @@ def architecture(config) -> dict:
     m = config.model
     heads = m.num_attention_heads
     learned = m.position_embedding_type == "learned_absolute"
-    return {
+    # Only when set: checkpoints written before the option existed keep resuming.
+    activation = {"--squared-relu": True} if squared_relu(config) else {}
+    return activation | {
         "--num-layers": m.num_layers, "--hidden-size": m.hidden_size,
         "--ffn-hidden-size": m.ffn_hidden_size or 4 * m.hidden_size,
         "--num-attention-heads": heads, "--num-query-groups": m.num_query_groups or heads,

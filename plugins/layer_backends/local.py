@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from plugtron.api import (
     ConfigError,
     LayerBackend,
+    block_sizes,
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     mark_sequence_parallel,
@@ -56,7 +57,8 @@ class ColumnParallelLinear(_TPLayer):
     Input: replicated ``[b, s, in]`` (sequence-sharded under SP, gathered here). Output: this
     rank's ``out / tp`` features, or all of them with ``gather_output``. With
     ``partition_chunks`` c the output is c blocks ([gate; up]) split separately, so the local
-    output is [gate_r; up_r] and a gathered output is put back in [gate; up] order.
+    output is [gate_r; up_r] and a gathered output is put back in [gate; up] order; a tuple of
+    block sizes ([z, x, B, C, dt]) does the same for blocks of different sizes.
     """
 
     def __init__(self, input_size, output_size, *, bias, init_method, parallel,
@@ -64,9 +66,13 @@ class ColumnParallelLinear(_TPLayer):
                  partition_chunks=1):
         super().__init__(parallel, sequence_parallel)
         tp = self.tp_size
-        if output_size % (tp * partition_chunks):
+        try:
+            blocks = block_sizes(output_size, partition_chunks)
+        except ValueError as exc:
+            raise ConfigError(f"column-parallel output size {output_size}: {exc}") from None
+        if any(block % tp for block in blocks):
             raise ConfigError(f"column-parallel output size {output_size} is not divisible by "
-                              f"tp {tp} x {partition_chunks} block(s)")
+                              f"tp {tp} in each of its blocks {blocks}")
         full = init_method((output_size, input_size))
         self.weight = torch.nn.Parameter(shard_of(full, 0, self.tp_rank, tp, partition_chunks))
         set_tensor_parallel(self.weight, 0, partition_chunks)

@@ -65,7 +65,7 @@ def import_transformer_engine():
 
 
 def _load_shard(param: torch.nn.Parameter, full: torch.Tensor, dim: int, rank: int, size: int,
-                chunks: int = 1) -> None:
+                chunks: int | tuple[int, ...] = 1) -> None:
     """Overwrite TE's own init with this rank's shard of the layout-independent full tensor."""
     with torch.no_grad():
         param.copy_(shard_of(full, dim, rank, size, chunks).to(param.device, param.dtype))
@@ -82,7 +82,7 @@ class _TensorParallelSettings:
     gather_output: bool
     input_is_parallel: bool
     skip_bias_add: bool
-    partition_chunks: int
+    partition_chunks: int | tuple[int, ...]
 
 
 def _te_module_classes(te):

@@ -1,0 +1,133 @@
+"""Layer type ``M``: pre-norm Mamba-2 mixer, in pure torch.
+
+Children as in Megatron-Core's MambaLayer, so parameters read ``decoder.layers.{i}.norm.*`` and
+``decoder.layers.{i}.mixer.{in_proj,conv1d,A_log,D,dt_bias,norm,out_proj}``.
+
+Tensor parallelism is Megatron's: heads and groups are divided over tp. ``in_proj`` is
+column-parallel over its five blocks ``[z, x, B, C, dt]`` (of different sizes, each split over
+tp on its own), the depthwise ``conv1d`` and the per-head ``A_log``, ``D``, ``dt_bias`` and the
+gated norm are sharded with their channels, and ``out_proj`` is row-parallel. Under sequence
+parallelism ``in_proj`` gathers the sequence and ``out_proj`` scatters it again, so the scan
+always sees whole sequences of this rank's heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from plugtron.api import normal_init, scaled_normal_init, set_tensor_parallel, shard_of
+
+from .attention import dropout
+from .hybrid_options import mamba_sizes
+from .mamba_init import a_log_init, conv_init, dt_bias_init
+from .ssd import ssd_scan
+
+CONV_WIDTH = 4
+
+
+def _sharded(full: torch.Tensor, parallel, blocks=1) -> torch.nn.Parameter:
+    """This tp rank's channels (dim 0) of ``full``, declared so checkpoints reshard it."""
+    param = torch.nn.Parameter(shard_of(full, 0, parallel.tp_rank, parallel.tp_size, blocks))
+    set_tensor_parallel(param, 0, blocks)
+    return param
+
+
+class GatedRMSNorm(torch.nn.Module):
+    """``rmsnorm(y x silu(z))`` over each group of channels, times ``weight``: the group
+    boundaries match the B/C groups, so the norm never reaches across tp ranks."""
+
+    def __init__(self, channels: int, group_size: int, eps: float, parallel):
+        super().__init__()
+        self.weight = _sharded(torch.ones(channels), parallel)
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        dtype = y.dtype
+        y = y.float() * F.silu(z.float())
+        grouped = y.unflatten(-1, (-1, self.group_size))
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.flatten(-2).to(dtype)
+
+
+class DepthwiseCausalConv(torch.nn.Conv1d):
+    """Depthwise conv of width 4 over this rank's x, B, C channels; causal (left padding)."""
+
+    def __init__(self, blocks: tuple[int, ...], parallel, seed: int, prefix: str):
+        local = sum(blocks) // parallel.tp_size
+        super().__init__(local, local, CONV_WIDTH, groups=local, padding=CONV_WIDTH - 1)
+        full = sum(blocks)
+        self.weight = _sharded(conv_init(CONV_WIDTH, seed, f"{prefix}.weight")(
+            (full, 1, CONV_WIDTH)), parallel, blocks)
+        self.bias = _sharded(conv_init(CONV_WIDTH, seed, f"{prefix}.bias")((full,)), parallel,
+                             blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[b, s, channels]``."""
+        return super().forward(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+
+
+class MambaMixer(torch.nn.Module):
+    """in_proj -> [z, x, B, C, dt]; conv1d + SiLU over x, B, C; SSD scan; D skip; gated norm;
+    out_proj (no pre-norm, no residual): ``mixer`` of a Mamba layer."""
+
+    def __init__(self, config, backend, parallel, prefix: str, seed: int):
+        super().__init__()
+        m, tp = config.model, parallel.tp_size
+        size = mamba_sizes(config)
+        inner, groups_state, heads = size["inner"], size["groups"] * size["state"], size["heads"]
+        self.heads, self.groups = heads // tp, size["groups"] // tp
+        self.head_dim, self.state = size["head_dim"], size["state"]
+        self.chunk_size = config.hybrid.chunk_size
+        self.dt_limit_min = config.hybrid.dt_limit_min
+        self.inner = inner // tp
+        self.in_proj = backend.column_parallel_linear(
+            m.hidden_size, 2 * inner + 2 * groups_state + heads, bias=False,
+            init_method=normal_init(m.init_method_std, seed, f"{prefix}.in_proj.weight"),
+            partition_chunks=(inner, inner, groups_state, groups_state, heads))
+        self.conv1d = DepthwiseCausalConv((inner, groups_state, groups_state), parallel, seed,
+                                          f"{prefix}.conv1d")
+        self.A_log = _sharded(a_log_init(seed, f"{prefix}.A_log")((heads,)), parallel)
+        self.D = _sharded(torch.ones(heads), parallel)
+        self.dt_bias = _sharded(dt_bias_init(seed, f"{prefix}.dt_bias")((heads,)), parallel)
+        self.norm = GatedRMSNorm(inner, inner // size["groups"], m.norm_epsilon, parallel)
+        self.out_proj = backend.row_parallel_linear(
+            inner, m.hidden_size, bias=False,
+            init_method=scaled_normal_init(m.init_method_std, m.num_layers, seed,
+                                           f"{prefix}.out_proj.weight"),
+            input_is_parallel=True)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        projected, _ = self.in_proj(hidden)
+        bc = self.groups * self.state
+        z, xbc, dt = projected.split([self.inner, self.inner + 2 * bc, self.heads], dim=-1)
+        x, B, C = F.silu(self.conv1d(xbc)).split([self.inner, bc, bc], dim=-1)
+        batch, length = x.shape[:2]
+        # The scan runs in fp32 whatever the training dtype: its decays are exponentials of sums.
+        x = x.reshape(batch, length, self.heads, self.head_dim)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        if self.dt_limit_min > 0:
+            dt = dt.clamp(min=self.dt_limit_min)
+        A = -torch.exp(self.A_log.float())
+        y = ssd_scan(x.float(), dt, A, B.reshape(batch, length, self.groups, self.state).float(),
+                     C.reshape(batch, length, self.groups, self.state).float(), self.chunk_size)
+        y = (y + x.float() * self.D.float()[:, None]).to(hidden.dtype)
+        out, _ = self.out_proj(self.norm(y.flatten(2), z))
+        return out
+
+
+class MambaLayer(torch.nn.Module):
+    """``hidden + dropout(mixer(norm(hidden)))``."""
+
+    symbol = "M"
+
+    def __init__(self, config, backend, parallel, layer_number: int, seed: int):
+        super().__init__()
+        self.backend = backend
+        self.norm = backend.norm(config.model.hidden_size)
+        self.mixer = MambaMixer(config, backend, parallel,
+                                f"decoder.layers.{layer_number - 1}.mixer", seed)
+        self.hidden_dropout = config.model.hidden_dropout
+
+    def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
+        out = self.mixer(self.norm(hidden))
+        return hidden + dropout(out, self.hidden_dropout, self.training, self.backend)
