@@ -163,7 +163,7 @@ def test_gpt_size_rules_live_in_the_gpt_plugin():
     validate_tensor_parallel(config_from_flags({**TINY, "hidden_size": 30}), 1)
 
 
-@pytest.mark.parametrize("flag,value", [("--cp", "2"), ("--ep", "2"), ("--etp", "2")])
+@pytest.mark.parametrize("flag,value", [("--ep", "2"), ("--etp", "2")])
 def test_parallel_sizes_not_built_yet_are_refused(flag, value):
     result = invoke(["train", *ARGS, "--nproc-per-node", "2", flag, value])
     assert result.exit_code == 2

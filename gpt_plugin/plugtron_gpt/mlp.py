@@ -49,6 +49,7 @@ class MLPLayer(torch.nn.Module):
     """``hidden + dropout(mlp(pre_mlp_layernorm(hidden)))``."""
 
     symbol = "-"
+    supports_context_parallel = True  # per token: nothing crosses the sequence
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()
