@@ -135,8 +135,9 @@ def _restore_rng(run, reader, has_rng: bool) -> None:
     if not has_rng:
         return
     tracker = state.rng_tracker(run)
-    rng = reader.rng_state(run.world.rank)
-    if state.same_layout(reader.metadata.get("layout", {}), run) and rng is not None:
+    source = state.rng_source_rank(reader.metadata.get("layout", {}), reader.manifests, run)
+    rng = reader.rng_state(source) if source is not None else None
+    if rng is not None:
         set_rng_state(rng, tracker)
         return
     seed = resume_seed(run.config.training.seed, reader.iteration)
