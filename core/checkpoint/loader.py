@@ -101,8 +101,9 @@ def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReade
     if run.world.rank == 0:
         saved = reader.metadata.get("layout", {})
         print(f"loaded checkpoint {reader.path} (iteration {reader.iteration}, saved with "
-              f"tp {saved.get('tp')} pp {saved.get('pp')} vp {saved.get('vp')} dp "
-              f"{saved.get('dp')}){' weights only' if model_only else ''}", flush=True)
+              f"tp {saved.get('tp')} pp {saved.get('pp')} vp {saved.get('vp')} cp "
+              f"{saved.get('cp')} dp {saved.get('dp')}){' weights only' if model_only else ''}",
+              flush=True)
     reader.close()
     return reader
 
