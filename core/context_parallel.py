@@ -137,11 +137,12 @@ def check_context_parallel_layers(config, layer_types: Iterable[type]) -> None:
 
 
 def _layer_modules(module: torch.nn.Module):
+    from .layer_stack import ComposedLayer
+
     for sub in module.modules():
         yield sub
-        # ComposedLayer keeps its parts in a tuple (no extra name level): look inside.
-        for part in getattr(sub, "parts", ()) or ():
-            if isinstance(part, torch.nn.Module):
+        if isinstance(sub, ComposedLayer):  # parts sit in a tuple (no name level): look inside
+            for part in sub.parts:
                 yield from _layer_modules(part)
 
 
