@@ -84,6 +84,10 @@ class ParallelConfig:
         "Model chunks per pipeline rank (interleaving).", aliases=("--vp",))
     context_parallel_size: int = opt(1, "--context-parallel-size", "Context-parallel size.",
                                      aliases=("--cp",))
+    cp_comm_type: str = opt("p2p", "--cp-comm-type",
+                            "How attention reaches keys on other cp ranks: p2p (ring), "
+                            "allgather, or a2a (Ulysses).",
+                            choices=("p2p", "allgather", "a2a"))
     expert_model_parallel_size: int = opt(1, "--expert-model-parallel-size",
                                           "Expert-parallel size.", aliases=("--ep",))
     expert_tensor_parallel_size: int | None = opt(

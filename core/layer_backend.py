@@ -43,6 +43,8 @@ class LayerBackend(ABC):
 
     #: entry-point name, for messages
     name = "abstract"
+    #: whether core_attention works under --cp > 1 (refused before launch otherwise)
+    supports_context_parallel = False
 
     def __init__(self, config, parallel):
         from .validate import validate_tensor_parallel
@@ -91,7 +93,11 @@ class LayerBackend(ABC):
                        dropout: float) -> torch.nn.Module:
         """Causal attention over this rank's heads: ``forward(q, k, v)`` with q
         ``[b, s, heads, d]``, k and v ``[b, s, groups, d]`` returns ``[b, s, heads * d]``.
-        Attention dropout draws from :meth:`dropout_rng`."""
+        Attention dropout draws from :meth:`dropout_rng`. Under context parallelism ``s`` is
+        this cp rank's two sequence chunks (core/context_parallel.py) and the queries must
+        attend to the keys of every cp rank (``--cp-comm-type``; the core's
+        ``context_parallel_attention`` does it); a backend that does declares
+        ``supports_context_parallel = True``."""
 
     # Defaults every backend can keep: plain torch over the run's tp group (core/vocab_parallel.py
     # and core/tensor_parallel.py). A backend overrides them to use fused kernels.

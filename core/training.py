@@ -20,6 +20,7 @@ from . import (
     step_info,
 )
 from .config import TrainConfig, num_microbatches, padded_vocab_size
+from .context_parallel import check_built_layers, local_microbatches
 from .ddp import DistributedDataParallel
 from .distributed import WorldInfo, init_distributed
 from .errors import ConfigError
@@ -115,6 +116,7 @@ def build_model_chunks(config, pm, backend, parallel, device) -> list:
         module.to(device=device, dtype=model_dtype(config))
         chunks.append(DistributedDataParallel(module, config, parallel, sharded=sharded))
     shared_params.check_placement(chunks, parallel)
+    check_built_layers(chunks, parallel)
     return chunks
 
 
@@ -160,9 +162,11 @@ def data_iterators(run: Run, dataset, consumed_samples: int) -> list:
     microbatches in its own order)."""
     mbs = run.config.training.micro_batch_size
     # ``recording``: each drawn microbatch sets the token weight of losses added inside the
-    # model (core/aux_losses.py).
-    return [aux_losses.recording(data.microbatch_iterator(
-                dataset, mbs, run.parallel.dp_rank, run.parallel.dp_size, consumed_samples))
+    # model (core/aux_losses.py). ``local_microbatches``: every cp rank of a dp rank draws the
+    # same samples and keeps its sequence chunks (core/context_parallel.py).
+    return [aux_losses.recording(local_microbatches(data.microbatch_iterator(
+                dataset, mbs, run.parallel.dp_rank, run.parallel.dp_size, consumed_samples),
+                run.parallel, run.config.model.seq_length))
             for _ in run.model_chunks]
 
 

@@ -93,9 +93,7 @@ def validate_tensor_parallel(config: TrainConfig, tp: int | None = None) -> None
 
 #: Parallel dimensions whose flags exist (Megatron's names) but whose machinery is not built
 #: yet: refused rather than accepted and ignored.
-NOT_YET_SUPPORTED = (
-    ("context_parallel_size", "--context-parallel-size/--cp"),
-)
+NOT_YET_SUPPORTED: tuple = ()
 
 
 def _refuse_unbuilt(config: TrainConfig) -> None:
@@ -129,8 +127,19 @@ def validate_plugins(config: TrainConfig, world_size: int, plugins=None) -> None
     """Every plugin's own checks (``plugtron_validate``) on the whole config."""
     from .plugin_objects import call_declared, run_plugin_objects
 
-    for plugin in run_plugin_objects(config, strict_drivers=True) if plugins is None else plugins:
+    plugins = run_plugin_objects(config, strict_drivers=True) if plugins is None else plugins
+    _check_context_parallel(config, plugins)
+    for plugin in plugins:
         call_declared(plugin, "plugtron_validate", config=config, world_size=world_size)
+
+
+def _check_context_parallel(config: TrainConfig, plugins) -> None:
+    """With --cp > 1: sizes and comm type, and the selected model and layer backend declare cp
+    support (core/context_parallel.py); the model checks its own layer types."""
+    from .context_parallel import check_support
+
+    roles = {p.role: p.obj for p in plugins}
+    check_support(config, model=roles.get("model"), layer_backend=roles.get("layer_backend"))
 
 
 def _check_data_parallel(config: TrainConfig) -> None:

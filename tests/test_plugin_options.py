@@ -164,7 +164,7 @@ def test_gpt_size_rules_live_in_the_gpt_plugin():
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--cp", "2", "not supported yet"), ("--etp", "2", "supported yet"),
+    ("--etp", "2", "supported yet"),
     # --ep is built (plugtron-moe), but splits nothing without experts.
     ("--ep", "2", "needs --num-experts")])
 def test_parallel_sizes_not_built_yet_are_refused(flag, value, message):

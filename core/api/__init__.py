@@ -17,6 +17,17 @@ from plugtron.core.comm import (
     reduce_scatter_tensor,
 )
 from plugtron.core.config import ConfigSection, TrainConfig, opt
+from plugtron.core.context_parallel import (
+    check_context_parallel_layers,
+    local_positions,
+    split_context_parallel_batch,
+)
+from plugtron.core.cp_attention import (
+    all_gather_attention,
+    all_to_all_attention,
+    context_parallel_attention,
+    ring_attention,
+)
 from plugtron.core.data import collate
 from plugtron.core.ddp import DistributedDataParallel
 from plugtron.core.errors import CheckpointError, ConfigError, PluginError, PlugtronError
@@ -93,6 +104,10 @@ __all__ = [
     "mark_sequence_parallel",
     "VocabParallelEmbedding", "parallel_logits", "vocab_parallel_cross_entropy",
     "RNGStatesTracker", "model_parallel_rng_tracker", "EXPERT_PARALLEL_RNG",
+    # context parallelism
+    "context_parallel_attention", "ring_attention", "all_gather_attention",
+    "all_to_all_attention", "split_context_parallel_batch", "local_positions",
+    "check_context_parallel_layers",
     # collectives
     "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "broadcast", "group_size",
     "group_rank", "all_to_all", "all_to_all_counts",

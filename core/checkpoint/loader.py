@@ -120,8 +120,9 @@ def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReade
     if run.world.rank == 0:
         saved = reader.metadata.get("layout", {})
         print(f"loaded checkpoint {reader.path} (iteration {reader.iteration}, saved with "
-              f"tp {saved.get('tp')} pp {saved.get('pp')} vp {saved.get('vp')} dp "
-              f"{saved.get('dp')}){' weights only' if model_only else ''}", flush=True)
+              f"tp {saved.get('tp')} pp {saved.get('pp')} vp {saved.get('vp')} cp "
+              f"{saved.get('cp')} dp {saved.get('dp')}){' weights only' if model_only else ''}",
+              flush=True)
     reader.close()
     return reader
 
@@ -156,8 +157,9 @@ def _restore_rng(run, reader, has_rng: bool) -> None:
     if not has_rng:
         return
     tracker = state.rng_tracker(run)
-    rng = reader.rng_state(run.world.rank)
-    if state.same_layout(reader.metadata.get("layout", {}), run) and rng is not None:
+    source = state.rng_source_rank(reader.metadata.get("layout", {}), reader.manifests, run)
+    rng = reader.rng_state(source) if source is not None else None
+    if rng is not None:
         set_rng_state(rng, tracker)
         return
     seed = resume_seed(run.config.training.seed, reader.iteration)

@@ -158,6 +158,25 @@ def same_layout(saved: dict, run) -> bool:
     return all(saved.get(k) == now[k] for k in keys)
 
 
+def rng_source_rank(saved: dict, manifests: dict[int, dict], run) -> int | None:
+    """The saved rank whose RNG state this rank continues with, or None (then every rank is
+    reseeded). The same layout maps rank to rank. A layout that differs only in cp maps by
+    (tp, pp, dp) rank onto cp rank 0: cp ranks share every random stream (no seed depends on the
+    cp rank, and they draw the same amounts), so any of them holds the state."""
+    if same_layout(saved, run):
+        return run.world.rank
+    now = layout_of(run)
+    if any(saved.get(k) != now[k] for k in ("tp", "pp", "vp", "ep", "etp", "dp")):
+        return None
+    p = run.parallel
+    want = {"tp_rank": p.tp_rank, "pp_rank": p.pp_rank, "dp_rank": p.dp_rank, "cp_rank": 0}
+    for rank, manifest in sorted(manifests.items()):
+        info = manifest.get("info") or {}
+        if all(info.get(k) == v for k, v in want.items()):
+            return rank
+    return None
+
+
 def plugin_versions(config) -> dict:
     """The plugins the run selected, each with its distribution and version."""
     from .. import registry

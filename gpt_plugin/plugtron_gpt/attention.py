@@ -60,6 +60,7 @@ class SelfAttentionLayer(torch.nn.Module):
     """``hidden + dropout(self_attention(input_layernorm(hidden)))``."""
 
     symbol = "*"
+    supports_context_parallel = True  # core_attention reaches the keys on other cp ranks
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()

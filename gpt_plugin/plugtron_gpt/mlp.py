@@ -71,6 +71,7 @@ class MLPLayer(torch.nn.Module):
     """``hidden + dropout(mlp(pre_mlp_layernorm(hidden)))``."""
 
     symbol = "-"
+    supports_context_parallel = True  # per token: nothing crosses the sequence
 
     @staticmethod
     def plugtron_config_sections():

@@ -26,7 +26,7 @@ from plugtron.api import (
 
 from .attention import dropout
 from .decoder import Decoder
-from .rope import rotary_freqs
+from .rope import rotary_freqs_at
 
 #: The symbols of one GPT transformer layer: attention then MLP, under one layer index.
 GPT_LAYER = "*-"
@@ -138,9 +138,8 @@ class GPTModel(torch.nn.Module):
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         hidden = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
         rotary = None
-        if self.use_rotary:
-            rotary = rotary_freqs(tokens.shape[1], self.head_dim, self.config.model.rotary_base,
-                                  tokens.device)
+        if self.use_rotary:  # at the batch's true positions (a cp rank's chunks are apart)
+            rotary = rotary_freqs_at(position_ids, self.head_dim, self.config.model.rotary_base)
         hidden = self.decoder(hidden, rotary)
         if not self.post_process:
             return hidden

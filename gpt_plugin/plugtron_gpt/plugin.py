@@ -5,9 +5,15 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from plugtron.api import ModelInfo, check_finite, hookimpl
+from plugtron.api import (
+    ModelInfo,
+    check_context_parallel_layers,
+    check_finite,
+    hookimpl,
+    load_layer_types,
+)
 
-from .model import GPTModel
+from .model import GPT_LAYER, GPTModel
 from .presets import PRESETS
 from .sizes import architecture, validate_sizes
 
@@ -27,9 +33,13 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
 
 
 class GPTPlugin:
+    #: positions come from the batch's position_ids, so each cp rank's slice is placed right
+    supports_context_parallel = True
+
     @hookimpl
     def plugtron_validate(self, config):
         validate_sizes(config)
+        check_context_parallel_layers(config, load_layer_types(GPT_LAYER).values())
 
     @hookimpl
     def model_info(self, config):

@@ -19,9 +19,12 @@ class ConsoleLog:
             return
         m, p = config.model, config.parallel
         drivers = ", ".join(f"{k}={v}" for k, v in selected_drivers(config).items())
+        cp = f"cp {p.context_parallel_size}"
+        if p.context_parallel_size > 1:
+            cp += f" ({p.cp_comm_type})"
         print(f"plugtron: {drivers}, layer_backend={config.plugins.layer_backend}", flush=True)
         print(f"plugtron: {m.num_layers} layers, hidden {m.hidden_size}, seq "
               f"{m.seq_length}, vocab {m.vocab_size} (padded "
               f"{m.padded_vocab_size}); tp {p.tensor_model_parallel_size} pp "
-              f"{p.pipeline_model_parallel_size} cp {p.context_parallel_size}; starting at "
+              f"{p.pipeline_model_parallel_size} {cp}; starting at "
               f"iteration {state.iteration}", flush=True)

@@ -18,6 +18,7 @@ from plugtron.api import (
     ConfigError,
     LayerBackend,
     block_sizes,
+    context_parallel_attention,
     copy_to_tensor_parallel_region,
     gather_from_tensor_parallel_region,
     mark_sequence_parallel,
@@ -147,18 +148,24 @@ class RMSNorm(torch.nn.Module):
 class CoreAttention(torch.nn.Module):
     """Causal scaled-dot-product attention over this rank's heads; key/value groups are
     repeated for GQA. Attention dropout draws from the model-parallel stream (``dropout_rng``):
-    each tp rank holds different heads."""
+    each tp rank holds different heads. Under context parallelism the keys of other cp ranks
+    are reached by the core's ``context_parallel_attention`` (``--cp-comm-type``)."""
 
-    def __init__(self, num_heads, num_query_groups, head_dim, dropout, dropout_rng):
+    def __init__(self, num_heads, num_query_groups, head_dim, dropout, dropout_rng,
+                 parallel=None, cp_comm_type="p2p"):
         super().__init__()
         self.num_heads, self.num_query_groups = num_heads, num_query_groups
         self.dropout = dropout
         self._dropout_rng = dropout_rng
+        self._parallel, self.cp_comm_type = parallel, cp_comm_type
 
     def forward(self, q, k, v):
+        p = self.dropout if self.training else 0.0
+        if self._parallel is not None and self._parallel.cp_size > 1:
+            with self._dropout_rng():
+                return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p)
         b, s = q.shape[0], q.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-        p = self.dropout if self.training else 0.0
         with self._dropout_rng():
             out = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=p,
@@ -168,6 +175,7 @@ class CoreAttention(torch.nn.Module):
 
 class LocalBackend(LayerBackend):
     name = "local"
+    supports_context_parallel = True  # core_attention reaches the other cp ranks
 
     def column_parallel_linear(self, input_size, output_size, *, bias, init_method,
                                gather_output=False, skip_bias_add=False, partition_chunks=1):
@@ -196,4 +204,5 @@ class LocalBackend(LayerBackend):
         return module
 
     def core_attention(self, num_heads, num_query_groups, head_dim, dropout):
-        return CoreAttention(num_heads, num_query_groups, head_dim, dropout, self.dropout_rng)
+        return CoreAttention(num_heads, num_query_groups, head_dim, dropout, self.dropout_rng,
+                             self.parallel, self.config.parallel.cp_comm_type)

@@ -30,6 +30,7 @@ from plugtron.api import (
     ConfigError,
     LayerBackend,
     PluginError,
+    context_parallel_attention,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
@@ -40,6 +41,9 @@ from plugtron.api import (
     set_tensor_parallel,
     shard_of,
 )
+
+#: plugtron's --cp-comm-type values in TE's spelling
+_TE_CP_COMM_TYPES = {"p2p": "p2p", "allgather": "all_gather", "a2a": "a2a"}
 
 INSTALL_HINT = ("pip install 'transformer-engine[pytorch]' (or plugtron[te]) on a machine with "
                 "CUDA, or use --layer-backend local")
@@ -143,9 +147,27 @@ def _te_module_classes(te):
             return out + bias, None
 
     class TECoreAttention(te.DotProductAttention):
-        """TE's ``DotProductAttention`` with the interface's ``forward(q, k, v)`` (``bshd``)."""
+        """TE's ``DotProductAttention`` with the interface's ``forward(q, k, v)`` (``bshd``).
+
+        Under context parallelism TE's own cp is used (it expects the same load-balanced
+        chunks ``r`` and ``2cp-1-r``); a TE without ``set_context_parallel_group`` falls back
+        to plugtron's ``context_parallel_attention``."""
+
+        _plugtron_cp = None  # (parallel, comm type) when plugtron's cp attention is used
+
+        def use_context_parallel(self, parallel, comm_type):
+            if hasattr(self, "set_context_parallel_group"):
+                self.set_context_parallel_group(
+                    parallel.cp_group, list(parallel.cp_ranks), torch.cuda.Stream(),
+                    _TE_CP_COMM_TYPES[comm_type])
+            else:
+                self._plugtron_cp = (parallel, comm_type)
 
         def forward(self, q, k, v):
+            if self._plugtron_cp is not None:
+                parallel, comm_type = self._plugtron_cp
+                p = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
+                return context_parallel_attention(q, k, v, parallel, comm_type, p)
             out = super().forward(q.contiguous(), k.contiguous(), v.contiguous())
             return out.reshape(q.shape[0], q.shape[1], -1)
 
@@ -154,6 +176,7 @@ def _te_module_classes(te):
 
 class TEBackend(LayerBackend):
     name = "te"
+    supports_context_parallel = True  # TE's own cp, or plugtron's (see TECoreAttention)
 
     @classmethod
     def check_available(cls) -> None:
@@ -197,7 +220,10 @@ class TEBackend(LayerBackend):
 
     def core_attention(self, num_heads, num_query_groups, head_dim, dropout):
         # Counts are already this rank's (the model divided by tp); TE's tp arguments stay 1.
-        return self._attention_class(
+        module = self._attention_class(
             num_heads, head_dim, num_gqa_groups=num_query_groups, attention_dropout=dropout,
             qkv_format="bshd", attn_mask_type="causal",
             get_rng_state_tracker=lambda: self.rng_tracker)
+        if self.parallel.cp_size > 1:
+            module.use_context_parallel(self.parallel, self.config.parallel.cp_comm_type)
+        return module

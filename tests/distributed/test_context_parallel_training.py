@@ -1,0 +1,45 @@
+"""Training under context parallelism equals one process (fp32, dropout 0, relative 1e-5 on
+every iteration's lm loss and grad norm), through the conformance kit's layout check.
+
+cp 2 and cp 4 with each comm type (learned positions and RoPE, MHA and GQA); and cp composed with
+tp + sequence parallelism, pp, dp with the distributed optimizer, and tp x cp x pp on 8 ranks.
+"""
+
+import pytest
+from plugtron.testing import DistributedPool, assert_layouts_match
+
+COMM_TYPES = ("p2p", "allgather", "a2a")
+GPT = {"model": "gpt"}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with DistributedPool(8, timeout=300) as p:
+        yield p
+
+
+def _cp_layouts(*sizes):
+    return [{"cp": cp, "cp-comm-type": c} for cp in sizes for c in COMM_TYPES]
+
+
+@pytest.mark.parametrize("positions", ["learned_absolute", "rope"])
+def test_cp2_and_cp4_each_comm_type(pool, positions):
+    assert_layouts_match({**GPT, "position-embedding-type": positions},
+                         layouts=_cp_layouts(2, 4), pool=pool)
+
+
+def test_grouped_query_attention_under_cp(pool):
+    assert_layouts_match({**GPT, "num-query-groups": 2, "position-embedding-type": "rope"},
+                         layouts=_cp_layouts(2), pool=pool)
+
+
+def test_cp_composes_with_tp_sp_pp_dp(pool):
+    layouts = [
+        {"tp": 2, "cp": 2, "sequence-parallel": True},
+        {"tp": 2, "cp": 2, "sequence-parallel": True, "cp-comm-type": "a2a"},
+        {"cp": 2, "pp": 2},
+        {"cp": 2, "dp": 2, "use-distributed-optimizer": True},
+        {"tp": 2, "cp": 2, "pp": 2},
+        {"tp": 2, "cp": 2, "pp": 2, "sequence-parallel": True, "cp-comm-type": "allgather"},
+    ]
+    assert_layouts_match({**GPT, "position-embedding-type": "rope"}, layouts=layouts, pool=pool)
