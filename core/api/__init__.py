@@ -64,6 +64,7 @@ from plugtron.core.tensor_parallel import (
     scatter_to_tensor_parallel_region,
     sequence_parallel_linear,
 )
+from plugtron.core.tokenizers import build_tokenizer, tokenizer_for
 from plugtron.core.vocab_parallel import (
     VocabParallelEmbedding,
     parallel_logits,
@@ -96,6 +97,6 @@ __all__ = [
     # optimizers
     "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",
     "named_params", "no_weight_decay", "param_groups_for", "OPTIMIZER_STATE_KEY",
-    # datasets
-    "collate",
+    # datasets and tokenizers
+    "collate", "build_tokenizer", "tokenizer_for",
 ]

@@ -19,6 +19,7 @@ import numpy as np
 from plugtron.api import ConfigError, hookimpl
 
 from .common import TokenWindowDataset, parse_split, seeded_rng, token_dtype
+from .sample_options import SAMPLE_SECTION
 
 DEFAULT_VOCAB_SIZE = 512
 #: Allowed successors per token in Markov documents.
@@ -90,6 +91,10 @@ class MockDataset:
     """Dataset provider ``mock`` (entry point in ``plugtron.datasets``)."""
 
     @hookimpl
+    def plugtron_config_sections(self):
+        return [SAMPLE_SECTION]
+
+    @hookimpl
     def dataset_provider(self, config, split_sizes):
         """Build (train, valid, test) mock datasets; a split asked for 0 samples, or with split
         weight 0, is ``None``. Sets ``config.model.vocab_size`` to 512 when it is unset."""
@@ -108,5 +113,6 @@ class MockDataset:
             num_tokens = max(num_tokens, seq_length + 1)
             stream = grammar.stream(num_tokens, seeded_rng(seed, _DOCUMENTS_TAG, split_index))
             datasets.append(TokenWindowDataset(stream, seq_length, num_samples, seed,
-                                               split_index))
+                                               split_index, getattr(config, "samples", None),
+                                               grammar.eod))
         return tuple(datasets)
