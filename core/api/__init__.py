@@ -8,6 +8,7 @@ docs/migration.md.
 """
 
 from plugtron.core.aux_losses import add_loss
+from plugtron.core.checkpoint.saved_config import saved_config
 from plugtron.core.comm import (
     all_gather_tensor,
     all_reduce,
@@ -98,5 +99,5 @@ __all__ = [
     "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",
     "named_params", "no_weight_decay", "param_groups_for", "OPTIMIZER_STATE_KEY",
     # datasets and tokenizers
-    "collate", "build_tokenizer", "tokenizer_for",
+    "collate", "build_tokenizer", "tokenizer_for", "saved_config",
 ]
