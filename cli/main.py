@@ -6,7 +6,9 @@ import click
 
 from .checkpoint_cmd import checkpoint
 from .convert import convert
+from .data_cmd import data
 from .evaluate import make_evaluate_command
+from .options import expand_data_paths
 from .plugins_cmd import plugins
 from .schedule_cmd import schedule
 from .topology import topology
@@ -30,6 +32,7 @@ class PlugtronGroup(click.Group):
         return sorted(set(super().list_commands(ctx)) | set(PLUGIN_AWARE))
 
     def resolve_command(self, ctx, args):
+        args = [args[0], *expand_data_paths(args[1:])] if args else args
         ctx._plugtron_args = list(args[1:])
         return super().resolve_command(ctx, args)
 
@@ -44,6 +47,7 @@ cli.add_command(topology)
 cli.add_command(checkpoint)
 cli.add_command(convert)
 cli.add_command(schedule)
+cli.add_command(data)
 
 
 def main():

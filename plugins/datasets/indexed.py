@@ -21,6 +21,7 @@ from plugtron.api import ConfigError, ConfigSection, hookimpl, opt, saved_config
 from . import gpt_indices
 from .gpt_dataset import Tokens, build_blend, build_gpt_split
 from .indexed_format import IndexedCorpus, IndexedFormatError
+from .preprocess import format_summary, preprocess
 from .sample_options import SAMPLE_SECTION
 
 
@@ -72,6 +73,9 @@ class IndexedDataset:
 
     #: The last run's tokenizer (``plugtron data inspect`` shows text with it).
     tokenizer = None
+    #: ``plugtron data preprocess`` reaches the tools through the entry point.
+    preprocess = staticmethod(preprocess)
+    format_summary = staticmethod(format_summary)
 
     @hookimpl
     def plugtron_config_sections(self):
@@ -119,6 +123,8 @@ class IndexedDataset:
         def blend(values, bookends, split_index):
             split = gpt_indices.SPLIT_NAMES[split_index]
             size = sizes[split_index]
+            if bookends[split_index] is None:  # a split of weight 0
+                return None
             prefixes, weights = parse_blend(values)
             if len(prefixes) == 1:
                 return dataset(prefixes[0], bookends[split_index], split, size)
