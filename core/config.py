@@ -159,8 +159,6 @@ class DataConfig:
                                      "NullTokenizer, ByteTokenizer (default: the dataset's).")
     tokenizer_model: str | None = opt(None, "--tokenizer-model",
                                       "Local tokenizer directory or file (never downloaded).")
-    num_workers: int = opt(1, "--num-workers",
-                           "Threads preparing microbatches ahead of the step (0: inline).")
 
 
 @dataclass
