@@ -6,7 +6,9 @@ import click
 
 from .checkpoint_cmd import checkpoint
 from .convert import convert
+from .data_cmd import data
 from .evaluate import make_evaluate_command
+from .options import expand_data_paths
 from .plot import plot
 from .plugin_new import plugin
 from .plugins_cmd import plugins
@@ -32,6 +34,7 @@ class PlugtronGroup(click.Group):
         return sorted(set(super().list_commands(ctx)) | set(PLUGIN_AWARE))
 
     def resolve_command(self, ctx, args):
+        args = [args[0], *expand_data_paths(args[1:])] if args else args
         ctx._plugtron_args = list(args[1:])
         return super().resolve_command(ctx, args)
 
@@ -48,6 +51,7 @@ cli.add_command(checkpoint)
 cli.add_command(convert)
 cli.add_command(schedule)
 cli.add_command(plot)
+cli.add_command(data)
 
 
 def main():

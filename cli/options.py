@@ -37,6 +37,25 @@ def _param_name(section: str, name: str) -> str:
 # --------------------------------------------------------------------------- prescan
 
 
+def expand_data_paths(args: list[str]) -> list[str]:
+    """Megatron's ``--data-path 0.3 A 0.7 B`` (several values after one flag) as the repeated
+    flags click reads: ``--data-path 0.3 --data-path A ...``. Applies to ``--data-path`` and
+    ``--{train,valid,test}-data-path``; values run up to the next argument starting with ``-``."""
+    out, flag = [], None
+    for arg in args:
+        if arg.startswith("-"):
+            flag = arg if arg.endswith("data-path") and "=" not in arg else None
+            if flag is None:
+                out.append(arg)
+            continue
+        if flag is not None:
+            out += [flag, arg]
+            continue
+        out.append(arg)
+    return out
+
+
+
 def _spellings(flags: list[FlagField]) -> dict[str, FlagField]:
     out = {}
     for flag in flags:

@@ -35,9 +35,14 @@ def check_plugins(config) -> None:
 
 
 def check_data_paths(config) -> None:
+    """Files, folders or Megatron prefixes (PREFIX.idx); blend weights are numbers."""
     for path in config.data.data_path:
-        if not os.path.exists(path):
-            raise ConfigError(f"--data-path {path!r} does not exist")
+        if os.path.exists(path) or os.path.exists(f"{path}.idx"):
+            continue
+        try:
+            float(path)
+        except ValueError:
+            raise ConfigError(f"--data-path {path!r} does not exist") from None
 
 
 def check_load(config) -> None:

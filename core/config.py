@@ -170,6 +170,11 @@ class TrainingConfig:
 class DataConfig:
     data_path: list = opt([], "--data-path", "Files or folders of data (repeatable).")
     split: str = opt("969,30,1", "--split", "Train,valid,test weights over documents.")
+    tokenizer_type: str | None = opt(None, "--tokenizer-type",
+                                     "Tokenizer (plugtron.tokenizers): HuggingFaceTokenizer, "
+                                     "NullTokenizer, ByteTokenizer (default: the dataset's).")
+    tokenizer_model: str | None = opt(None, "--tokenizer-model",
+                                      "Local tokenizer directory or file (never downloaded).")
 
 
 @dataclass

@@ -27,6 +27,7 @@ GROUPS: dict[str, str] = {
     "layer": "plugtron.layers",
     "moe_dispatcher": "plugtron.moe_dispatchers",
     "dataset": "plugtron.datasets",
+    "tokenizer": "plugtron.tokenizers",
     "converter": "plugtron.converters",
     "extension": "plugtron",
 }

@@ -8,6 +8,7 @@ docs/migration.md.
 """
 
 from plugtron.core.aux_losses import add_loss
+from plugtron.core.checkpoint.saved_config import saved_config
 from plugtron.core.comm import (
     all_gather_tensor,
     all_reduce,
@@ -80,6 +81,7 @@ from plugtron.core.tensor_parallel import (
     scatter_to_tensor_parallel_region,
     sequence_parallel_linear,
 )
+from plugtron.core.tokenizers import build_tokenizer, tokenizer_for
 from plugtron.core.vocab_parallel import (
     VocabParallelEmbedding,
     parallel_logits,
@@ -119,6 +121,6 @@ __all__ = [
     "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",
     "named_params", "no_weight_decay", "param_groups_for", "OPTIMIZER_STATE_KEY",
     "DistributedDataParallel", "BucketShard", "ParamShard",
-    # datasets
-    "collate",
+    # datasets and tokenizers
+    "collate", "build_tokenizer", "tokenizer_for", "saved_config",
 ]

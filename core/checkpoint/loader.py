@@ -48,6 +48,7 @@ def check_compatible(saved_config: dict, run) -> None:
     if saved_model and saved_model != config.plugins.model:
         raise CheckpointError(f"the checkpoint holds a {saved_model!r} model; this run builds "
                               f"--model {config.plugins.model!r}")
+    check_tokenizer(saved_config, config)
     from .. import registry
     from ..model_info import ModelInfo, model_info_of
     from ..plugin_options import config_from_dict
@@ -68,6 +69,25 @@ def check_compatible(saved_config: dict, run) -> None:
     if diffs:
         raise CheckpointError("the checkpoint's model differs from this run's; run with the "
                               "checkpoint's settings: " + "; ".join(diffs))
+
+
+def check_tokenizer(saved_config: dict, config) -> None:
+    """The run's tokenizer must give the checkpoint's vocabulary: the same ids with another
+    tokenizer mean other text, and the model would train on it without a sign."""
+    saved_vocab = saved_config.get("model", {}).get("vocab_size")
+    vocab = config.model.vocab_size
+    if saved_vocab is None or vocab is None or saved_vocab == vocab:
+        return
+    saved = saved_config.get("data", {})
+    was = (f"--tokenizer-type {saved['tokenizer_type']}"
+           + (f" --tokenizer-model {saved['tokenizer_model']}"
+              if saved.get("tokenizer_model") else "")) if saved.get("tokenizer_type") else None
+    raise CheckpointError(
+        f"the checkpoint's vocabulary has {saved_vocab} tokens but this run's tokenizer "
+        f"({config.data.tokenizer_type or '--vocab-size'}) gives {vocab}; "
+        + (f"it was trained with {was}" if was else
+           "give the tokenizer the checkpoint was trained with (--tokenizer-type, "
+           "--tokenizer-model)"))
 
 
 def _check_shape(logical: str, saved: tuple, current: tuple, saved_vocab: int | None,

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from plugtron.api import ConfigError
 
+from .sample_options import sample_from_window
+
 
 def seeded_rng(seed: int, *tags: int) -> np.random.Generator:
     """A numpy generator for ``(seed, *tags)``: one independent stream per purpose and split.
@@ -106,20 +108,10 @@ def concat_documents(documents: Sequence[np.ndarray], eod: int, dtype: np.dtype)
 # --------------------------------------------------------------------------- samples
 
 
-def make_sample(window: np.ndarray) -> dict[str, torch.Tensor]:
-    """A sample from ``seq_length + 1`` consecutive tokens: the labels are the tokens shifted by one.
-
-    The loss mask is all ones (Megatron's default; ``--eod-mask-loss`` is off), and position ids
-    count from 0 in every sample (Megatron's default; no ``--reset-position-ids``).
-    """
-    window = torch.from_numpy(window.astype(np.int64))
-    seq_length = window.numel() - 1
-    return {
-        "tokens": window[:-1].clone(),
-        "labels": window[1:].clone(),
-        "loss_mask": torch.ones(seq_length, dtype=torch.float32),
-        "position_ids": torch.arange(seq_length, dtype=torch.int64),
-    }
+def make_sample(window: np.ndarray, options=None, eod: int | None = None) -> dict[str, torch.Tensor]:
+    """A sample from ``seq_length + 1`` consecutive tokens (sample_options.py applies
+    ``--reset-position-ids``, ``--reset-attention-mask`` and ``--eod-mask-loss``)."""
+    return sample_from_window(window, options, eod)
 
 
 class TokenWindowDataset:
@@ -138,7 +130,7 @@ class TokenWindowDataset:
     """
 
     def __init__(self, stream: np.ndarray, seq_length: int, num_samples: int, seed: int,
-                 split_index: int):
+                 split_index: int, options=None, eod: int | None = None):
         if seq_length < 1:
             raise ConfigError(f"--seq-length must be at least 1, got {seq_length}")
         if len(stream) == 0:
@@ -149,6 +141,7 @@ class TokenWindowDataset:
         self.seq_length = seq_length
         self.seed = seed
         self.split_index = split_index
+        self.options, self.eod = options, eod
         self.windows_per_epoch = (len(stream) - 1) // seq_length
         self.num_epochs = max(1, math.ceil(num_samples / self.windows_per_epoch))
         self._cached_epoch: int | None = None
@@ -181,7 +174,7 @@ class TokenWindowDataset:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} out of range for a dataset of {len(self)}")
         start = self.window_start(index)
-        return make_sample(self.stream[start:start + self.seq_length + 1])
+        return make_sample(self.stream[start:start + self.seq_length + 1], self.options, self.eod)
 
 
 #: Tag of the within-block window order's random stream (see :func:`seeded_rng`).
@@ -202,7 +195,8 @@ class BlockWindowDataset:
     """
 
     def __init__(self, make_block: Callable[[int, int], np.ndarray], windows_per_block: int,
-                 seq_length: int, num_samples: int, seed: int, split_index: int):
+                 seq_length: int, num_samples: int, seed: int, split_index: int,
+                 options=None, eod: int | None = None):
         if seq_length < 1:
             raise ConfigError(f"--seq-length must be at least 1, got {seq_length}")
         if windows_per_block < 1:
@@ -213,6 +207,7 @@ class BlockWindowDataset:
         self.num_samples = max(1, num_samples)
         self.seed = seed
         self.split_index = split_index
+        self.options, self.eod = options, eod
         self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
     @property
@@ -248,4 +243,4 @@ class BlockWindowDataset:
         block, position = divmod(index, self.windows_per_block)
         tokens, order = self._block(block)
         start = int(order[position]) * self.seq_length
-        return make_sample(tokens[start:start + self.seq_length + 1])
+        return make_sample(tokens[start:start + self.seq_length + 1], self.options, self.eod)

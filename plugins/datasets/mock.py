@@ -23,6 +23,7 @@ import numpy as np
 from plugtron.api import ConfigError, hookimpl
 
 from .common import BlockWindowDataset, parse_split, seeded_rng, token_dtype
+from .sample_options import SAMPLE_SECTION
 
 DEFAULT_VOCAB_SIZE = 512
 #: Allowed successors per token in Markov documents.
@@ -109,6 +110,10 @@ class MockDataset:
     """Dataset provider ``mock`` (entry point in ``plugtron.datasets``)."""
 
     @hookimpl
+    def plugtron_config_sections(self):
+        return [SAMPLE_SECTION]
+
+    @hookimpl
     def dataset_provider(self, config, split_sizes):
         """Build (train, valid, test) mock datasets; a split asked for 0 samples, or with split
         weight 0, is ``None``. Sets ``config.model.vocab_size`` to 512 when it is unset."""
@@ -125,5 +130,6 @@ class MockDataset:
                 continue
             datasets.append(BlockWindowDataset(grammar.block_maker(seed, split_index),
                                                windows_per_block(seq_length), seq_length,
-                                               num_samples, seed, split_index))
+                                               num_samples, seed, split_index,
+                                               getattr(config, "samples", None), grammar.eod))
         return tuple(datasets)

@@ -1,22 +1,32 @@
-"""``--data text``: train on plain text files with a byte-level tokenizer.
+"""``--data text``: train on plain text files, tokenized by the run's tokenizer.
 
-Every file is one document; its bytes are its tokens (0..255) and the end-of-document token is
-256, so the vocabulary is fixed at 257 and no tokenizer files are needed. ``--data-path`` names
-files or folders; without one, the corpus is the Python standard library's own source, which is
-on every machine that runs plugtron and is large enough (about 12 MB) to train a small model on.
+Every file is one document, followed by the tokenizer's end-of-document id. The default
+tokenizer is ``ByteTokenizer`` (bytes 0..255, eod 256, vocabulary 257), so no tokenizer files are
+needed; ``--tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR`` tokenizes the same files
+with a real vocabulary. ``--data-path`` names files or folders; without one, the corpus is the
+Python standard library's own source, which is on every machine that runs plugtron and is large
+enough (about 12 MB) to train a small model on.
 """
 
 from __future__ import annotations
 
 import os
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from plugtron.api import ConfigError, hookimpl
+from plugtron.api import ConfigError, hookimpl, tokenizer_for
 
-from .common import TokenWindowDataset, concat_documents, parse_split, seeded_rng, split_documents
+from .common import (
+    TokenWindowDataset,
+    concat_documents,
+    parse_split,
+    seeded_rng,
+    split_documents,
+    token_dtype,
+)
+from .sample_options import SAMPLE_SECTION
 
 #: Suffixes read when walking a folder; a file named directly is read whatever its suffix.
 TEXT_SUFFIXES = frozenset({
@@ -32,36 +42,6 @@ STDLIB_SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "t
                                     "idle_test"})
 
 _SHUFFLE_TAG = 303
-
-
-class ByteTokenizer:
-    """Bytes as tokens: ``encode`` gives the UTF-8 bytes, ``eod`` (256) ends a document."""
-
-    vocab_size = 257
-    eod = 256
-    #: How ``decode`` shows the end-of-document token.
-    eod_text = "<|eod|>"
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of ``ids``: broken UTF-8 becomes U+FFFD, EOD shows as ``eod_text``, and any id
-        past the vocabulary (a padded-vocabulary row a model sampled) as U+FFFD."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        pieces: list[str] = []
-        pending = bytearray()
-        for token in ids:
-            token = int(token)
-            if 0 <= token < 256:
-                pending.append(token)
-                continue
-            pieces.append(pending.decode("utf-8", errors="replace"))
-            pending.clear()
-            pieces.append(self.eod_text if token == self.eod else "\ufffd")
-        pieces.append(pending.decode("utf-8", errors="replace"))
-        return "".join(pieces)
 
 
 # --------------------------------------------------------------------------- corpus
@@ -117,43 +97,55 @@ def _describe(data_path: Sequence[str]) -> str:
     return f"the standard library at {sysconfig.get_paths()['stdlib']!r}"
 
 
+def tokenize_document(data: np.ndarray, tokenizer) -> np.ndarray:
+    """A document's tokens: its bytes under ``ByteTokenizer`` (no decoding needed), else the
+    tokenizer's ids for its UTF-8 text (undecodable bytes become U+FFFD)."""
+    if getattr(tokenizer, "vocab_size", None) == 257 and getattr(tokenizer, "eod", None) == 256:
+        return data
+    text = data.tobytes().decode("utf-8", errors="replace")
+    return np.asarray(tokenizer.tokenize(text), dtype=token_dtype(tokenizer.vocab_size))
+
+
 class TextDataset:
     """Dataset provider ``text`` (entry point in ``plugtron.datasets``)."""
 
-    tokenizer = ByteTokenizer()
+    #: The last run's tokenizer (``plugtron data inspect`` shows text with it).
+    tokenizer = None
+
+    @hookimpl
+    def plugtron_config_sections(self):
+        return [SAMPLE_SECTION]
 
     @hookimpl
     def dataset_provider(self, config, split_sizes):
         """Build (train, valid, test) from text files, split by documents.
 
         Documents are shuffled with ``--seed`` and cut by ``--split`` weights, so no file is in
-        two splits. A split asked for 0 samples, or left without documents, is ``None``. Sets
-        ``config.model.vocab_size`` to 257; a larger value set by the user is kept (the extra rows
-        are never a target), a smaller one cannot hold the bytes and is an error.
+        two splits. A split asked for 0 samples, or left without documents, is ``None``. The
+        tokenizer (``--tokenizer-type``, default ``ByteTokenizer``) fixes
+        ``config.model.vocab_size``; a different ``--vocab-size`` is an error.
         """
-        tokenizer = self.tokenizer
-        if config.model.vocab_size is None:
-            config.model.vocab_size = tokenizer.vocab_size
-        elif config.model.vocab_size < tokenizer.vocab_size:
-            raise ConfigError(f"--data text uses a byte-level tokenizer of "
-                              f"{tokenizer.vocab_size} tokens; --vocab-size "
-                              f"{config.model.vocab_size} is smaller (leave it unset)")
+        tokenizer = self.tokenizer = tokenizer_for(config, default="ByteTokenizer")
         weights = parse_split(config.data.split)
         data_path = config.data.data_path or []
         data_path = [data_path] if isinstance(data_path, (str, os.PathLike)) else list(data_path)
-        documents = [doc for doc in map(read_document, corpus_files(data_path)) if doc is not None]
+        documents = [tokenize_document(doc, tokenizer)
+                     for doc in map(read_document, corpus_files(data_path)) if doc is not None]
+        documents = [doc for doc in documents if len(doc)]
         if not documents:
             raise ConfigError(f"no text documents found in {_describe(data_path)} (files must "
                               f"be non-empty text; folders are searched for "
                               f"{', '.join(sorted(TEXT_SUFFIXES))})")
         seed = config.training.seed
+        options = getattr(config, "samples", None)
         split_indices = split_documents(len(documents), weights, seeded_rng(seed, _SHUFFLE_TAG))
         datasets = []
         for split_index, (num_samples, indices) in enumerate(zip(split_sizes, split_indices)):
             if num_samples <= 0 or len(indices) == 0:
                 datasets.append(None)
                 continue
-            stream = concat_documents([documents[i] for i in indices], tokenizer.eod, np.uint16)
+            stream = concat_documents([documents[i] for i in indices], tokenizer.eod,
+                                      token_dtype(tokenizer.vocab_size))
             datasets.append(TokenWindowDataset(stream, config.model.seq_length, num_samples,
-                                               seed, split_index))
+                                               seed, split_index, options, tokenizer.eod))
         return tuple(datasets)

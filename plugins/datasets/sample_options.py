@@ -1,0 +1,72 @@
+"""Megatron's per-sample flags: ``--reset-position-ids``, ``--reset-attention-mask``,
+``--eod-mask-loss``, and the function that applies them to one sample.
+
+They follow Megatron-Core's ``_get_ltor_masks_and_position_ids``: an end-of-document token at
+position ``i`` belongs to the document it ends, so the next document starts at ``i + 1``.
+Instead of Megatron's ``[1, seq, seq]`` boolean mask, a sample carries ``attention_mask`` as the
+1-D document number of each token (the dataset contract's sample is 1-D); attention lets a
+token see the earlier tokens with the same number, which is exactly the mask Megatron builds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from plugtron.api import ConfigSection, opt
+
+
+@dataclass
+class SampleOptions:
+    reset_position_ids: bool = opt(False, "--reset-position-ids",
+                                   "Position ids restart after each end-of-document token.",
+                                   is_flag=True)
+    reset_attention_mask: bool = opt(False, "--reset-attention-mask",
+                                     "Tokens do not attend across end-of-document tokens.",
+                                     is_flag=True)
+    eod_mask_loss: bool = opt(False, "--eod-mask-loss",
+                              "No loss where the input token is end-of-document.", is_flag=True)
+
+
+SAMPLE_SECTION = ConfigSection("samples", SampleOptions, title="Sample masks and positions")
+
+
+def document_numbers(tokens: np.ndarray, eod: int) -> np.ndarray:
+    """For each position, how many end-of-document tokens come strictly before it."""
+    is_eod = tokens == eod
+    numbers = np.zeros(len(tokens), dtype=np.int64)
+    np.cumsum(is_eod[:-1], out=numbers[1:])
+    return numbers
+
+
+def sample_from_window(window: np.ndarray, options: SampleOptions | None = None,
+                       eod: int | None = None, pad: int | None = None) -> dict[str, torch.Tensor]:
+    """A sample from ``seq_length + 1`` consecutive tokens: labels are the tokens shifted by one.
+
+    Without options: loss mask all ones and positions ``0..seq-1`` (Megatron's defaults). Labels
+    equal to ``pad`` are masked out of the loss and pad ids become 0, as in Megatron-Core.
+    """
+    window = np.asarray(window).astype(np.int64)
+    tokens, labels = window[:-1], window[1:]
+    seq_length = len(tokens)
+    loss_mask = np.ones(seq_length, dtype=np.float32)
+    position_ids = np.arange(seq_length, dtype=np.int64)
+    sample = {}
+    if options is not None and eod is not None:
+        if options.eod_mask_loss:
+            loss_mask[tokens == eod] = 0.0
+        if options.reset_position_ids or options.reset_attention_mask:
+            numbers = document_numbers(tokens, eod)
+            if options.reset_position_ids:
+                starts = np.flatnonzero(np.diff(numbers, prepend=-1))  # first token of each
+                position_ids -= starts[numbers - numbers[0]]
+            if options.reset_attention_mask:
+                sample["attention_mask"] = torch.from_numpy(numbers)
+    if pad is not None and pad >= 0:
+        loss_mask[labels == pad] = 0.0
+        tokens, labels = np.where(tokens == pad, 0, tokens), np.where(labels == pad, 0, labels)
+    return {"tokens": torch.from_numpy(np.ascontiguousarray(tokens)),
+            "labels": torch.from_numpy(np.ascontiguousarray(labels)),
+            "loss_mask": torch.from_numpy(loss_mask),
+            "position_ids": torch.from_numpy(position_ids), **sample}
