@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from plugtron.api import ConfigSection, add_loss
+from plugtron.api import ConfigError, ConfigSection, add_loss
 
 from .dispatcher import load_dispatcher
 from .experts import SequentialMLP, local_expert_ids
@@ -30,6 +30,9 @@ class MoE(torch.nn.Module):
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()
         o = config.moe
+        if not o.num_experts:
+            raise ConfigError(f"layer {layer_number} is an MoE layer (E), which needs "
+                              f"--num-experts")
         prefix = f"decoder.layers.{layer_number - 1}.mlp"
         self.router = TopKRouter(config, parallel, f"{prefix}.router", seed, layer_number)
         ids = local_expert_ids(o.num_experts, parallel.ep_size, parallel.ep_rank)

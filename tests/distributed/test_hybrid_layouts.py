@@ -65,5 +65,5 @@ def _moe_installed() -> bool:
 
 @pytest.mark.skipif(not _moe_installed(), reason="no layer type for E (plugtron-moe) installed")
 def test_moe_layers_by_symbol(pool):
-    assert_layouts_match({**HYBRID, "hybrid-layer-pattern": "M*EM"},
+    assert_layouts_match({**HYBRID, "hybrid-layer-pattern": "M*EM", "num-experts": 4},
                          layouts=[{"tp": 2}, {"pp": 2}], pool=pool)
