@@ -33,6 +33,12 @@ from plugtron.core.data import collate
 from plugtron.core.ddp import DistributedDataParallel
 from plugtron.core.errors import CheckpointError, ConfigError, PluginError, PlugtronError
 from plugtron.core.expert_comm import all_to_all, all_to_all_counts
+from plugtron.core.forward_context import (
+    ForwardContext,
+    current_forward_context,
+    forward_context,
+    use_forward_context,
+)
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.inference import load_model
 from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
@@ -97,6 +103,7 @@ __all__ = [
     "ModelInfo", "LayerBackend", "load_layer_types", "substitute_symbols", "ComposedLayer", "chunk_layers", "stage_layer_counts",
     "InitMethod", "normal_init", "scaled_normal_init", "check_finite", "add_loss",
     "share_parameter", "ParallelContext", "load_model",
+    "ForwardContext", "forward_context", "current_forward_context", "use_forward_context",
     # tensor parallelism
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
