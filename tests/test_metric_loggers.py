@@ -9,9 +9,9 @@ import os
 import struct
 
 import pytest
-
 from click.testing import CliRunner
 from plugtron.cli.main import cli
+
 
 def run_cli(args):
     return CliRunner().invoke(cli, args, catch_exceptions=False)
