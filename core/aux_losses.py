@@ -65,6 +65,10 @@ def add_loss(hidden: torch.Tensor, name: str, loss: torch.Tensor) -> torch.Tenso
     if loss.dim() != 0:
         raise ValueError(f"add_loss({name!r}): the loss must be a scalar, got shape "
                          f"{tuple(loss.shape)}")
+    from .recompute import is_recomputing
+
+    if is_recomputing():  # the first run reported it and built the backward that injects it
+        return hidden
     tokens = _state["tokens"]
     value = loss.detach().float() * tokens
     _totals[name] = _totals[name] + value if name in _totals else value
