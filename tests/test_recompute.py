@@ -26,8 +26,13 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return train_run(DROPOUT, 1, gather_params=True)
+def pool(rank_pool_factory):
+    return rank_pool_factory(1)  # one worker process for every run of the module
+
+
+@pytest.fixture(scope="module")
+def reference(pool):
+    return train_run(DROPOUT, 1, pool, gather_params=True)
 
 
 def _assert_bitwise(got, want, what):
@@ -38,18 +43,18 @@ def _assert_bitwise(got, want, what):
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
-def test_recompute_is_bitwise_the_run_without_it(reference, mode):
-    got = train_run({**DROPOUT, **MODES[mode]}, 1, gather_params=True)
+def test_recompute_is_bitwise_the_run_without_it(reference, pool, mode):
+    got = train_run({**DROPOUT, **MODES[mode]}, 1, pool, gather_params=True)
     _assert_bitwise(got, reference, mode)
 
 
-def test_hybrid_and_rope_layers_recompute_bitwise():
+def test_hybrid_and_rope_layers_recompute_bitwise(pool):
     flags = {"model": "hybrid", "hybrid-layer-pattern": "M*-M-", "mamba-state-dim": 8,
              "mamba-head-dim": 8, "mamba-num-groups": 2, "hidden-dropout": 0.1,
              "attention-dropout": 0.1, "position-embedding-type": "rope", "train-iters": 2}
-    want = train_run(flags, 1, gather_params=True)
+    want = train_run(flags, 1, pool, gather_params=True)
     got = train_run({**flags, "recompute-granularity": "full", "recompute-num-layers": 2}, 1,
-                    gather_params=True)
+                    pool, gather_params=True)
     _assert_bitwise(got, want, "hybrid full")
 
 
