@@ -4,9 +4,10 @@ Usage: python benchmarks/bench_recompute.py [--rounds 5] [--write]
 
 One process trains the GPT model (8 layers, hidden 256, 4 heads, seq 512, micro batch 4, fp32,
 dropout 0) with each recompute mode. Peak memory is the largest number of bytes autograd keeps
-alive for backward at once during a step (a saved-tensor hook counts every tensor packed for
-backward until it is freed, recomputed ones included); it is exact and machine-independent, where
-RSS on a CPU is not. Step time: the modes alternate step by step over the rounds; medians.
+alive for backward at once during a step (a saved-tensor hook counts every tensor the first
+forward packs for backward until it is freed; a group's temporaries while it is recomputed are
+saved by torch's checkpoint outside user hooks and not counted); it is exact and
+machine-independent, where RSS on a CPU is not. Step time: the modes alternate step by step over the rounds; medians.
 """
 
 from __future__ import annotations
