@@ -63,8 +63,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
     if config.checkpoint.save_interval is not None and not config.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
     from .profiling import validate_profile
+    from .recompute import validate_recompute
 
     validate_profile(config)
+    validate_recompute(config)
     validate_plugins(config, world_size)
 
 
