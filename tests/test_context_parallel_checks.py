@@ -47,9 +47,10 @@ def test_a2a_needs_heads_and_groups_divisible_by_cp():
     assert "a2a" in out and "divisible by --cp 4" in out
 
 
-def test_ring_refuses_attention_dropout():
-    out = _refused("--cp", "2", "--seq-length", "16", "--attention-dropout", "0.1")
-    assert "--attention-dropout 0.1 with --cp-comm-type p2p" in out
+def test_attention_dropout_is_accepted_with_every_comm_type():
+    for comm_type in ("p2p", "allgather", "a2a"):
+        validate(tiny_config(cp=2, seq_length=16, attention_dropout=0.1,
+                             cp_comm_type=comm_type), 2)
 
 
 def test_a_valid_cp_config_passes():
