@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-#: Most score-matrix elements alive at once (fp32: 16 MiB); rows are tiled to stay below it.
-TILE_ELEMENTS = 1 << 22
+#: Most score-matrix elements alive at once (fp32: 4 MiB); rows are tiled to stay below it.
+TILE_ELEMENTS = 1 << 20
 
 # splitmix64's finalizer constants as signed int64 (torch has no full uint64 arithmetic).
 _MUL1 = 0xBF58476D1CE4E5B9 - (1 << 64)

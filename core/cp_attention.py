@@ -7,8 +7,8 @@ position, most of which live on other ranks. Three ways to bring them together, 
 
 * ``p2p`` (:func:`ring_attention`): K/V blocks travel around the cp ring; each rank attends its
   queries to the block it holds and merges the partial results by log-sum-exp (online softmax).
-  The causal structure of the load-balanced layout makes every step after the first exactly half
-  a block: against an earlier rank's block only its first chunk is visible (to all local
+  The causal structure of the load-balanced layout skips every fully masked part: at step 0 the
+  first local chunk does not look at the second; every later step is exactly half a block: against an earlier rank's block only its first chunk is visible (to all local
   queries); against a later rank's block only the second local chunk sees anything (all of it).
   The next block's transfer is posted before the current block is computed and waited for after,
   so communication hides behind compute. Backward sends the K/V blocks around again with their
@@ -271,14 +271,14 @@ class _RingExchange:
 
 
 def _visible(step: int, src: int, rank: int, chunk: int):
-    """Which query rows and key rows of a ring step can see each other, and whether the causal
-    mask applies: (query slice, key slice, causal)."""
-    everything = slice(None)
-    if step == 0:  # own block: the local tokens are in increasing order, so plain causal
-        return everything, everything, True
+    """The parts of a ring step's block that can see each other: [(query rows, key rows,
+    causal)], fully masked parts left out."""
+    everything, first, second = slice(None), slice(0, chunk), slice(chunk, None)
+    if step == 0:  # own block, local tokens in increasing order: the first chunk cannot see
+        return [(first, first, True), (second, everything, True)]  # the second: skipped
     if src < rank:  # an earlier rank: only its first chunk is before our tokens, all of it
-        return everything, slice(0, chunk), False
-    return slice(chunk, None), everything, False  # a later rank: only our second chunk sees it
+        return [(everything, first, False)]
+    return [(second, everything, False)]  # a later rank: only our second chunk sees it
 
 
 class _RingAttention(torch.autograd.Function):
@@ -298,15 +298,16 @@ class _RingAttention(torch.autograd.Function):
             # Post the next block's transfer first: it travels while this block is computed.
             pending = _RingExchange(kv, ranks, rank, group, KV_TAG) if step < cp - 1 else None
             src = (rank - step) % cp
-            rows, cols, causal = _visible(step, src, rank, chunk)
             k_pos = local_positions(seq, src, cp, q.device)
-            block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols],
-                                                 kv[1][:, :, cols], q_pos[rows], k_pos[cols],
-                                                 scale, causal, dropout)
-            merged = torch.logaddexp(lse[:, :, rows], block_lse)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
-                               + block_out * torch.exp(block_lse - merged)[..., None])
-            lse[:, :, rows] = merged
+            for rows, cols, causal in _visible(step, src, rank, chunk):
+                block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols],
+                                                     kv[1][:, :, cols], q_pos[rows],
+                                                     k_pos[cols], scale, causal, dropout)
+                merged = torch.logaddexp(lse[:, :, rows], block_lse)
+                out[:, :, rows] = (out[:, :, rows]
+                                   * torch.exp(lse[:, :, rows] - merged)[..., None]
+                                   + block_out * torch.exp(block_lse - merged)[..., None])
+                lse[:, :, rows] = merged
             if pending is not None:
                 kv = pending.wait()
         out = out.to(q.dtype)
@@ -327,16 +328,20 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             pending = _RingExchange(kv, ranks, rank, group, KV_TAG) if step < cp - 1 else None
             src = (rank - step) % cp
-            rows, cols, causal = _visible(step, src, rank, chunk)
             k_pos = local_positions(seq, src, cp, q.device)
-            dq, dk, dv = block_backward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                                        out[:, :, rows], lse[:, :, rows], grad_out[:, :, rows],
-                                        q_pos[rows], k_pos[cols], scale, causal, ctx.dropout)
-            grad_q[:, :, rows] += dq
+            parts = []
+            for rows, cols, causal in _visible(step, src, rank, chunk):
+                dq, dk, dv = block_backward(q[:, :, rows], kv[0][:, :, cols],
+                                            kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+                                            grad_out[:, :, rows], q_pos[rows], k_pos[cols],
+                                            scale, causal, ctx.dropout)
+                grad_q[:, :, rows] += dq
+                parts.append((cols, dk, dv))
             grad_kv = (torch.zeros(2, *k.shape, dtype=torch.float32, device=k.device)
                        if returning is None else returning.wait())
-            grad_kv[0][:, :, cols] += dk
-            grad_kv[1][:, :, cols] += dv
+            for cols, dk, dv in parts:
+                grad_kv[0][:, :, cols] += dk
+                grad_kv[1][:, :, cols] += dv
             # The accumulator follows its block: after cp hops it is home, complete.
             returning = _RingExchange(grad_kv, ranks, rank, group, GRAD_TAG)
             if pending is not None:

@@ -17,6 +17,7 @@ from plugtron.core.errors import ConfigError
 from plugtron.core.layer_stack import ComposedLayer
 from plugtron.core.parallel_context import ParallelContext
 from plugtron.core.validate import validate
+from plugtron.plugins.extensions.console_log import ConsoleLog
 
 from .utils import tiny_config
 
@@ -108,3 +109,12 @@ def test_split_keeps_chunks_r_and_2cp_minus_1_minus_r():
         assert torch.equal(local["labels"][0], want + 1)
         assert local["attention_mask"].shape == (2, 1, seq // cp, seq)
         assert local["note"] == "kept"
+
+
+def test_the_console_header_names_cp_and_its_comm_type(capsys):
+    state = type("State", (), {"iteration": 0})()
+    ConsoleLog().plugtron_train_start(tiny_config(cp=2, seq_length=16, cp_comm_type="a2a"),
+                                      state)
+    assert "cp 2 (a2a)" in capsys.readouterr().out
+    ConsoleLog().plugtron_train_start(tiny_config(), state)
+    assert "cp 1;" in capsys.readouterr().out
