@@ -118,3 +118,10 @@ def test_the_console_header_names_cp_and_its_comm_type(capsys):
     assert "cp 2 (a2a)" in capsys.readouterr().out
     ConsoleLog().plugtron_train_start(tiny_config(), state)
     assert "cp 1;" in capsys.readouterr().out
+
+
+def test_the_cli_refuses_cp_with_a_mamba_layer():
+    out = _refused("--model", "hybrid", "--hybrid-layer-pattern", "M*", "--cp", "2",
+                   "--seq-length", "16", "--mamba-state-dim", "8", "--mamba-head-dim", "8",
+                   "--mamba-num-groups", "2", "--mamba-chunk-size", "4")
+    assert "context parallelism is not supported with Mamba" in out
