@@ -34,6 +34,7 @@ Shapes are the layer backend's: q ``[b, s_local, heads, d]``, k and v ``[b, s_lo
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -225,6 +226,24 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad, ctx.group, ctx.cp), None, None
 
 
+@contextlib.contextmanager
+def _head_block_dropout_stream(dropout_p: float, device, cp_rank: int):
+    """cp ranks share their dropout stream, but under a2a each holds different heads: torch's
+    dropout draws from a seed taken from the shared stream plus the cp rank, so head blocks get
+    independent masks (the shared stream advances alike on every rank)."""
+    if not dropout_p:
+        yield
+        return
+    seed = draw_dropout(dropout_p, device).seed + cp_rank
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        yield
+
+
 def all_to_all_attention(q, k, v, group, cp_size: int, dropout_p: float = 0.0) -> torch.Tensor:
     """Ulysses: all-to-all to whole sequences of ``1/cp`` of the heads (and groups: rank j gets
     head block j, which is query-group block j since heads are laid out group-major), causal
@@ -238,10 +257,11 @@ def all_to_all_attention(q, k, v, group, cp_size: int, dropout_p: float = 0.0) -
     order = torch.argsort(positions)
     q_all, k_all, v_all = (_SeqToHeads.apply(t, group, cp_size).index_select(1, order)
                            for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q_all.transpose(1, 2), k_all.transpose(1, 2),
-                                         v_all.transpose(1, 2), is_causal=True,
-                                         dropout_p=dropout_p,
-                                         enable_gqa=q_all.shape[2] != k_all.shape[2])
+    with _head_block_dropout_stream(dropout_p, q.device, comm.group_rank(group)):
+        out = F.scaled_dot_product_attention(q_all.transpose(1, 2), k_all.transpose(1, 2),
+                                             v_all.transpose(1, 2), is_causal=True,
+                                             dropout_p=dropout_p,
+                                             enable_gqa=q_all.shape[2] != k_all.shape[2])
     # Back to rank order (the inverse permutation of ``order`` is ``positions``).
     out = out.transpose(1, 2).index_select(1, positions)
     return _HeadsToSeq.apply(out, group, cp_size).reshape(b, s_local, -1)

@@ -130,3 +130,24 @@ def test_the_positional_dropout_mask_is_bernoulli():
         assert abs((a == b).float().mean().item() - (0.7 ** 2 + 0.3 ** 2)) < 0.01
     again = keep_mask(dropout, 2, 8, pos[100:110], pos[:50]).float()
     assert torch.equal(again, keep[:, :, 100:110, :50])
+
+
+def _rank_a2a_dropout_pattern(rank, world_size, seq=16, heads=4):
+    """q = k = 0 (uniform causal probabilities) and v = one-hot key positions: the output of
+    each head is its dropout mask row by row."""
+    cache = worker_cache()
+    parallel = cache.setdefault(("cp", world_size),
+                                ParallelContext.build(world_size, rank, cp=world_size))
+    q = torch.zeros(1, seq, heads, seq)
+    v = torch.eye(seq).expand(1, heads, seq, seq).transpose(1, 2)
+    local = [split_tensor(t, 1, parallel.cp_rank, world_size) for t in (q, q, v)]
+    torch.manual_seed(DROPOUT_SEED)
+    out = context_parallel_attention(*local, parallel, "a2a", 0.5)
+    return out.view(1, seq // world_size, heads, seq) > 0
+
+
+def test_a2a_dropout_masks_differ_between_head_blocks(pool):
+    kept = pool.run(_rank_a2a_dropout_pattern, world_size=2)
+    # Head 0 went through rank 0's attention, head 2 through rank 1's: not the same mask.
+    for rank_kept in kept:
+        assert not torch.equal(rank_kept[..., 0, :], rank_kept[..., 2, :])
