@@ -41,6 +41,10 @@ def test_help_lists_the_moe_flags():
      "unknown moe_dispatcher 'nosuch'; available: allgather (plugtron-moe 0.1.0), alltoall"),
     (["--num-experts", "4", "--ep", "4", "--pp", "2"], "not divisible by etp 1 x ep 4 x pp 2"),
     (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], "gives 3 layers"),
+    (["--num-experts", "4", "--tp", "2", "--etp", "1", "--seq-length", "15",
+      "--micro-batch-size", "1"], "needs them divisible by 2"),
+    (["--num-experts", "4", "--etp", "2", "--moe-ffn-hidden-size", "15"],
+     "--moe-ffn-hidden-size 15 is not divisible by the expert tensor-parallel size 2"),
 ])
 def test_bad_combinations_exit_2_before_launch(extra, message):
     result = invoke(["train", *ARGS, "--nproc-per-node", "2", *extra])

@@ -3,11 +3,12 @@ expert under its *global* index, ``mlp.experts.local_experts.{e}.linear_fc1.weig
 ``.linear_fc2.weight`` (and biases). A global index makes a checkpoint independent of the
 expert-parallel size: resharding over ep is only "which experts does this rank hold".
 
-Each expert is split over etp (= tp here) as a column- then row-parallel MLP, but the row
-reduction is *not* done here: the expert outputs are partial sums over tp, which the dispatcher's
-combine reduces (with the reduction it needs anyway). fc2's bias is added as ``bias / tp`` on
-every tp rank so the partial sums add up to one bias, and it is marked ``sequence_parallel``
-so that its gradient is summed over tp by the core.
+Each expert is split over etp (``--expert-tensor-parallel-size``, default tp; the expert grid
+of ParallelContext) as a column- then row-parallel MLP, but the row reduction is *not* done
+here: the expert outputs are partial sums over etp, which the dispatcher's combine reduces
+(with the reduction it needs anyway). fc2's bias is added as ``bias / etp`` on every etp rank
+so the partial sums add up to one bias, and it is marked ``sequence_parallel``, which for an
+expert parameter makes the core sum its gradient over etp.
 
 Expert parameters carry ``allreduce = False``: the core reduces their gradients over the
 expert-data-parallel group. ``--moe-grouped-gemm`` computes all local experts at once
@@ -54,7 +55,7 @@ class ExpertMLP(torch.nn.Module):
         super().__init__()
         m = config.model
         ffn = ffn or expert_ffn_size(config)
-        tp, rank = parallel.tp_size, parallel.tp_rank
+        tp, rank = parallel.etp_size, parallel.etp_rank  # experts split over etp, not tp
         chunks = 2 if m.swiglu else 1
         self.swiglu, self.tp_size = m.swiglu, tp
         w1 = normal_init(m.init_method_std, seed, f"{prefix}.linear_fc1.weight")(
@@ -69,7 +70,7 @@ class ExpertMLP(torch.nn.Module):
         set_tensor_parallel(self.linear_fc2.weight, 1)
         if b1 is not None:
             set_tensor_parallel(self.linear_fc1.bias, 0, chunks)
-            self.linear_fc2.bias.sequence_parallel = True  # partial per tp rank: sum the grads
+            self.linear_fc2.bias.sequence_parallel = True  # partial per etp rank: sum the grads
         for param in self.parameters():
             _expert_param(param)
 
@@ -84,7 +85,7 @@ class ExpertMLP(torch.nn.Module):
         return None if bias is None else bias / self.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Partial output over tp (summed by the dispatcher's combine)."""
+        """Partial output over etp (summed by the dispatcher's combine)."""
         h = self.activation(F.linear(x, self.linear_fc1.weight, self.linear_fc1.bias))
         return F.linear(h, self.linear_fc2.weight, self.fc2_bias())
 
