@@ -11,9 +11,10 @@ so the partial sums add up to one bias, and it is marked ``sequence_parallel``, 
 expert parameter makes the core sum its gradient over etp.
 
 Expert parameters carry ``allreduce = False``: the core reduces their gradients over the
-expert-data-parallel group. ``--moe-grouped-gemm`` computes all local experts at once
-(torch's grouped mm on CUDA, else a padded batched matmul) on the same parameters, so the two
-paths are interchangeable and give the same numbers.
+expert-data-parallel group. ``--moe-grouped-gemm`` computes all local experts at once on the
+same parameters, so the two paths are interchangeable and give the same numbers: torch's grouped
+mm where it runs (tried once per device and dtype, see :func:`grouped_mm_runs`), else a padded
+batched matmul.
 """
 
 from __future__ import annotations
@@ -117,10 +118,38 @@ class SequentialMLP(torch.nn.Module):
         return torch.cat(outputs) if outputs else tokens
 
 
-def _grouped_mm_works(device: torch.device) -> bool:
-    # torch's grouped mm has a backward on CUDA only (on CPU in torch 2.13 it runs forward and
-    # fails in backward), and needs 16-byte aligned strides.
-    return device.type == "cuda" and hasattr(torch, "_grouped_mm")
+#: (device type, device index, dtype) -> whether torch's grouped mm runs forward and backward.
+_GROUPED_MM_RUNS: dict[tuple, bool] = {}
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` works here, found by trying it once per device and dtype
+    (forward and backward on a tiny problem) rather than assumed from a version or a device
+    name: it exists only in recent torch, has kernels for some GPUs and dtypes only (bf16 on
+    recent NVIDIA parts), and on CPU (torch 2.13) runs forward but fails in backward."""
+    key = (device.type, device.index, dtype)
+    if key not in _GROUPED_MM_RUNS:
+        _GROUPED_MM_RUNS[key] = _try_grouped_mm(device, dtype)
+    return _GROUPED_MM_RUNS[key]
+
+
+def _try_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    mm = getattr(torch, "_grouped_mm", None)
+    if mm is None:
+        return False
+    try:
+        a = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
+        mm(a, b, offs=offs).sum().backward()
+        return a.grad is not None and b.grad is not None
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def _aligned(*sizes: int) -> bool:
+    # The grouped mm wants 16-byte aligned strides: inner dimensions multiple of 8 (bf16).
+    return all(size % 8 == 0 for size in sizes)
 
 
 def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
@@ -130,7 +159,8 @@ def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
     w2 = torch.stack([e.linear_fc2.weight for e in experts])  # [E, H, ffn]
     b1 = [e.linear_fc1.bias for e in experts]
     b2 = [e.fc2_bias() for e in experts]
-    if _grouped_mm_works(tokens.device) and tokens.dtype == torch.bfloat16:
+    if (_aligned(w1.shape[1], w1.shape[2], w2.shape[1])
+            and grouped_mm_runs(tokens.device, tokens.dtype)):
         offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
         h = torch._grouped_mm(tokens, w1.transpose(1, 2), offs=offs)
         if b1[0] is not None:
