@@ -38,6 +38,7 @@ LAYOUTS = {
     "tp2-sp-ep2-alltoall": {**ep(2, tp=2), "sequence-parallel": True,
                             "moe-token-dispatcher-type": "alltoall"},
     "pp2-ep2": ep(2, pp=2),
+    "pp2-vp2-ep2": {**ep(2, pp=2), "virtual-pipeline-model-parallel-size": 2},
     "ep2-dp2-distributed-optimizer": {**ep(2, dp=4), "use-distributed-optimizer": True},
 }
 
