@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plugtron.api import all_reduce, group_size, normal_init
+from plugtron.api import all_reduce, group_size, is_recomputing, normal_init
 
 from . import routing
 
@@ -50,6 +50,9 @@ class TopKRouter(torch.nn.Module):
                              if o.moe_router_enable_expert_bias else None, persistent=False)
         self.global_tokens_per_expert = None  # global_aux_loss: counts over the global batch
         self.ga_steps = 0
+        # global_aux_loss under activation recompute: a microbatch's rerun in backward uses the
+        # counts its first run used (microbatches run backward in forward order, per layer).
+        self.replayed_counts: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ pieces
 
@@ -67,6 +70,7 @@ class TopKRouter(torch.nn.Module):
     def reset_global_aux_loss(self) -> None:
         """Start a new global batch (called after each step)."""
         self.global_tokens_per_expert, self.ga_steps = None, 0
+        self.replayed_counts = []
 
     # ------------------------------------------------------------------ forward
 
@@ -90,7 +94,8 @@ class TopKRouter(torch.nn.Module):
         if (self.training and torch.is_grad_enabled() and o.moe_aux_loss_coeff > 0
                 and o.moe_router_load_balancing_type != "none"):
             aux.append(("load_balancing_loss", self.balancing_loss(logits, x.shape[0])))
-        if self.local_tokens_per_expert is not None and torch.is_grad_enabled():
+        if (self.local_tokens_per_expert is not None and torch.is_grad_enabled()
+                and not is_recomputing()):  # a recomputed forward counts nothing twice
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map, aux
@@ -108,13 +113,16 @@ class TopKRouter(torch.nn.Module):
         for group in groups:
             all_reduce(counts, group)
             total *= group_size(group)
-        if kind == "global_aux_loss":
+        if kind == "global_aux_loss" and is_recomputing():
+            counts = self.replayed_counts.pop(0)
+        elif kind == "global_aux_loss":
             # Counts accumulate over the microbatches of the global batch (Megatron's
             # global_tokens_per_expert / ga_steps).
             self.global_tokens_per_expert = counts if self.global_tokens_per_expert is None \
                 else self.global_tokens_per_expert + counts
             self.ga_steps += 1
             counts = self.global_tokens_per_expert / self.ga_steps
+            self.replayed_counts.append(counts)
         local = routing.switch_load_balancing_loss(scores, counts, total, self.topk,
                                                    self.num_experts, coeff)
         if kind == "global_aux_loss":

@@ -14,6 +14,12 @@ LAYOUTS = {
     "pp 2 vp 2": {"pp": 2, "vp": 2},
     "cp 2": {"cp": 2, "seq-length": 16, "max-position-embeddings": 16},
     "ep 2": {"num-experts": 4, "ep": 2, "moe-router-topk": 2, "moe-aux-loss-coeff": 1e-2},
+    # counts that change between microbatches: the rerun must use the first run's
+    "ep 2 global aux, expert bias": {
+        "num-experts": 4, "ep": 2, "moe-router-topk": 2, "moe-aux-loss-coeff": 1e-2,
+        "moe-router-load-balancing-type": "global_aux_loss",
+        "moe-router-enable-expert-bias": True, "moe-router-score-function": "sigmoid",
+        "micro-batch-size": 1, "global-batch-size": 4},
 }
 MODES = [{"recompute-granularity": "full"},
          {"recompute-granularity": "selective", "recompute-modules": ["core_attn,mlp"]}]
