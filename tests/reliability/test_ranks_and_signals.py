@@ -102,10 +102,12 @@ def test_frozen_rank_hits_the_distributed_timeout(tmp_path):
 
 @pytest.mark.parametrize("nproc,sig", [(1, signal.SIGTERM), (1, signal.SIGINT),
                                        (2, signal.SIGTERM), (2, signal.SIGINT),
-                                       (2, signal.SIGHUP)])
+                                       (2, signal.SIGHUP), (2, signal.SIGUSR1)])
 def test_preemption_saves_and_exits_with_one_line(tmp_path, nproc, sig):
     save = str(tmp_path / "save")
-    proc, metrics = _start(tmp_path, "--save", save, nproc=nproc)
+    # SIGUSR1 (Slurm's warning signal) stops cleanly only with Megatron's --exit-signal-handler.
+    extra = ["--exit-signal-handler"] if sig == signal.SIGUSR1 else []
+    proc, metrics = _start(tmp_path, "--save", save, *extra, nproc=nproc)
     _wait_training(proc, metrics)
     os.kill(proc.pid, sig)
     done = finish(proc, 60)
