@@ -5,8 +5,8 @@ Usage: python benchmarks/bench_hybrid.py [--threads 2] [--repeats 3] [--write]
 
 1. One Mamba-2 layer (pre-norm, mixer, residual), forward + backward, tokens/s: plugtron's
    ``M`` layer against transformers' ``Mamba2Block`` on its pure-torch path (no CUDA kernels),
-   same sizes and chunk, fp32, at sequence 512, 1024 and 2048; the two alternate run by run
-   and the best of ``--repeats`` counts.
+   same sizes and chunk, fp32, at sequence 512, 1024 and 2048; the two alternate round by
+   round; the ratio is the median of the per-round ratios over ``--repeats`` rounds.
 2. A hybrid model ``M*-M-M*-M-`` against a GPT model of about the same parameter count at
    sequence 2048: training-step tokens/s (forward + backward) and peak memory (each model in a
    fresh process; peak resident memory above the process's baseline).
@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import platform
 import resource
+import statistics
 import time
 
 import torch
@@ -53,14 +54,21 @@ def build(flags: dict, seq: int):
 
 
 def timed(fn, repeats: int) -> float:
-    """Best wall time of ``repeats`` calls after one warm-up."""
+    """Median wall time of ``repeats`` calls after one warm-up (a median, not the best: on a
+    shared machine the best is a lucky round, the median what a user sees)."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def timed_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 # --------------------------------------------------------------------------- 1. one layer
@@ -100,14 +108,18 @@ def bench_layer(seqs, repeats: int, batch: int = 1) -> list[dict]:
     for seq in seqs:
         ours, theirs = layer_pair(seq)
         x = torch.randn(batch, seq, ours.parts[0].norm.weight.shape[0], requires_grad=True)
-        best = {"plugtron": float("inf"), "transformers": float("inf")}
+        times = {"plugtron": [], "transformers": []}
+        fwd_bwd(ours, x)(), fwd_bwd(theirs, x)()  # warm-up
         for _ in range(repeats):  # alternate, so drifts of a shared machine hit both
-            best["plugtron"] = min(best["plugtron"], timed(fwd_bwd(ours, x), 1))
-            best["transformers"] = min(best["transformers"], timed(fwd_bwd(theirs, x), 1))
+            times["plugtron"].append(timed_once(fwd_bwd(ours, x)))
+            times["transformers"].append(timed_once(fwd_bwd(theirs, x)))
+        # Per-round ratios (same moment of the machine for both), then their median.
+        ratio = statistics.median(t / o for o, t in zip(times["plugtron"],
+                                                        times["transformers"]))
+        med = {k: statistics.median(v) for k, v in times.items()}
         tokens = batch * seq
-        rows.append({"seq": seq, "plugtron": tokens / best["plugtron"],
-                     "transformers": tokens / best["transformers"],
-                     "ratio": best["transformers"] / best["plugtron"]})
+        rows.append({"seq": seq, "plugtron": tokens / med["plugtron"],
+                     "transformers": tokens / med["transformers"], "ratio": ratio})
         print(f"layer seq {seq}: plugtron {rows[-1]['plugtron']:.0f} tok/s, transformers "
               f"{rows[-1]['transformers']:.0f} tok/s, ratio {rows[-1]['ratio']:.2f}", flush=True)
     return rows
@@ -219,7 +231,9 @@ def report(args, layer_rows, models, scaling_rows, plotted) -> str:
              f"{args.threads} --repeats {args.repeats} --write`. fp32, batch 1, hidden "
              f"{SIZES['hidden-size']}, Mamba head dim {SIZES['mamba-head-dim']} (8 heads), "
              f"state {SIZES['mamba-state-dim']}, {SIZES['mamba-num-groups']} groups, chunk "
-             f"{SIZES['mamba-chunk-size']}; best of {args.repeats}, the two sides alternating.\n",
+             f"{SIZES['mamba-chunk-size']}; medians of {args.repeats} rounds, the two sides "
+             f"alternating (layer ratio: median of per-round ratios). Load average at the "
+             f"start: {os.getloadavg()[0]:.1f} (a machine shared by other work: noisy).\n",
              "| seq | plugtron M layer tokens/s | transformers Mamba2Block tokens/s | ratio |",
              "|---|---|---|---|"]
     lines += [f"| {r['seq']} | {r['plugtron']:,.0f} | {r['transformers']:,.0f} | "

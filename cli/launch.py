@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -9,6 +10,8 @@ import tempfile
 
 from plugtron.core import run_status
 from plugtron.core.errors import PlugtronError
+
+from .rank_reaper import RankReaper, children
 
 ERROR_FILE_ENV = "PLUGTRON_ERROR_FILE"
 
@@ -21,22 +24,8 @@ class JobStopped(Exception):
         self.code = code
 
 
-def _children() -> list[int]:
-    """Pids of this process's children (the ranks), from /proc."""
-    me, out = os.getpid(), []
-    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == me:
-                        out.append(int(name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
 def _signal_all(sig: int) -> None:
-    for pid in _children():
+    for pid in children(os.getpid()):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -62,23 +51,34 @@ class _Signals:
         _signal_all(signum)
 
 
-def _patch_torch_elastic(handler) -> None:
-    """torch.distributed.run installs its own handlers (which kill the ranks at once) when it
-    starts them; put ours in their place, and shorten its 30 s grace when it ends ranks after
-    a failure."""
-    from torch.distributed.elastic.multiprocessing import api
+#: torchrun's own (public) option naming the signals its agent turns into an immediate kill of
+#: the ranks. plugtron handles the stop signals itself (every rank finishes its step and
+#: saves), so torch keeps only SIGQUIT (an abort). The grace after a failed rank is plugtron's
+#: own (cli/rank_reaper.py), not torch's.
+TORCHRUN_OPTIONS = {"--signals-to-handle": "SIGQUIT"}
+FALLBACK_WARNING = ("plugtron: warning: this torch's launcher has no {missing} option: a stop "
+                    "signal ends the ranks at once without a save")
 
-    api._terminate_process_handler = handler
-    if not getattr(api.PContext.close, "_plugtron", False):
-        original = api.PContext.close
 
-        def close(self, death_sig=None, timeout=5):
-            # A frozen (SIGSTOPped) rank is not woken: it would report a timeout of its own
-            # and hide that it never arrived; SIGKILL after the grace ends it anyway.
-            return original(self, death_sig, min(timeout, 5))
+def torchrun_argv(nproc: int, command: str, config_path: str, parser=None
+                  ) -> tuple[list[str], str | None]:
+    """torch.distributed.run's arguments, and a warning when this torch lacks the options
+    plugtron relies on (an older or newer torch than the one it is tested with): the run then
+    goes on with torch's own signal handling rather than failing."""
+    if parser is None:
+        from torch.distributed.run import get_args_parser
 
-        close._plugtron = True
-        api.PContext.close = close
+        parser = get_args_parser()
+    known = {s for action in parser._actions for s in action.option_strings}
+    extra, missing = [], []
+    for option, value in TORCHRUN_OPTIONS.items():
+        if option in known:
+            extra.append(f"{option}={value}")
+        else:
+            missing.append(option)
+    warning = FALLBACK_WARNING.format(missing=" or ".join(missing)) if missing else None
+    return (["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *extra,
+             "-m", "plugtron.cli.rank", command, config_path], warning)
 
 
 def launch_local_ranks(config_json: str, nproc: int, command: str = "train") -> None:
@@ -97,7 +97,11 @@ def launch_local_ranks(config_json: str, nproc: int, command: str = "train") -> 
     # Share the cores between the local ranks (and keep torchrun from warning about it).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     signals = _Signals()
-    _patch_torch_elastic(signals)
+    stop_signals = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP]
+    if json.loads(config_json).get("training", {}).get("exit_signal_handler"):
+        stop_signals.append(signal.SIGUSR1)  # --exit-signal-handler: Slurm's warning signal
+    for sig in stop_signals:
+        signal.signal(sig, signals)
 
     with tempfile.TemporaryDirectory(prefix="plugtron-launch-") as tmp:
         config_path = os.path.join(tmp, "config.json")
@@ -108,10 +112,13 @@ def launch_local_ranks(config_json: str, nproc: int, command: str = "train") -> 
         os.makedirs(status_dir)
         os.environ[ERROR_FILE_ENV] = error_file
         os.environ[run_status.STATUS_DIR_ENV] = status_dir
-        args = parse_args(["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0",
-                           "-m", "plugtron.cli.rank", command, config_path])
+        argv, warning = torchrun_argv(nproc, command, config_path)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+        args = parse_args(argv)
         try:
-            run(args)
+            with RankReaper(status_dir, error_file):
+                run(args)
         except ChildFailedError as exc:
             if os.path.exists(error_file):
                 with open(error_file) as f:

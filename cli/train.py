@@ -91,8 +91,11 @@ def make_train_command(args: list[str]) -> click.Command:
         if config.checkpoint.save and int(os.environ.get("RANK", 0)) == 0:
             from plugtron.core.checkpoint import dir_lock
 
-            # Held until this process exits; taking it also repairs crashed saves.
+            # Held until this process exits; taking it also repairs crashed saves. Taken here,
+            # before any rank starts, so a second run is refused at once; the ranks' own
+            # pretrain() counts it as held (core/checkpoint/dir_lock.py).
             dir_lock.acquire(config.checkpoint.save)
+            os.environ[dir_lock.INHERITED_ENV] = os.path.abspath(config.checkpoint.save)
         check_load(config)
         if nproc_per_node > 1:
             launch_local_ranks(config.to_json(), nproc_per_node)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+# ``tokens`` stays a tensor (on the batch's device): reading it as a number here would be a
+# host sync per microbatch on CUDA; it becomes a number only in the step's report.
 _state = {"tokens": 0.0, "loss_scale": 1.0}
 _totals: dict[str, torch.Tensor] = {}
 
@@ -30,7 +32,7 @@ _totals: dict[str, torch.Tensor] = {}
 def note_microbatch(batch: dict) -> None:
     """Called by the core's data iterators for every microbatch drawn."""
     mask = batch.get("loss_mask") if isinstance(batch, dict) else None
-    _state["tokens"] = float(mask.sum()) if mask is not None else 0.0
+    _state["tokens"] = mask.detach().sum().float() if mask is not None else 0.0
 
 
 def set_loss_scale(scale: float) -> None:
@@ -54,7 +56,8 @@ class _InjectLossGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_hidden):
         (loss,) = ctx.saved_tensors
-        return grad_hidden, torch.full_like(loss, ctx.weight), None
+        # ``weight`` may be a 0-dim tensor (the token count): multiply, no host read.
+        return grad_hidden, torch.ones_like(loss) * ctx.weight, None
 
 
 def add_loss(hidden: torch.Tensor, name: str, loss: torch.Tensor) -> torch.Tensor:

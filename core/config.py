@@ -400,18 +400,44 @@ def _coerce(flag: FlagField, value: Any, source: str) -> Any:
                           f"got {value!r}") from None
 
 
-def apply_values(config: TrainConfig, values: dict, source: str) -> None:
-    """Set fields from ``{key: value}`` where a key is a flag name (dashes) or field name."""
-    by_key = {}
+def _setting_keys(config: TrainConfig):
+    """How a settings key names a field: ``bare`` core field names, ``spelled`` flag names
+    (unique over the core and the plugins), ``sectioned`` ``(section, field or flag name)``.
+
+    A plugin field's bare name is not a key: a plugin section may hold a field named like a
+    core one (``seed``), and a bare ``seed`` must keep meaning the core's; the plugin's field is
+    set by its flag name or as ``section.field``."""
+    bare, spelled, sectioned = {}, {}, {}
     for flag in flag_fields(config):
-        for spelling in (flag.flag, *flag.aliases):
-            by_key[spelling.lstrip("-").replace("-", "_")] = flag
-        by_key[flag.name] = flag
+        names = [s.lstrip("-").replace("-", "_") for s in (flag.flag, *flag.aliases)]
+        for name in names:
+            spelled[name] = flag
+        for name in (*names, flag.name):
+            sectioned[(flag.section, name)] = flag
+        if flag.section in SECTIONS:
+            bare[flag.name] = flag
+    return bare, spelled, sectioned
+
+
+def apply_values(config: TrainConfig, values: dict, source: str) -> None:
+    """Set fields from ``{key: value}`` where a key is a flag name (dashes or underscores), a core
+    field name, or ``section.field`` (any section's, a plugin's too)."""
+    bare, spelled, sectioned = _setting_keys(config)
+    sections = {section for section, _ in sectioned}
     for key, value in values.items():
-        flag = by_key.get(str(key).lstrip("-").replace("-", "_"))
+        name = str(key).lstrip("-").replace("-", "_")
+        if "." in name:
+            section, _, rest = name.partition(".")
+            flag = sectioned.get((section, rest))
+            if flag is None and section not in sections:  # a grouping of the user's own
+                flag = bare.get(rest) or spelled.get(rest)
+        else:
+            flag = bare.get(name) or spelled.get(name)
         if flag is None:
-            raise ConfigError(f"{source}: unknown setting {key!r}; run `plugtron train --help` "
-                              f"for the settings that exist")
+            owners = [f"{s}.{n}" for s, n in sectioned if n == name and s not in SECTIONS]
+            hint = f" (a plugin's field: write {' or '.join(owners)})" if owners else ""
+            raise ConfigError(f"{source}: unknown setting {key!r}{hint}; run `plugtron train "
+                              f"--help` for the settings that exist")
         value = _coerce(flag, value, source)
         if flag.choices and value is not None and value not in flag.choices:
             raise ConfigError(f"{source}: {flag.flag} {value!r} is not one of "
@@ -443,8 +469,10 @@ def load_config_file(path: str) -> dict:
     flat = {}
     for key, value in data.items():
         # A mapping is a section (the core's or a plugin's): options themselves are scalars.
+        # A plugin section's keys stay qualified (``hybrid.state_dim``): bare field names are
+        # the core's (apply_values).
         if isinstance(value, dict):
-            flat.update(value)
+            flat.update({(k if key in SECTIONS else f"{key}.{k}"): v for k, v in value.items()})
         else:
             flat[key] = value
     return flat

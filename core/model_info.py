@@ -39,3 +39,17 @@ def model_info_of(model_plugin, config) -> ModelInfo:
         "model", "?", "?", model_plugin)
     info = call_declared(plugin, "model_info", config=config)
     return info if isinstance(info, ModelInfo) else ModelInfo()
+
+
+def model_info_for(config) -> ModelInfo:
+    """The ``ModelInfo`` of the model ``config`` selects (the default for an unknown one): what
+    an extension asks to describe the run (e.g. its layer count, ``architecture["--num-layers"]``,
+    which a pattern-defined model says where ``--num-layers`` is not the truth)."""
+    from . import registry
+    from .errors import PluginError
+
+    try:
+        model = registry.instantiate(registry.load("model", config.plugins.model))
+    except PluginError:
+        return ModelInfo()
+    return model_info_of(model, config)

@@ -108,7 +108,7 @@ def config_from_flags(flags: dict, source: str = "settings") -> TrainConfig:
     core_keys = set()
     for f in flag_fields():
         core_keys.update(s.lstrip("-").replace("-", "_") for s in (f.flag, *f.aliases))
-        core_keys.add(f.name)
+        core_keys.update((f.name, f"{f.section}.{f.name}"))
     norm = {k: str(k).lstrip("-").replace("-", "_") for k in flags}
     config = TrainConfig()
     apply_values(config, {k: v for k, v in flags.items() if norm[k] in core_keys}, source)

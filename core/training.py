@@ -19,6 +19,7 @@ from . import (
     shared_params,
     step_info,
 )
+from .checkpoint import dir_lock
 from .config import TrainConfig, num_microbatches, padded_vocab_size
 from .context_parallel import check_built_layers, local_microbatches
 from .ddp import DistributedDataParallel
@@ -62,6 +63,8 @@ class Run:
     checkpointer: object = None  # core.checkpoint.Checkpointer, made on first use
     state: TrainState = field(default_factory=TrainState)
     info: ModelInfo = field(default_factory=ModelInfo)
+    #: The pipeline's agreed report keys of the training step (core.training.reduce_reports).
+    report_keys: dict = field(default_factory=dict)
 
     @property
     def num_microbatches(self) -> int:
@@ -188,22 +191,16 @@ def _agreed_keys(local: list[tuple], parallel: ParallelContext) -> list[tuple]:
     """The union of ``(kind, key)`` over the pipeline: every stage takes part in the reduction,
     but only the last stage has the loss reports and each stage its own added losses."""
     if parallel.pp_size == 1:
-        return sorted(set(local))
+        return list(local)
     gathered = [None] * parallel.pp_size
-    torch.distributed.all_gather_object(gathered, sorted(set(local)), group=parallel.pp_group)
+    torch.distributed.all_gather_object(gathered, list(local), group=parallel.pp_group)
     return sorted({tuple(k) for keys in gathered for k in keys})
 
 
-def reduce_reports(reports: list[dict], parallel: ParallelContext,
-                   added: dict | None = None) -> dict[str, float]:
-    """Token-weighted means of every ``[sum, count]`` report key over microbatches, data-parallel
-    ranks and (from the last stage) the whole pipeline; losses added inside the model
-    (``added``: ``{name: sum of n_m x value}`` on this rank) are divided by the global token
-    count."""
-    added = added or {}
-    keys = _agreed_keys([("report", k) for r in reports for k in r if k != "num_tokens"]
-                        + [("added", k) for k in added], parallel)
-    totals = torch.zeros(len(keys) + 1, 2, dtype=torch.float64)  # last row: token count
+def _reduced_totals(keys, reports, added, parallel, changed: bool) -> torch.Tensor:
+    """``[sum, count]`` rows of ``keys`` and a last row ``[changed flag, token count]``, summed
+    over data-parallel ranks and the pipeline."""
+    totals = torch.zeros(len(keys) + 1, 2, dtype=torch.float64)
     for report in reports:
         for i, (kind, key) in enumerate(keys):
             if kind == "report" and key in report:
@@ -212,8 +209,38 @@ def reduce_reports(reports: list[dict], parallel: ParallelContext,
     for i, (kind, key) in enumerate(keys):
         if kind == "added" and key in added:
             totals[i, 0] += float(added[key])
+    totals[-1, 0] = float(changed)
     comm.all_reduce(totals, parallel.dp_cp_group)
     comm.all_reduce(totals, parallel.pp_group)
+    return totals
+
+
+def reduce_reports(reports: list[dict], parallel: ParallelContext,
+                   added: dict | None = None, cache: dict | None = None) -> dict[str, float]:
+    """Token-weighted means of every ``[sum, count]`` report key over microbatches, data-parallel
+    ranks and (from the last stage) the whole pipeline; losses added inside the model
+    (``added``: ``{name: sum of n_m x value}`` on this rank) are divided by the global token
+    count.
+
+    ``cache`` (a dict kept by the caller between steps): the pipeline's agreed key list is
+    gathered once (an ``all_gather_object``, pickling, two collectives) and reused; a rank whose
+    own key set changed raises a flag in the reduction itself, and then every rank agrees
+    again and reduces again, so the collectives stay in step without a gather per step."""
+    added = added or {}
+    local = sorted(set([("report", k) for r in reports for k in r if k != "num_tokens"]
+                       + [("added", k) for k in added]))
+    if cache is not None and "keys" in cache:
+        keys = cache["keys"]
+        totals = _reduced_totals(keys, reports, added, parallel, local != cache["local"])
+        if totals[-1, 0] == 0:
+            return _means(keys, totals)
+    keys = _agreed_keys(local, parallel)
+    if cache is not None:
+        cache.update(keys=keys, local=local)
+    return _means(keys, _reduced_totals(keys, reports, added, parallel, False))
+
+
+def _means(keys, totals) -> dict[str, float]:
     tokens = totals[-1, 1].clamp(min=1)
     out = {}
     for i, (kind, key) in enumerate(keys):
@@ -251,7 +278,7 @@ def train_step(run: Run, iterators) -> tuple[dict, object]:
         num_tokens += report["num_tokens"].float().cpu()
     grads.finalize_model_grads(run.model_chunks, run.parallel, num_tokens)
     result = run.optimizer.step()
-    return reduce_reports(reports, run.parallel, added), result
+    return reduce_reports(reports, run.parallel, added, run.report_keys), result
 
 
 def evaluate_all(run: Run) -> dict[str, float] | None:
@@ -352,7 +379,19 @@ def after_step(run: Run, iteration: int) -> None:
 def pretrain(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None) -> dict:
     """Build everything for this rank and train; returns the summary record."""
     run = setup(config, extra_plugins, world)
-    checkpoint.load_if_requested(run)
+    # The save directory is this run's from here to the end, whichever entry point started it.
+    locked = dir_lock.hold_for_run(config.checkpoint.save, run.world.rank, run.world.world_size,
+                                   run.world.device)
+    try:
+        checkpoint.load_if_requested(run)
+        return _train_and_report(run)
+    finally:
+        if locked:
+            dir_lock.release(config.checkpoint.save)
+
+
+def _train_and_report(run: Run) -> dict:
+    config = run.config
     metrics = MetricsLogger(config, run.world.rank, run.state.iteration,
                             main_loss=metric_name(run.info.main_loss))
     try:

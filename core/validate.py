@@ -108,15 +108,9 @@ def _refuse_unbuilt(config: TrainConfig) -> None:
 
 def _model_places_layers(config: TrainConfig) -> bool:
     """Whether the selected model splits its layers over stages itself (``ModelInfo``)."""
-    from . import registry
-    from .errors import PluginError
-    from .model_info import model_info_of
+    from .model_info import model_info_for
 
-    try:
-        model = registry.instantiate(registry.load("model", config.plugins.model))
-    except PluginError:
-        return False  # reported by the plugin checks
-    return model_info_of(model, config).places_layers
+    return model_info_for(config).places_layers
 
 
 def validate_plugins(config: TrainConfig, world_size: int, plugins=None) -> None:

@@ -119,3 +119,17 @@ def test_squared_relu_changes_the_mlp_and_refuses_swiglu():
 
     with pytest.raises(ConfigError, match="--squared-relu and --swiglu"):
         MLPLayer.plugtron_validate(make_config({"squared-relu": True, "swiglu": True}))
+
+
+def test_console_header_counts_the_patterns_layers(capsys):
+    """The header's layer count comes from the model (ModelInfo.architecture), so a pattern of
+    five layers reads 5 whatever the core's --num-layers default is."""
+    from types import SimpleNamespace
+
+    from plugtron.plugins.extensions.console_log import ConsoleLog
+
+    config = make_config({**MAMBA, "hybrid-layer-pattern": "M*-M-", "data": "mock",
+                          "vocab-size": 64})
+    assert config.model.num_layers != 5
+    ConsoleLog().plugtron_train_start(config=config, state=SimpleNamespace(iteration=0))
+    assert "plugtron: 5 layers, hidden" in capsys.readouterr().out

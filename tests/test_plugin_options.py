@@ -253,3 +253,32 @@ def test_driver_loading_stays_lazy_and_uninstalled_options_go(tmp_path):
     finally:
         remove_path(tmp_path)
     assert "--csv-log" not in invoke(["train", "--help"]).output
+
+
+def test_a_plugin_field_named_like_a_core_field_does_not_capture_bare_keys(tmp_path):
+    import dataclasses
+
+    from plugtron.api import opt
+    from plugtron.core.config import TrainConfig, apply_values, load_config_file
+    from plugtron.core.errors import ConfigError
+
+    @dataclasses.dataclass
+    class Shadow:
+        seed: int = opt(0, "--shadow-seed", "a plugin field named like the core's --seed")
+
+    config = TrainConfig()
+    config.add_section("shadow", Shadow)
+    apply_values(config, {"seed": 5}, "test")
+    assert config.training.seed == 5 and config.shadow.seed == 0
+    apply_values(config, {"shadow.seed": 7, "shadow_seed": 8}, "test")
+    assert config.shadow.seed == 8 and config.training.seed == 5
+    apply_values(config, {"shadow.seed": 7}, "test")
+    assert config.shadow.seed == 7
+    file = tmp_path / "c.yaml"
+    file.write_text("training:\n  seed: 3\nshadow:\n  seed: 4\n")
+    apply_values(config, load_config_file(str(file)), "file")
+    assert (config.training.seed, config.shadow.seed) == (3, 4)
+    bare_plugin = TrainConfig()
+    bare_plugin.add_section("shadow", Shadow)
+    with pytest.raises(ConfigError, match="unknown setting"):
+        apply_values(bare_plugin, {"shadow.nope": 1}, "test")

@@ -45,7 +45,7 @@ from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.layer_backend import LayerBackend
 from plugtron.core.layer_stack import ComposedLayer
 from plugtron.core.layers import load_layer_types, substitute_symbols
-from plugtron.core.model_info import ModelInfo
+from plugtron.core.model_info import ModelInfo, model_info_for
 from plugtron.core.optimizer import (
     OPTIMIZER_STATE_KEY,
     MixedPrecisionOptimizer,
@@ -101,7 +101,7 @@ __all__ = [
     "PlugtronError", "ConfigError", "PluginError", "CheckpointError",
     # models
     "load_plugin",
-    "ModelInfo", "LayerBackend", "load_layer_types", "substitute_symbols", "ComposedLayer", "chunk_layers", "stage_layer_counts",
+    "ModelInfo", "model_info_for", "LayerBackend", "load_layer_types", "substitute_symbols", "ComposedLayer", "chunk_layers", "stage_layer_counts",
     "InitMethod", "normal_init", "scaled_normal_init", "check_finite", "add_loss",
     "share_parameter", "ParallelContext", "load_model",
     "ForwardContext", "forward_context", "current_forward_context", "use_forward_context",

@@ -1,10 +1,14 @@
 """One run per save directory, and the directory put in order when a run takes it.
 
-The lock is ``SAVE/.lock`` held with ``flock`` for the run's lifetime by the process that
-starts the run (plugtron's launcher, or rank 0 under an external launcher). The kernel drops
-the lock when its holder dies, however it died, so a stale lock of a dead process is simply
-taken over; the file's text (host, pid) only names the holder in the refusal. ``flock`` is
-not reliable on some network file systems (docs/reliability.md).
+The lock is ``SAVE/.lock`` held with ``flock`` for the run's lifetime. Every way into a run
+takes it: ``pretrain()`` itself (:func:`hold_for_run`, rank 0 of the world), so a run started
+from Python holds it as one started by the CLI; the CLI takes it earlier, before any rank
+starts, so that a second run is refused in seconds. plugtron's launcher holds it for its
+ranks: it names its lock in ``PLUGTRON_SAVE_LOCK`` and its child rank 0 then counts it as held
+(an flock held by the parent conflicts with the child's own otherwise). The kernel drops the
+lock when its holder dies, however it died, so a stale lock of a dead process is simply taken
+over; the file's text (host, pid) only names the holder in the refusal. ``flock`` is not
+reliable on some network file systems (docs/reliability.md).
 
 Taking the lock also repairs what crashed saves left behind (:func:`recover`).
 """
@@ -19,31 +23,86 @@ from ..errors import CheckpointError
 from . import layout
 
 LOCK = ".lock"
+#: Set by plugtron's launcher for its ranks: the save directory whose lock it holds for them.
+INHERITED_ENV = "PLUGTRON_SAVE_LOCK"
 _held: dict[str, int] = {}  # save dir -> fd of the held lock (kept open for the process)
 
 
-def acquire(save: str) -> None:
+def _holder_text() -> str:
+    return f"pid {os.getpid()} on host {socket.gethostname()}"
+
+
+def _held_by_launcher(path: str, text: str) -> bool:
+    """The lock is our launcher's, taken for this run: it named the directory for us and the
+    file names our parent on our host."""
+    if os.environ.get(INHERITED_ENV) != path:
+        return False
+    return text == f"pid {os.getppid()} on host {socket.gethostname()}"
+
+
+def holder(save: str) -> str:
+    """Who the lock file names (for refusals on ranks that did not try the lock)."""
+    try:
+        with open(os.path.join(os.path.abspath(save), LOCK)) as f:
+            return f.read(200).strip() or "another process"
+    except OSError:
+        return "another process"
+
+
+def refusal(save: str, holder_text: str) -> CheckpointError:
+    return CheckpointError(f"--save {save!r} is in use by {holder_text}; two runs must not save "
+                           f"into one directory (wait for it, or choose another --save)")
+
+
+def acquire(save: str) -> bool:
     """Lock ``save`` for this process; ``CheckpointError`` naming the holder if another
-    process holds it."""
+    process holds it. True when this call took the lock (the caller releases it), False when
+    this process (or the launcher of this rank) already held it."""
     import fcntl
 
     path = os.path.abspath(save)
     if path in _held:
-        return
+        return False
     os.makedirs(path, exist_ok=True)
     fd = os.open(os.path.join(path, LOCK), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        text = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise CheckpointError(f"--save {save!r} is in use by {holder}; two runs must not save "
-                              f"into one directory (wait for it, or choose another --save)"
-                              ) from None
+        if _held_by_launcher(path, text):
+            return False
+        raise refusal(save, text) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    os.pwrite(fd, f"{_holder_text()}\n".encode(), 0)
     _held[path] = fd
     recover(path)
+    return True
+
+
+def hold_for_run(save: str | None, rank: int, world_size: int, device=None) -> bool:
+    """Called by every rank where a run opens its save directory (``pretrain``): rank 0 takes
+    the lock (and repairs crashed saves) while the others wait, then all agree, so a refusal
+    stops every rank with the same CheckpointError and nobody reads the directory before it is
+    repaired. True when this rank took the lock (release it at the run's end)."""
+    import torch
+
+    if not save:
+        return False
+    took, error = False, None
+    if rank == 0:
+        try:
+            took = acquire(save)
+        except CheckpointError as exc:
+            error = exc
+    if world_size > 1 and torch.distributed.is_initialized():
+        flag = torch.tensor([0 if error is None else 1], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if error is None and int(flag[0]):
+            error = refusal(save, holder(save))
+    if error is not None:
+        raise error
+    return took
 
 
 def release(save: str) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 from plugtron.api import ConfigError
+from .mlp import squared_relu
 
 EMBEDDING = "embedding.word_embeddings.weight"
 POSITIONS = "embedding.position_embeddings.weight"
@@ -271,7 +272,15 @@ class GPTConverter:
         raise ConfigError(f"Hugging Face model_type {kind!r} is not supported; the gpt "
                           f"converter reads 'llama' and 'gpt2'")
 
-    def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
+    def export_hf(self, model_config, tensors: dict, config=None) -> tuple[dict, dict]:
+        if config is not None and squared_relu(config):
+            # Llama's MLP is gated SiLU, GPT-2's GeLU: writing either would silently change
+            # what the weights compute.
+            raise ConfigError(
+                "--squared-relu: this GPT model's MLP is relu(x)^2 (non-gated), which neither "
+                "Llama (gated SiLU) nor GPT-2 (GeLU) can express; transformers' NemotronH "
+                "(hidden_act relu2) has it: train a --model hybrid with a pattern of * and - "
+                "layers and export that, or train without --squared-relu")
         if hf_layout_of(model_config) == "llama":
             return llama_to_hf(model_config, tensors)
         return gpt2_to_hf(model_config, tensors)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plugtron.api import hookimpl, selected_drivers
+from plugtron.api import hookimpl, model_info_for, selected_drivers
 
 
 class ConsoleLog:
@@ -23,7 +23,9 @@ class ConsoleLog:
         if p.context_parallel_size > 1:
             cp += f" ({p.cp_comm_type})"
         print(f"plugtron: {drivers}, layer_backend={config.plugins.layer_backend}", flush=True)
-        print(f"plugtron: {m.num_layers} layers, hidden {m.hidden_size}, seq "
+        # The model says its depth (a Hybrid model's is its pattern's, not --num-layers).
+        layers = model_info_for(config).architecture.get("--num-layers", m.num_layers)
+        print(f"plugtron: {layers} layers, hidden {m.hidden_size}, seq "
               f"{m.seq_length}, vocab {m.vocab_size} (padded "
               f"{m.padded_vocab_size}); tp {p.tensor_model_parallel_size} pp "
               f"{p.pipeline_model_parallel_size} {cp}; starting at "

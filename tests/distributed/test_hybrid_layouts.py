@@ -63,7 +63,17 @@ def _moe_installed() -> bool:
     return False
 
 
+HYBRID_MOE = {**HYBRID, "hybrid-layer-pattern": "ME*E", "num-experts": 4, "moe-router-topk": 2}
+EP2 = {"expert-model-parallel-size": 2, "dp": 2}  # ep borrows from dp
+
+
 @pytest.mark.skipif(not _moe_installed(), reason="no layer type for E (plugtron-moe) installed")
 def test_moe_layers_by_symbol(pool):
-    assert_layouts_match({**HYBRID, "hybrid-layer-pattern": "M*EM", "num-experts": 4},
-                         layouts=[{"tp": 2}, {"pp": 2}], pool=pool)
+    """E layers (plugtron-moe, found by symbol) next to M and *: tp 2, pp 2 (ME | *E) and
+    expert parallelism 2 (dropless: no capacity factor) equal one process."""
+    assert_layouts_match(HYBRID_MOE, layouts=[{"tp": 2}, {"pp": 2}, EP2], pool=pool)
+
+
+@pytest.mark.skipif(not _moe_installed(), reason="no layer type for E (plugtron-moe) installed")
+def test_moe_hybrid_checkpoint_reshards_from_ep2_to_tp2(pool):
+    assert_checkpoint_reshards(HYBRID_MOE, save_layout=EP2, load_layout={"tp": 2}, pool=pool)

@@ -101,10 +101,13 @@ def test_frozen_rank_hits_the_distributed_timeout(tmp_path):
 
 
 @pytest.mark.parametrize("nproc,sig", [(1, signal.SIGTERM), (1, signal.SIGINT),
-                                       (2, signal.SIGTERM), (2, signal.SIGINT)])
+                                       (2, signal.SIGTERM), (2, signal.SIGINT),
+                                       (2, signal.SIGHUP), (2, signal.SIGUSR1)])
 def test_preemption_saves_and_exits_with_one_line(tmp_path, nproc, sig):
     save = str(tmp_path / "save")
-    proc, metrics = _start(tmp_path, "--save", save, nproc=nproc)
+    # SIGUSR1 (Slurm's warning signal) stops cleanly only with Megatron's --exit-signal-handler.
+    extra = ["--exit-signal-handler"] if sig == signal.SIGUSR1 else []
+    proc, metrics = _start(tmp_path, "--save", save, *extra, nproc=nproc)
     _wait_training(proc, metrics)
     os.kill(proc.pid, sig)
     done = finish(proc, 60)
@@ -134,3 +137,21 @@ def test_second_sigint_aborts_at_once(tmp_path):
     done = finish(proc, 20)
     assert done.rc == 130 and time.monotonic() - start < 5, done.out
     assert "Traceback" not in done.out
+
+
+def test_exit_duration_stops_every_rank_cleanly_and_saves(tmp_path):
+    """Megatron's --exit-duration-in-mins (3 s here; agreed over the ranks, so all stop after
+    the same step): exit 0, one line, the checkpoint of that iteration. (--exit-interval:
+    test_save_directory.py::test_crashed_save_leftovers_removed_at_next_start.)"""
+    save = str(tmp_path / "save")
+    limit = ["--exit-duration-in-mins", "0.05"]
+    proc, metrics = _start(tmp_path, "--save", save, *limit, nproc=2)
+    done = finish(proc, 60)
+    assert done.rc == 0 and not done.timed_out, done.out
+    lines = [line for line in done.out.splitlines() if line.startswith("stopped after")]
+    assert len(lines) == 1 and limit[0] in lines[0] and "checkpoint saved" in lines[0], done.out
+    assert "Traceback" not in done.out
+    iteration = int(lines[0].split("after iteration ")[1].split(":")[0])
+    with open(os.path.join(save, "latest")) as f:
+        assert f.read().strip() == f"iter_{iteration:07d}"
+    assert _steps(metrics) == iteration

@@ -9,7 +9,9 @@ import signal
 import socket
 
 from .test_ranks_and_signals import _start, _steps, _wait_training
-from .tools import finish, kill_group, run_cli, tiny_flags, wait_for
+from .tools import PYTHON, finish, kill_group, run_cli, start_cli, tiny_flags, wait_for
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _train(save, iters, *extra):
@@ -53,8 +55,13 @@ def test_crashed_save_leftovers_removed_at_next_start(tmp_path, saved_run):
     save = str(tmp_path / "save")
     shutil.copytree(saved_run[0], save)
     os.makedirs(os.path.join(save, ".tmp-iter_0000009"))
-    done = _train(save, 3, "--load", save, "--exit-interval", "3")
+    done = _train(save, 5, "--load", save, "--exit-interval", "3")
     assert done.rc == 0 and not os.path.exists(os.path.join(save, ".tmp-iter_0000009"))
+    # --exit-interval 3 (of 5 iterations): a clean stop after iteration 3, one line, saved.
+    stops = [line for line in done.out.splitlines() if line.startswith("stopped after")]
+    assert stops == [f"stopped after iteration 3: --exit-interval 3; checkpoint saved in {save}"]
+    with open(os.path.join(save, "latest")) as f:
+        assert f.read().strip() == "iter_0000003"
 
 
 def test_async_save_committed_when_written(tmp_path):
@@ -103,3 +110,27 @@ def test_another_runs_newer_checkpoints_are_not_resumed(tmp_path, saved_run):
     done = _train(save, 4, "--load", save)
     assert done.rc == 0, done.out
     assert _loaded(done.out) == "iter_0000003", done.out
+
+
+def _pretrain(save, iters, metrics):
+    argv = [PYTHON, "-m", "tests.reliability.pretrain_driver", save, str(iters), metrics]
+    return start_cli([], argv=argv, cwd=REPO)
+
+
+def test_pretrain_from_python_holds_the_save_lock(tmp_path):
+    """Two Python users of pretrain() on one --save: the lock is the training mechanism's,
+    not only the CLI's."""
+    save, metrics = str(tmp_path / "save"), str(tmp_path / "m.jsonl")
+    first = _pretrain(save, 100000, metrics)
+    try:
+        _wait_training(first, metrics)
+        second = finish(_pretrain(save, 2, str(tmp_path / "m2.jsonl")))
+        assert second.rc == 2, second.out
+        assert f"in use by pid {first.pid} on host {socket.gethostname()}" in second.out
+        assert "Traceback" not in second.out
+    finally:
+        os.kill(first.pid, signal.SIGKILL)
+        finish(first, 10)
+    third = finish(_pretrain(save, 2, str(tmp_path / "m3.jsonl")))
+    assert third.rc == 0, third.out
+    assert os.path.isdir(os.path.join(save, "iter_0000002"))
