@@ -90,3 +90,19 @@ def test_openai_gelu_is_the_tanh_approximation():
     expected = torch.nn.functional.linear(tanh, mlp.linear_fc2.weight, mlp.linear_fc2.bias)
     torch.testing.assert_close(mlp(x), expected, atol=1e-6, rtol=0)
     assert not torch.allclose(torch.nn.functional.gelu(h), tanh, atol=1e-6)
+
+
+def test_rope_settings_in_either_config_json_spelling():
+    """transformers 5 writes ``rope_parameters``; older files carry ``rope_scaling`` with
+    ``type`` or ``rope_type`` and a top-level ``rope_theta``: both read the same."""
+    from plugtron_gpt.hf_families import rope_flags
+
+    llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    new = rope_flags({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **llama3}})
+    old = rope_flags({"rope_theta": 5e5, "rope_scaling": {"type": "llama3", **llama3}})
+    assert new == old and new["use-rope-scaling"] and new["rotary-base"] == 5e5
+    assert rope_flags({"rope_scaling": {"rope_type": "linear", "factor": 2}}) == {
+        "rotary-base": 10000.0, "rotary-seq-len-interpolation-factor": 2.0}
+    with pytest.raises(Exception, match="'longrope'"):
+        rope_flags({"rope_scaling": {"rope_type": "longrope", "factor": 2}})
