@@ -136,12 +136,12 @@ def llama_to_hf(config, t: dict) -> tuple[dict, dict]:
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     tied = not m.untie_embeddings_and_output_weights
     hf_config = {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
-              "intermediate_size": ffn, "num_hidden_layers": m.num_layers,
-              "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": head_dim,
-              "hidden_act": "silu", "rms_norm_eps": m.norm_epsilon,
-              "max_position_embeddings": m.max_position_embeddings or m.seq_length,
-              "tie_word_embeddings": tied, "attention_dropout": m.attention_dropout,
-              **family_config(config, family)}
+                 "intermediate_size": ffn, "num_hidden_layers": m.num_layers,
+                 "num_attention_heads": heads, "num_key_value_heads": groups,
+                 "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": m.norm_epsilon,
+                 "max_position_embeddings": m.max_position_embeddings or m.seq_length,
+                 "tie_word_embeddings": tied, "attention_dropout": m.attention_dropout,
+                 **family_config(config, family)}
     out = {"model.embed_tokens.weight": t[EMBEDDING],
            "model.norm.weight": t[f"{FINAL_NORM}.weight"]}
     if not tied:
