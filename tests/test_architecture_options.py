@@ -24,7 +24,7 @@ ROPE = ["--position-embedding-type", "rope"]
     (["--window-size", "4,2"], "RIGHT must be 0"),
     (["--window-size", "-3"], "LEFT must be at least 0"),
     (["--window-size", "4", "--nproc-per-node", "2", "--cp", "2", "--attention-dropout", "0"],
-     "--window-size with --context-parallel-size > 1 is not supported"),
+     "--window-size 4 shorter than --seq-length 64 with --context-parallel-size > 1"),
     (["--use-rope-scaling"], "need --position-embedding-type rope"),
     ([*ROPE, "--use-rope-scaling", "--rope-scaling-factor", "0"],
      "--rope-scaling-factor must be positive"),

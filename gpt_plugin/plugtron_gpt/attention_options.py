@@ -97,10 +97,14 @@ def validate_attention(config) -> None:
     """The options' values, and what they do not combine with; before launch."""
     o = attention_options(config)
     window = parse_window(o.window_size)
-    if window is not None and config.parallel.context_parallel_size > 1:
-        raise ConfigError("--window-size with --context-parallel-size > 1 is not supported: "
-                          "the cp attention paths are full causal; use cp 1")
-    if window is not None and config.plugins.layer_backend != "local":
+    # A window covering the whole sequence is plain causal attention (Mistral's 4096 at shorter
+    # sequences): every path computes it.
+    limits = window is not None and window[0] + 1 < config.model.seq_length
+    if limits and config.parallel.context_parallel_size > 1:
+        raise ConfigError(f"--window-size {o.window_size} shorter than --seq-length "
+                          f"{config.model.seq_length} with --context-parallel-size > 1 is not "
+                          f"supported: the cp attention paths are full causal; use cp 1")
+    if limits and config.plugins.layer_backend != "local":
         raise ConfigError(f"--window-size is implemented by the 'local' layer backend, not "
                           f"{config.plugins.layer_backend!r}")
     uses_rope_options = o.use_rope_scaling or o.rotary_seq_len_interpolation_factor is not None

@@ -152,7 +152,7 @@ def attention_mask(q_len: int, k_len: int, window: tuple[int, int] | None,
     ``k_len`` positions. ``window`` ``(left, 0)``: a query at i sees keys i-left..i (Megatron's
     and TE's convention). The one place the mask is built, so other restrictions (document
     boundaries) combine here."""
-    if window is None:
+    if window is None or window[0] >= k_len - 1:  # the window covers every earlier key
         return None
     q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
     k_pos = torch.arange(k_len, device=device)[None, :]
