@@ -6,6 +6,11 @@ the Hybrid model composes) or composed with ``-`` under the same index (a GPT la
 
 The fused QKV projection is laid out per query group, ``[q_1..q_n, k, v]`` for each group, so a
 contiguous split of its rows over tp gives each rank whole groups.
+
+Options (attention_options.py): ``--add-qkv-bias`` (Qwen2), ``--qk-layernorm`` (Qwen3: one norm
+of ``head_dim`` channels shared by every query head, one by every key head, applied per head
+before rotary, Megatron-Core's ``q_layernorm`` / ``k_layernorm``) and ``--window-size``
+(Mistral's sliding window, applied by the backend's core attention).
 """
 
 from __future__ import annotations
@@ -14,8 +19,15 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from plugtron.api import normal_init, recompute, recompute_module, scaled_normal_init
+from plugtron.api import (
+    mark_sequence_parallel,
+    normal_init,
+    recompute,
+    recompute_module,
+    scaled_normal_init,
+)
 
+from .attention_options import SECTION, attention_options, parse_window, validate_attention
 from .rope import apply_rotary
 
 
@@ -32,12 +44,25 @@ class SelfAttention(torch.nn.Module):
         self.heads_per_group = self.num_heads // self.num_groups
         self.head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
         total_heads = m.num_attention_heads + 2 * (m.num_query_groups or m.num_attention_heads)
+        options = attention_options(config)
         # Init keys are the parameters' final names: the same weights under every layout.
         self.linear_qkv = backend.column_parallel_linear(
-            m.hidden_size, total_heads * self.head_dim, bias=m.add_bias_linear,
+            m.hidden_size, total_heads * self.head_dim,
+            bias=m.add_bias_linear or options.add_qkv_bias,
             init_method=normal_init(m.init_method_std, seed, f"{prefix}.linear_qkv.weight"))
+        self.q_layernorm = self.k_layernorm = None
+        if options.qk_layernorm:
+            self.q_layernorm = backend.norm(self.head_dim)
+            self.k_layernorm = backend.norm(self.head_dim)
+            # Replicated over tp but each rank normalises other heads: their gradients are
+            # partial sums, added over tp in finalize like sequence-parallel norms (Megatron).
+            if parallel.tp_size > 1:
+                mark_sequence_parallel(self.q_layernorm)
+                mark_sequence_parallel(self.k_layernorm)
+        window = parse_window(options.window_size)
+        extra = {"window_size": window} if window is not None else {}
         self.core_attention = backend.core_attention(self.num_heads, self.num_groups,
-                                                     self.head_dim, m.attention_dropout)
+                                                     self.head_dim, m.attention_dropout, **extra)
         self.linear_proj = backend.row_parallel_linear(
             m.num_attention_heads * self.head_dim, m.hidden_size, bias=m.add_bias_linear,
             init_method=scaled_normal_init(m.init_method_std, m.num_layers, seed,
@@ -51,6 +76,8 @@ class SelfAttention(torch.nn.Module):
         qkv = qkv.view(b, s, self.num_groups, self.heads_per_group + 2, self.head_dim)
         q = qkv[:, :, :, :self.heads_per_group].reshape(b, s, self.num_heads, self.head_dim)
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
         # Selective recompute (Megatron's default, core_attn): the [s, s] scores and softmax
@@ -66,6 +93,14 @@ class SelfAttentionLayer(torch.nn.Module):
 
     symbol = "*"
     supports_context_parallel = True  # core_attention reaches the keys on other cp ranks
+
+    @staticmethod
+    def plugtron_config_sections():
+        return [SECTION]
+
+    @staticmethod
+    def plugtron_validate(config):
+        validate_attention(config)
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()

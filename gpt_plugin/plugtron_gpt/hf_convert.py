@@ -2,10 +2,12 @@
 
 Two Hugging Face layouts:
 
-* **Llama** (``model_type: llama``): RMSNorm, SwiGLU, rotary positions (rotate-half, as
-  plugtron), grouped-query attention, tied or untied output layer, optional biases.
-* **GPT-2** (``model_type: gpt2``): LayerNorm, exact GeLU (``activation_function: gelu``; the
-  tanh approximation ``gelu_new`` is refused, plugtron computes the exact one), learned
+* **The Llama family** (``model_type`` ``llama``, ``mistral``, ``qwen2``, ``qwen3``; their
+  differences in hf_families.py): RMSNorm, SwiGLU, rotary positions (rotate-half, as plugtron;
+  default, linear or Llama 3.x scaling), grouped-query attention, tied or untied output layer,
+  biases (all, none, or q/k/v only), sliding window, Qwen3's per-head q/k norms.
+* **GPT-2** (``model_type: gpt2``): LayerNorm, GeLU (``activation_function: gelu`` exact, or
+  ``gelu_new`` / ``gelu_pytorch_tanh``, the tanh approximation: ``--openai-gelu``), learned
   positions, biases, tied output layer. GPT-2 stores its linear layers as ``Conv1D``, i.e.
   transposed.
 
@@ -18,7 +20,10 @@ from __future__ import annotations
 
 import torch
 from plugtron.api import ConfigError
-from .mlp import squared_relu
+
+from .attention_options import attention_options, parse_window, rope_scaling
+from .hf_families import FAMILIES, family_config, family_flags, family_of
+from .mlp import openai_gelu, squared_relu
 
 EMBEDDING = "embedding.word_embeddings.weight"
 POSITIONS = "embedding.position_embeddings.weight"
@@ -72,23 +77,15 @@ def _take(tensors: dict, name: str) -> torch.Tensor:
 # --------------------------------------------------------------------------- Llama
 
 
-def _rope_theta(c: dict) -> float:
-    params = c.get("rope_parameters") or {}
-    scaling = c.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind != "default":
-        raise ConfigError(f"rope scaling {kind!r} is not supported by plugtron (plain rotary "
-                          f"only)")
-    return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
-
-
 def llama_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
+    """Any of the Llama family (``c["model_type"]``)."""
+    family = c.get("model_type", "llama")
     if c.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"Llama hidden_act {c['hidden_act']!r}: plugtron's SwiGLU uses silu")
-    bias = bool(c.get("attention_bias", False))
-    if bool(c.get("mlp_bias", False)) != bias:
-        raise ConfigError("attention_bias and mlp_bias differ; plugtron has one "
-                          "--add-bias-linear for all linear layers")
+        raise ConfigError(f"{family} hidden_act {c['hidden_act']!r}: plugtron's SwiGLU uses "
+                          f"silu")
+    extra = family_flags(c, family)
+    bias = extra["add-bias-linear"]
+    qkv_bias = bias or extra.get("add-qkv-bias", False)
     layers, hidden = c["num_hidden_layers"], c["hidden_size"]
     heads = c["num_attention_heads"]
     groups = c.get("num_key_value_heads") or heads
@@ -97,11 +94,10 @@ def llama_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
     flags = {"num-layers": layers, "hidden-size": hidden,
              "ffn-hidden-size": c["intermediate_size"], "num-attention-heads": heads,
              "num-query-groups": groups, "kv-channels": head_dim, "vocab-size": c["vocab_size"],
-             "position-embedding-type": "rope", "rotary-base": _rope_theta(c),
+             "position-embedding-type": "rope",
              "normalization": "RMSNorm", "norm-epsilon": c.get("rms_norm_eps", 1e-6),
              "swiglu": True, "untie-embeddings-and-output-weights": not tied,
-             "add-bias-linear": bias,
-             "attention-dropout": float(c.get("attention_dropout", 0.0))}
+             "attention-dropout": float(c.get("attention_dropout", 0.0))} | extra
     if c.get("max_position_embeddings"):
         flags["max-position-embeddings"] = c["max_position_embeddings"]
     out = {EMBEDDING: _take(hf, "model.embed_tokens.weight"),
@@ -114,9 +110,13 @@ def llama_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
         out[f"{layer}.input_layernorm.weight"] = _take(hf, f"{src}.input_layernorm.weight")
         out[f"{layer}.pre_mlp_layernorm.weight"] = _take(hf,
                                                          f"{src}.post_attention_layernorm.weight")
-        for kind in ("weight", "bias") if bias else ("weight",):
+        for kind in ("weight", "bias") if qkv_bias else ("weight",):
             q, k, v = (_take(hf, f"{src}.self_attn.{p}_proj.{kind}") for p in "qkv")
             out[f"{a}.linear_qkv.{kind}"] = fuse_qkv(q, k, v, heads, groups)
+        if extra.get("qk-layernorm"):
+            out[f"{a}.q_layernorm.weight"] = _take(hf, f"{src}.self_attn.q_norm.weight")
+            out[f"{a}.k_layernorm.weight"] = _take(hf, f"{src}.self_attn.k_norm.weight")
+        for kind in ("weight", "bias") if bias else ("weight",):
             out[f"{a}.linear_proj.{kind}"] = _take(hf, f"{src}.self_attn.o_proj.{kind}")
             out[f"{m}.linear_fc1.{kind}"] = torch.cat([_take(hf, f"{src}.mlp.gate_proj.{kind}"),
                                                        _take(hf, f"{src}.mlp.up_proj.{kind}")])
@@ -124,22 +124,24 @@ def llama_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
     return flags, out
 
 
-def llama_to_hf(m, t: dict) -> tuple[dict, dict]:
+def llama_to_hf(config, t: dict) -> tuple[dict, dict]:
+    """The Llama-family member :func:`family_of` picks for ``config``."""
+    m = config.model
+    family = family_of(config)
+    qkv_bias = m.add_bias_linear or attention_options(config).add_qkv_bias
+    qk_norm = attention_options(config).qk_layernorm
     heads = m.num_attention_heads
     groups = m.num_query_groups or heads
     head_dim = m.kv_channels or m.hidden_size // heads
     ffn = m.ffn_hidden_size or 4 * m.hidden_size
     tied = not m.untie_embeddings_and_output_weights
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-              "vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
-              "intermediate_size": ffn, "num_hidden_layers": m.num_layers,
-              "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": head_dim,
-              "hidden_act": "silu", "rms_norm_eps": m.norm_epsilon,
-              "rope_theta": float(m.rotary_base),
-              "rope_parameters": {"rope_theta": float(m.rotary_base), "rope_type": "default"},
-              "max_position_embeddings": m.max_position_embeddings or m.seq_length,
-              "tie_word_embeddings": tied, "attention_bias": m.add_bias_linear,
-              "mlp_bias": m.add_bias_linear, "attention_dropout": m.attention_dropout}
+    hf_config = {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+                 "intermediate_size": ffn, "num_hidden_layers": m.num_layers,
+                 "num_attention_heads": heads, "num_key_value_heads": groups,
+                 "head_dim": head_dim, "hidden_act": "silu", "rms_norm_eps": m.norm_epsilon,
+                 "max_position_embeddings": m.max_position_embeddings or m.seq_length,
+                 "tie_word_embeddings": tied, "attention_dropout": m.attention_dropout,
+                 **family_config(config, family)}
     out = {"model.embed_tokens.weight": t[EMBEDDING],
            "model.norm.weight": t[f"{FINAL_NORM}.weight"]}
     if not tied:
@@ -149,27 +151,35 @@ def llama_to_hf(m, t: dict) -> tuple[dict, dict]:
         layer, a, p = _layer(i), _attn(i), _mlp(i)
         out[f"{dst}.input_layernorm.weight"] = t[f"{layer}.input_layernorm.weight"]
         out[f"{dst}.post_attention_layernorm.weight"] = t[f"{layer}.pre_mlp_layernorm.weight"]
-        for kind in ("weight", "bias") if m.add_bias_linear else ("weight",):
+        for kind in ("weight", "bias") if qkv_bias else ("weight",):
             q, k, v = split_qkv(t[f"{a}.linear_qkv.{kind}"], heads, groups)
             out[f"{dst}.self_attn.q_proj.{kind}"] = q
             out[f"{dst}.self_attn.k_proj.{kind}"] = k
             out[f"{dst}.self_attn.v_proj.{kind}"] = v
+        if qk_norm:
+            out[f"{dst}.self_attn.q_norm.weight"] = t[f"{a}.q_layernorm.weight"]
+            out[f"{dst}.self_attn.k_norm.weight"] = t[f"{a}.k_layernorm.weight"]
+        for kind in ("weight", "bias") if m.add_bias_linear else ("weight",):
             out[f"{dst}.self_attn.o_proj.{kind}"] = t[f"{a}.linear_proj.{kind}"]
             gate, up = t[f"{p}.linear_fc1.{kind}"].chunk(2)
             out[f"{dst}.mlp.gate_proj.{kind}"] = gate
             out[f"{dst}.mlp.up_proj.{kind}"] = up
             out[f"{dst}.mlp.down_proj.{kind}"] = t[f"{p}.linear_fc2.{kind}"]
-    return config, out
+    return hf_config, out
 
 
 # --------------------------------------------------------------------------- GPT-2
 
 
+#: GPT-2's activation_function -> --openai-gelu (the tanh approximation, two spellings).
+GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
+
+
 def gpt2_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
     act = c.get("activation_function", "gelu_new")
-    if act != "gelu":
-        raise ConfigError(f"GPT-2 activation_function {act!r}: plugtron computes the exact "
-                          f"(erf) GeLU, so only 'gelu' converts without changing the model")
+    if act not in GPT2_ACTIVATIONS:
+        raise ConfigError(f"GPT-2 activation_function {act!r} is not supported: plugtron "
+                          f"converts {', '.join(sorted(GPT2_ACTIVATIONS))}")
     for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
         if c.get(flag):
             raise ConfigError(f"GPT-2 {flag}=true is not supported by plugtron")
@@ -180,6 +190,7 @@ def gpt2_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
     flags = {"num-layers": layers, "hidden-size": hidden,
              "ffn-hidden-size": c.get("n_inner") or 4 * hidden, "num-attention-heads": heads,
              "vocab-size": c["vocab_size"], "position-embedding-type": "learned_absolute",
+             "openai-gelu": GPT2_ACTIVATIONS[act],
              "max-position-embeddings": c["n_positions"], "normalization": "LayerNorm",
              "norm-epsilon": c.get("layer_norm_epsilon", 1e-5), "swiglu": False,
              "untie-embeddings-and-output-weights": False, "add-bias-linear": True,
@@ -207,13 +218,15 @@ def gpt2_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
     return flags, out
 
 
-def gpt2_to_hf(m, t: dict) -> tuple[dict, dict]:
+def gpt2_to_hf(config, t: dict) -> tuple[dict, dict]:
+    m = config.model
     heads = m.num_attention_heads
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
               "vocab_size": m.vocab_size, "n_embd": m.hidden_size, "n_layer": m.num_layers,
               "n_head": heads, "n_inner": m.ffn_hidden_size or 4 * m.hidden_size,
               "n_positions": m.max_position_embeddings or m.seq_length,
-              "activation_function": "gelu", "layer_norm_epsilon": m.norm_epsilon,
+              "activation_function": "gelu_new" if openai_gelu(config) else "gelu",
+              "layer_norm_epsilon": m.norm_epsilon,
               "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.hidden_dropout,
               "attn_pdrop": m.attention_dropout, "tie_word_embeddings": True,
               "scale_attn_weights": True}
@@ -241,11 +254,22 @@ def gpt2_to_hf(m, t: dict) -> tuple[dict, dict]:
 # --------------------------------------------------------------------------- the converter
 
 
-def hf_layout_of(m) -> str:
-    """Which Hugging Face layout a plugtron GPT config is, or ConfigError saying why none."""
+def hf_layout_of(config) -> str:
+    """Which Hugging Face layout a plugtron GPT run config is, or ConfigError saying why
+    none."""
+    m = config.model
     groups = m.num_query_groups or m.num_attention_heads
     if m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope":
-        return "llama"
+        return family_of(config)
+    if squared_relu(config):
+        raise ConfigError("--squared-relu matches no Hugging Face layout plugtron exports")
+    o = attention_options(config)
+    for flag, value in (("--qk-layernorm", o.qk_layernorm), ("--add-qkv-bias", o.add_qkv_bias),
+                        ("--window-size", parse_window(o.window_size) is not None),
+                        ("rotary scaling", rope_scaling(config) is not None)):
+        if value and m.position_embedding_type == "learned_absolute":
+            raise ConfigError(f"{flag} is exported in the Llama family only (RMSNorm + "
+                              f"--swiglu + rope); GPT-2 has no such option")
     if (m.normalization == "LayerNorm" and not m.swiglu
             and m.position_embedding_type == "learned_absolute" and m.add_bias_linear
             and not m.untie_embeddings_and_output_weights and groups == m.num_attention_heads
@@ -253,7 +277,8 @@ def hf_layout_of(m) -> str:
             == m.hidden_size // m.num_attention_heads):
         return "gpt2"
     raise ConfigError(
-        "this model matches no Hugging Face layout plugtron exports: Llama needs RMSNorm + "
+        "this model matches no Hugging Face layout plugtron exports: the Llama family needs "
+        "RMSNorm + "
         "--swiglu + rope; GPT-2 needs LayerNorm, GeLU, learned positions, biases, tied "
         f"embeddings and one group per head (model: {m.normalization}, swiglu {m.swiglu}, "
         f"{m.position_embedding_type}, bias {m.add_bias_linear}, untied "
@@ -265,15 +290,20 @@ class GPTConverter:
 
     def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
         kind = hf_config.get("model_type")
-        if kind == "llama":
+        if kind in FAMILIES:
             return llama_from_hf(hf_config, tensors)
         if kind == "gpt2":
             return gpt2_from_hf(hf_config, tensors)
         raise ConfigError(f"Hugging Face model_type {kind!r} is not supported; the gpt "
-                          f"converter reads 'llama' and 'gpt2'")
+                          f"converter reads {', '.join(FAMILIES)} and gpt2")
 
     def export_hf(self, model_config, tensors: dict, config=None) -> tuple[dict, dict]:
-        if config is not None and squared_relu(config):
+        if config is None:  # a caller with the model section only: no plugin options
+            from plugtron.api import TrainConfig
+
+            config = TrainConfig()
+            config.model = model_config
+        if squared_relu(config):
             # Llama's MLP is gated SiLU, GPT-2's GeLU: writing either would silently change
             # what the weights compute.
             raise ConfigError(
@@ -281,6 +311,6 @@ class GPTConverter:
                 "Llama (gated SiLU) nor GPT-2 (GeLU) can express; transformers' NemotronH "
                 "(hidden_act relu2) has it: train a --model hybrid with a pattern of * and - "
                 "layers and export that, or train without --squared-relu")
-        if hf_layout_of(model_config) == "llama":
-            return llama_to_hf(model_config, tensors)
-        return gpt2_to_hf(model_config, tensors)
+        if hf_layout_of(config) == "gpt2":
+            return gpt2_to_hf(config, tensors)
+        return llama_to_hf(config, tensors)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from plugtron.api import ConfigError
 
+from .attention_options import attention_options, parse_window
 from .hf_convert import EMBEDDING, FINAL_NORM, OUTPUT, _take, fuse_qkv, split_qkv
 from .hybrid_options import mamba_sizes
 from .hybrid_pattern import layer_symbols
@@ -159,6 +160,13 @@ def _exportable(m, config, pattern: str) -> None:
         raise ConfigError("NemotronH attention has no position embeddings; this model uses rope")
     if "-" in pattern and not squared_relu(config):
         raise ConfigError("NemotronH MLPs are relu^2: export needs --squared-relu")
+    options = attention_options(config)
+    for flag, on in (("--qk-layernorm", options.qk_layernorm),
+                     ("--add-qkv-bias", options.add_qkv_bias and not m.add_bias_linear),
+                     ("--window-size", parse_window(options.window_size) is not None)):
+        if on and "*" in pattern:
+            raise ConfigError(f"NemotronH attention has no {flag}; this model cannot be "
+                              f"exported as NemotronH")
 
 
 def hybrid_to_hf(m, config) -> dict:

@@ -1,4 +1,4 @@
-"""Layer type ``-``: pre-norm MLP, GeLU, SwiGLU or squared ReLU, split column-then-row over tp.
+"""Layer type ``-``: pre-norm MLP, GeLU (exact, or tanh with ``--openai-gelu``), SwiGLU or squared ReLU, split column-then-row over tp.
 
 Children as in Megatron-Core, so parameters read ``decoder.layers.{i}.pre_mlp_layernorm.*`` and
 ``decoder.layers.{i}.mlp.{linear_fc1,linear_fc2}.*``, alone or composed with ``*`` under the same
@@ -29,6 +29,9 @@ class MLPOptions:
     squared_relu: bool = opt(False, "--squared-relu",
                              "relu(x)^2 MLP activation, non-gated (Megatron's; NemotronH's relu2).",
                              is_flag=True)
+    openai_gelu: bool = opt(False, "--openai-gelu",
+                            "GeLU by its tanh approximation (Megatron's; GPT-2's gelu_new) "
+                            "instead of the exact erf form.", is_flag=True)
 
 
 #: Declared by the ``-`` layer type itself, so every model composing it has the option.
@@ -41,6 +44,17 @@ def squared_relu(config) -> bool:
     return bool(options and options.squared_relu)
 
 
+def openai_gelu(config) -> bool:
+    """``--openai-gelu``; False where the config was built without the section."""
+    options = getattr(config, "mlp", None)
+    return bool(options and getattr(options, "openai_gelu", False))
+
+
+def gelu_approximation(config) -> str:
+    """``approximate=`` of ``F.gelu`` for this run's GeLU."""
+    return "tanh" if openai_gelu(config) else "none"
+
+
 class MLP(torch.nn.Module):
     """fc1, activation, fc2 (no norm, no residual): ``mlp`` of a decoder layer."""
 
@@ -50,6 +64,7 @@ class MLP(torch.nn.Module):
         ffn = m.ffn_hidden_size or 4 * m.hidden_size
         self.swiglu = m.swiglu
         self.squared_relu = squared_relu(config)
+        self.gelu_approximation = gelu_approximation(config)
         # Init keys are the parameters' final names: the same weights under every layout.
         # SwiGLU's fc1 is [gate; up]: two blocks that tp splits separately.
         self.linear_fc1 = backend.column_parallel_linear(
@@ -70,7 +85,7 @@ class MLP(torch.nn.Module):
         elif self.squared_relu:
             x = F.relu(x).square()
         else:
-            x = F.gelu(x)
+            x = F.gelu(x, approximate=self.gelu_approximation)
         out, _ = self.linear_fc2(x)
         return out
 
@@ -89,6 +104,9 @@ class MLPLayer(torch.nn.Module):
     def plugtron_validate(config):
         if squared_relu(config) and config.model.swiglu:
             raise ConfigError("--squared-relu and --swiglu are two MLP activations; choose one")
+        if openai_gelu(config) and (squared_relu(config) or config.model.swiglu):
+            raise ConfigError("--openai-gelu is an approximation of GeLU; it does not combine "
+                              "with --swiglu or --squared-relu (choose one activation)")
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()

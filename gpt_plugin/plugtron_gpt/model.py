@@ -25,6 +25,7 @@ from plugtron.api import (
 )
 
 from .attention import dropout
+from .attention_options import rope_scaling
 from .decoder import Decoder
 from .rope import rotary_freqs_at
 
@@ -91,6 +92,7 @@ class GPTModel(torch.nn.Module):
                                config=config)
         self.use_rotary = m.position_embedding_type == "rope"
         self.head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+        self.rope_scaling = rope_scaling(config)
         self.output_layer = None
         if post_process and (m.untie_embeddings_and_output_weights or not pre_process):
             key = OUTPUT_LAYER_KEY if m.untie_embeddings_and_output_weights else WORD_EMBEDDING_KEY
@@ -140,7 +142,8 @@ class GPTModel(torch.nn.Module):
         hidden = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
         rotary = None
         if self.use_rotary:  # at the batch's true positions (a cp rank's chunks are apart)
-            rotary = rotary_freqs_at(position_ids, self.head_dim, self.config.model.rotary_base)
+            rotary = rotary_freqs_at(position_ids, self.head_dim, self.config.model.rotary_base,
+                                     self.rope_scaling)
         hidden = self.decoder(hidden, rotary)
         if not self.post_process:
             return hidden

@@ -1,22 +1,52 @@
-"""Rotary position embeddings (rotate-half form, as Megatron-Core and Llama use)."""
+"""Rotary position embeddings (rotate-half form, as Megatron-Core and Llama use), with the
+frequency scalings Hugging Face checkpoints carry: Llama 3.x (``llama3``) and linear."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 
-def rotary_freqs(seq_length: int, dim: int, base: float, device=None) -> torch.Tensor:
-    """Angles ``[seq, dim]`` for positions 0..seq-1 (each frequency used twice)."""
+def inv_frequencies(dim: int, base: float, scaling: dict | None = None,
+                    device=None) -> torch.Tensor:
+    """``[dim / 2]`` inverse frequencies, scaled by ``scaling`` (see
+    ``attention_options.rope_scaling``). Computed in fp32 by the same operations in the same
+    order as transformers' rope initialisers, so imported models give the same angles."""
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+    if scaling is None:
+        return inv
+    if scaling["rope_type"] == "linear":
+        return inv / scaling["factor"]
+    return _llama3(inv, scaling)
+
+
+def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.x: wavelengths longer than ``original / low`` are stretched by ``factor``, those
+    shorter than ``original / high`` kept, the band between blended linearly in 1/wavelength."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    original = s["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv
+    stretched = torch.where(wavelength > original / low, inv / factor, inv)
+    blend = (original / wavelength - low) / (high - low)
+    blended = (1 - blend) * stretched / factor + blend * stretched
+    middle = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(middle, blended, stretched)
+
+
+def rotary_freqs(seq_length: int, dim: int, base: float, device=None,
+                 scaling: dict | None = None) -> torch.Tensor:
+    """Angles ``[seq, dim]`` for positions 0..seq-1 (each frequency used twice)."""
+    inv = inv_frequencies(dim, base, scaling, device)
     angles = torch.outer(torch.arange(seq_length, dtype=torch.float32, device=device), inv)
     return torch.cat([angles, angles], dim=-1)
 
 
-def rotary_freqs_at(position_ids: torch.Tensor, dim: int, base: float) -> torch.Tensor:
+def rotary_freqs_at(position_ids: torch.Tensor, dim: int, base: float,
+                    scaling: dict | None = None) -> torch.Tensor:
     """Angles ``[b, s, dim]`` at the given positions ``[b, s]``: under context parallelism a
     rank holds two distant chunks of the sequence, not positions 0..s-1."""
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32,
-                                       device=position_ids.device) / dim))
+    inv = inv_frequencies(dim, base, scaling, position_ids.device)
     angles = position_ids.to(torch.float32)[..., None] * inv
     return torch.cat([angles, angles], dim=-1)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from plugtron.api import ConfigError
 
-from .mlp import squared_relu
+from .attention_options import attention_architecture
+from .mlp import openai_gelu, squared_relu
 
 
 def validate_sizes(config) -> None:
@@ -48,7 +49,9 @@ def architecture(config) -> dict:
     learned = m.position_embedding_type == "learned_absolute"
     # Only when set: checkpoints written before the option existed keep resuming.
     activation = {"--squared-relu": True} if squared_relu(config) else {}
-    return activation | {
+    if openai_gelu(config):
+        activation["--openai-gelu"] = True
+    return activation | attention_architecture(config) | {
         "--num-layers": m.num_layers, "--hidden-size": m.hidden_size,
         "--ffn-hidden-size": m.ffn_hidden_size or 4 * m.hidden_size,
         "--num-attention-heads": heads, "--num-query-groups": m.num_query_groups or heads,

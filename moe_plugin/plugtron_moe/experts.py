@@ -59,6 +59,7 @@ class ExpertMLP(torch.nn.Module):
         tp, rank = parallel.etp_size, parallel.etp_rank  # experts split over etp, not tp
         chunks = 2 if m.swiglu else 1
         self.swiglu, self.tp_size = m.swiglu, tp
+        self.gelu_approximation = gelu_approximation(config)
         w1 = normal_init(m.init_method_std, seed, f"{prefix}.linear_fc1.weight")(
             (ffn * chunks, m.hidden_size))
         w2 = scaled_normal_init(m.init_method_std, m.num_layers, seed,
@@ -79,7 +80,7 @@ class ExpertMLP(torch.nn.Module):
         if self.swiglu:
             gate, up = x.chunk(2, dim=-1)
             return F.silu(gate) * up
-        return F.gelu(x)
+        return F.gelu(x, approximate=self.gelu_approximation)
 
     def fc2_bias(self) -> torch.Tensor | None:
         bias = self.linear_fc2.bias
@@ -184,3 +185,10 @@ def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
     if b2[0] is not None:
         out = out + torch.stack(b2).unsqueeze(1)
     return out.reshape(len(experts) * width, -1).index_select(0, index)
+
+
+def gelu_approximation(config) -> str:
+    """The GeLU of the ``-`` layer's ``--openai-gelu`` (tanh) where the run has that option,
+    so experts compute the dense MLP's activation."""
+    options = getattr(config, "mlp", None)
+    return "tanh" if getattr(options, "openai_gelu", False) else "none"

@@ -1,13 +1,17 @@
 """Hugging Face <-> plugtron for MoE models on the ``gpt`` model (entry points ``mixtral`` and
-``qwen2_moe`` in ``plugtron.converters``).
+``qwen2_moe`` in ``plugtron.converters``; the second also reads ``qwen3_moe``).
 
 * **Mixtral** (``model_type: mixtral``): Llama attention, every layer MoE, softmax top-k
   renormalised (= Megatron's post-softmax top-k), SwiGLU experts, no biases.
 * **Qwen2-MoE** (``model_type: qwen2_moe``): biases on q/k/v only, top-k renormalised only with
   ``norm_topk_prob`` (else Megatron's pre-softmax routing), a shared expert with a sigmoid gate
   ``shared_expert_gate [1, H]``, dense layers by ``decoder_sparse_step`` / ``mlp_only_layers``.
-  plugtron has one ``--add-bias-linear`` for every linear layer, so the biases Qwen2 does not
-  have (o_proj, MLPs, experts) are imported as zeros, and export refuses them once nonzero.
+  The q/k/v biases are the GPT model's ``--add-qkv-bias`` (no other linear layer has one).
+  Checkpoints imported before that option held zero biases elsewhere; export still takes them
+  and refuses them once nonzero.
+* **Qwen3-MoE** (``model_type: qwen3_moe``): as Qwen2-MoE without the shared expert and the
+  q/k/v biases, with per-head q/k RMSNorm (``q_norm`` / ``k_norm``: ``--qk-layernorm``,
+  ``self_attention.{q,k}_layernorm.weight``).
 
 transformers 5 stores experts fused: ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first,
 as plugtron's SwiGLU ``linear_fc1 = [gate; up]``), ``mlp.experts.down_proj [E, H, I]``, router
@@ -51,10 +55,34 @@ def split_qkv(qkv, heads: int, groups: int):
 
 
 def _rope_theta(c: dict) -> float:
-    params = c.get("rope_parameters") or {}
-    if params.get("rope_type", "default") != "default" or c.get("rope_scaling"):
-        raise ConfigError("rope scaling is not supported by plugtron (plain rotary only)")
+    params = dict(c.get("rope_scaling") or {})
+    params.update(c.get("rope_parameters") or {})
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind != "default":
+        raise ConfigError(f"rope type {kind!r} is not supported for MoE models by plugtron "
+                          f"(plain rotary only)")
     return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+
+
+#: Attention flags of the Qwen MoE families (the GPT model's `*` layer options).
+_QWEN_ATTENTION = {"qwen2_moe": {"add-bias-linear": False, "add-qkv-bias": True},
+                   "qwen3_moe": {"add-bias-linear": False, "qk-layernorm": True}}
+
+
+def _attention_options(config):
+    """``(add_qkv_bias, qk_layernorm)`` of a run config (False where it has no such section)."""
+    options = getattr(config, "attention", None)
+    return (bool(getattr(options, "add_qkv_bias", False)),
+            bool(getattr(options, "qk_layernorm", False)))
+
+
+def _num_experts(c: dict) -> int:
+    """Experts per MoE layer: ``num_experts`` or ``num_local_experts`` (the name transformers 5
+    writes for Qwen3-MoE, whose config maps one to the other)."""
+    value = c.get("num_experts", c.get("num_local_experts"))
+    if value is None:
+        raise ConfigError("config.json has neither 'num_experts' nor 'num_local_experts'")
+    return value
 
 
 def _sparse_layers(kind: str, c: dict) -> list[bool]:
@@ -62,7 +90,7 @@ def _sparse_layers(kind: str, c: dict) -> list[bool]:
     if kind == "mixtral":
         return [True] * layers
     step, dense = c.get("decoder_sparse_step", 1), set(c.get("mlp_only_layers") or [])
-    return [i not in dense and c["num_experts"] > 0 and (i + 1) % step == 0
+    return [i not in dense and _num_experts(c) > 0 and (i + 1) % step == 0
             for i in range(layers)]
 
 
@@ -90,15 +118,11 @@ def fused_experts(hf: dict, src: str, experts: int):
     raise ConfigError(f"the Hugging Face weights have no experts for {src}")
 
 
-def _zeros_like_bias(rows: int) -> torch.Tensor:
-    return torch.zeros(rows)
-
-
 class MoEConverter:
     """Reads and writes Mixtral and Qwen2-MoE; the checkpoint runs on the ``gpt`` model."""
 
     model = "gpt"
-    model_types = ("mixtral", "qwen2_moe")
+    model_types = ("mixtral", "qwen2_moe", "qwen3_moe")
     vocab_tensors = (EMBEDDING, OUTPUT)
 
     @classmethod
@@ -116,11 +140,16 @@ class MoEConverter:
             raise ConfigError(f"hidden_act {c['hidden_act']!r}: plugtron's SwiGLU uses silu")
         if c.get("use_sliding_window"):
             raise ConfigError("sliding-window attention is not supported by plugtron")
-        qwen = kind == "qwen2_moe"
+        qwen = kind in _QWEN_ATTENTION
+        shared = kind == "qwen2_moe"
+        if kind == "qwen3_moe" and c.get("attention_bias"):
+            raise ConfigError("qwen3_moe attention_bias=true puts a bias on o_proj but not on "
+                              "the MLPs; plugtron has one --add-bias-linear for every linear "
+                              "layer")
         layers, hidden, heads = c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"]
         groups = c.get("num_key_value_heads") or heads
         head_dim = c.get("head_dim") or hidden // heads
-        experts = c["num_experts"] if qwen else c["num_local_experts"]
+        experts = _num_experts(c)
         sparse = _sparse_layers(kind, c)
         tied = bool(c.get("tie_word_embeddings", False))
         moe_ffn = c["moe_intermediate_size"] if qwen else c["intermediate_size"]
@@ -130,7 +159,7 @@ class MoEConverter:
                  "vocab-size": c["vocab_size"], "position-embedding-type": "rope",
                  "rotary-base": _rope_theta(c), "normalization": "RMSNorm",
                  "norm-epsilon": c.get("rms_norm_eps", 1e-6), "swiglu": True,
-                 "untie-embeddings-and-output-weights": not tied, "add-bias-linear": qwen,
+                 "untie-embeddings-and-output-weights": not tied, "add-bias-linear": False,
                  "attention-dropout": float(c.get("attention_dropout", 0.0)),
                  "num-experts": experts, "moe-router-topk": c["num_experts_per_tok"],
                  "moe-ffn-hidden-size": moe_ffn,
@@ -138,7 +167,9 @@ class MoEConverter:
                  "moe-aux-loss-coeff": float(c.get("router_aux_loss_coef", 0.0))
                  if c.get("output_router_logits") else 0.0}
         if qwen:
+            flags.update(_QWEN_ATTENTION[kind])
             flags["moe-router-pre-softmax"] = not c.get("norm_topk_prob", False)
+        if shared:
             flags["moe-shared-expert-intermediate-size"] = c["shared_expert_intermediate_size"]
             flags["moe-shared-expert-gate"] = True
         if c.get("max_position_embeddings"):
@@ -148,11 +179,10 @@ class MoEConverter:
         if not tied:
             out[OUTPUT] = _take(hf, "lm_head.weight")
         for i in range(layers):
-            out.update(self._layer_from_hf(i, hf, heads, groups, qwen, sparse[i], experts,
-                                           hidden))
+            out.update(self._layer_from_hf(i, hf, heads, groups, kind, sparse[i], experts))
         return flags, out
 
-    def _layer_from_hf(self, i, hf, heads, groups, qwen, sparse, experts, hidden) -> dict:
+    def _layer_from_hf(self, i, hf, heads, groups, kind, sparse, experts) -> dict:
         src, dst = f"model.layers.{i}", f"decoder.layers.{i}"
         out = {f"{dst}.input_layernorm.weight": _take(hf, f"{src}.input_layernorm.weight"),
                f"{dst}.pre_mlp_layernorm.weight": _take(hf,
@@ -161,10 +191,12 @@ class MoEConverter:
         q, k, v = (_take(hf, f"{src}.self_attn.{p}_proj.weight") for p in "qkv")
         out[f"{a}.linear_qkv.weight"] = fuse_qkv(q, k, v, heads, groups)
         out[f"{a}.linear_proj.weight"] = _take(hf, f"{src}.self_attn.o_proj.weight")
-        if qwen:
+        if kind == "qwen2_moe":
             q, k, v = (_take(hf, f"{src}.self_attn.{p}_proj.bias") for p in "qkv")
             out[f"{a}.linear_qkv.bias"] = fuse_qkv(q, k, v, heads, groups)
-            out[f"{a}.linear_proj.bias"] = _zeros_like_bias(hidden)
+        if kind == "qwen3_moe":
+            out[f"{a}.q_layernorm.weight"] = _take(hf, f"{src}.self_attn.q_norm.weight")
+            out[f"{a}.k_layernorm.weight"] = _take(hf, f"{src}.self_attn.k_norm.weight")
         m = f"{dst}.mlp"
 
         def mlp(prefix, names, hf_prefix):
@@ -172,9 +204,6 @@ class MoEConverter:
                             _take(hf, f"{hf_prefix}.up_proj.weight")])
             names[f"{prefix}.linear_fc1.weight"] = w1
             names[f"{prefix}.linear_fc2.weight"] = _take(hf, f"{hf_prefix}.down_proj.weight")
-            if qwen:
-                names[f"{prefix}.linear_fc1.bias"] = _zeros_like_bias(w1.shape[0])
-                names[f"{prefix}.linear_fc2.bias"] = _zeros_like_bias(hidden)
 
         if not sparse:
             mlp(m, out, f"{src}.mlp")
@@ -185,10 +214,7 @@ class MoEConverter:
             prefix = f"{m}.experts.local_experts.{e}"
             out[f"{prefix}.linear_fc1.weight"] = gate_up[e]
             out[f"{prefix}.linear_fc2.weight"] = down[e]
-            if qwen:
-                out[f"{prefix}.linear_fc1.bias"] = _zeros_like_bias(gate_up.shape[1])
-                out[f"{prefix}.linear_fc2.bias"] = _zeros_like_bias(hidden)
-        if qwen:
+        if kind == "qwen2_moe":
             mlp(f"{m}.shared_experts", out, f"{src}.mlp.shared_expert")
             out[f"{m}.shared_experts.gate_weight"] = _take(hf,
                                                            f"{src}.mlp.shared_expert_gate.weight")
@@ -201,7 +227,10 @@ class MoEConverter:
 
     def export_hf_from(self, config, t: dict) -> tuple[dict, dict]:
         m, o = config.model, config.moe
-        qwen = bool(o.moe_shared_expert_intermediate_size)
+        qkv_bias, qk_norm = _attention_options(config)
+        kind = ("qwen3_moe" if qk_norm else "qwen2_moe" if o.moe_shared_expert_intermediate_size
+                else "mixtral")
+        qwen = kind != "mixtral"
         heads = m.num_attention_heads
         groups = m.num_query_groups or heads
         head_dim = m.kv_channels or m.hidden_size // heads
@@ -222,18 +251,30 @@ class MoEConverter:
                        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
                        "num_experts_per_tok": o.moe_router_topk,
                        "attention_dropout": m.attention_dropout}
+        if kind == "qwen3_moe" and (m.add_bias_linear or qkv_bias
+                                    or o.moe_shared_expert_intermediate_size):
+            raise ConfigError("--qk-layernorm exports as Qwen3-MoE, which has no biases and no "
+                              "shared expert")
+        if kind == "qwen2_moe" and not (qkv_bias or m.add_bias_linear):
+            raise ConfigError("a shared expert exports as Qwen2-MoE, which has q/k/v biases: "
+                              "the model needs --add-qkv-bias")
         if qwen:
             dense = [i for i, s in enumerate(sparse) if not s]
-            config_json.update({"architectures": ["Qwen2MoeForCausalLM"],
-                                "model_type": "qwen2_moe", "num_experts": o.num_experts,
+            config_json.update({"architectures": ["Qwen2MoeForCausalLM" if kind == "qwen2_moe"
+                                                  else "Qwen3MoeForCausalLM"],
+                                "model_type": kind, "num_experts": o.num_experts,
                                 "moe_intermediate_size": moe_ffn,
                                 "intermediate_size": m.ffn_hidden_size or 4 * m.hidden_size,
-                                "shared_expert_intermediate_size":
-                                    o.moe_shared_expert_intermediate_size,
                                 "norm_topk_prob": not o.moe_router_pre_softmax,
-                                "decoder_sparse_step": 1, "mlp_only_layers": dense,
-                                "qkv_bias": True})
+                                "decoder_sparse_step": 1, "mlp_only_layers": dense})
+            if kind == "qwen2_moe":
+                config_json.update({"shared_expert_intermediate_size":
+                                    o.moe_shared_expert_intermediate_size, "qkv_bias": True})
+            else:
+                config_json["attention_bias"] = False
         else:
+            if qkv_bias:
+                raise ConfigError("Mixtral has no q/k/v biases (--add-qkv-bias)")
             if not all(sparse) or o.moe_router_pre_softmax or m.add_bias_linear:
                 raise ConfigError("Mixtral export needs every layer MoE, post-softmax top-k and "
                                   "no biases")
@@ -245,26 +286,29 @@ class MoEConverter:
         if m.untie_embeddings_and_output_weights:
             out["lm_head.weight"] = t[OUTPUT]
         for i in range(m.num_layers):
-            out.update(self._layer_to_hf(i, t, heads, groups, qwen, sparse[i], o.num_experts))
+            out.update(self._layer_to_hf(i, t, heads, groups, kind, sparse[i], o.num_experts))
         return config_json, out
 
-    def _layer_to_hf(self, i, t, heads, groups, qwen, sparse, experts) -> dict:
+    def _layer_to_hf(self, i, t, heads, groups, kind, sparse, experts) -> dict:
         src, dst = f"decoder.layers.{i}", f"model.layers.{i}"
         a, m = f"{src}.self_attention", f"{src}.mlp"
 
         def no_bias(name):
             if name in t and t[name].abs().max() > 0:
-                raise ConfigError(f"{name} is nonzero, but Qwen2-MoE has no bias there")
+                raise ConfigError(f"{name} is nonzero, but {kind} has no bias there")
 
         out = {f"{dst}.input_layernorm.weight": t[f"{src}.input_layernorm.weight"],
                f"{dst}.post_attention_layernorm.weight": t[f"{src}.pre_mlp_layernorm.weight"]}
         for p, value in zip("qkv", split_qkv(t[f"{a}.linear_qkv.weight"], heads, groups)):
             out[f"{dst}.self_attn.{p}_proj.weight"] = value
         out[f"{dst}.self_attn.o_proj.weight"] = t[f"{a}.linear_proj.weight"]
-        if qwen:
+        if kind == "qwen2_moe":
             for p, value in zip("qkv", split_qkv(t[f"{a}.linear_qkv.bias"], heads, groups)):
                 out[f"{dst}.self_attn.{p}_proj.bias"] = value
-            no_bias(f"{a}.linear_proj.bias")
+        if kind == "qwen3_moe":
+            out[f"{dst}.self_attn.q_norm.weight"] = t[f"{a}.q_layernorm.weight"]
+            out[f"{dst}.self_attn.k_norm.weight"] = t[f"{a}.k_layernorm.weight"]
+        no_bias(f"{a}.linear_proj.bias")
 
         def mlp(prefix, hf_prefix):
             gate, up = t[f"{prefix}.linear_fc1.weight"].chunk(2)
@@ -285,7 +329,7 @@ class MoEConverter:
         for p in per:
             no_bias(f"{p}.linear_fc1.bias")
             no_bias(f"{p}.linear_fc2.bias")
-        if qwen:
+        if kind == "qwen2_moe":
             mlp(f"{m}.shared_experts", f"{dst}.mlp.shared_expert")
             out[f"{dst}.mlp.shared_expert_gate.weight"] = t[f"{m}.shared_experts.gate_weight"]
         return out

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from plugtron.api import normal_init, scaled_normal_init
 
+from .experts import gelu_approximation
+
 
 class SharedExpertMLP(torch.nn.Module):
     def __init__(self, config, backend, prefix: str, seed: int):
@@ -18,6 +20,7 @@ class SharedExpertMLP(torch.nn.Module):
         m, o = config.model, config.moe
         size = o.moe_shared_expert_intermediate_size
         self.swiglu = m.swiglu
+        self.gelu_approximation = gelu_approximation(config)
         self.linear_fc1 = backend.column_parallel_linear(
             m.hidden_size, size * (2 if m.swiglu else 1), bias=m.add_bias_linear,
             init_method=normal_init(m.init_method_std, seed, f"{prefix}.linear_fc1.weight"),
@@ -41,7 +44,7 @@ class SharedExpertMLP(torch.nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            h = F.gelu(h, approximate=self.gelu_approximation)
         out, _ = self.linear_fc2(h)
         if self.gate_weight is not None:
             out = out * torch.sigmoid(F.linear(x, self.gate_weight))

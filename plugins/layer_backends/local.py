@@ -145,19 +145,36 @@ class RMSNorm(torch.nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def attention_mask(q_len: int, k_len: int, window: tuple[int, int] | None,
+                   device) -> torch.Tensor | None:
+    """Which keys each query sees, ``[q_len, k_len]`` booleans (True: attend), or None where
+    plain causal attention (``is_causal``) is exact. Queries are the last ``q_len`` of the
+    ``k_len`` positions. ``window`` ``(left, 0)``: a query at i sees keys i-left..i (Megatron's
+    and TE's convention). The one place the mask is built, so other restrictions (document
+    boundaries) combine here."""
+    if window is None or window[0] >= k_len - 1:  # the window covers every earlier key
+        return None
+    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
+    k_pos = torch.arange(k_len, device=device)[None, :]
+    return (k_pos <= q_pos) & (q_pos - k_pos <= window[0])
+
+
 class CoreAttention(torch.nn.Module):
     """Causal scaled-dot-product attention over this rank's heads; key/value groups are
     repeated for GQA. Attention dropout draws from the model-parallel stream (``dropout_rng``):
     each tp rank holds different heads. Under context parallelism the keys of other cp ranks
-    are reached by the core's ``context_parallel_attention`` (``--cp-comm-type``)."""
+    are reached by the core's ``context_parallel_attention`` (``--cp-comm-type``).
+    ``window_size`` ``(left, 0)``: sliding-window attention (refused with cp > 1 before
+    launch)."""
 
     def __init__(self, num_heads, num_query_groups, head_dim, dropout, dropout_rng,
-                 parallel=None, cp_comm_type="p2p"):
+                 parallel=None, cp_comm_type="p2p", window_size=None):
         super().__init__()
         self.num_heads, self.num_query_groups = num_heads, num_query_groups
         self.dropout = dropout
         self._dropout_rng = dropout_rng
         self._parallel, self.cp_comm_type = parallel, cp_comm_type
+        self.window_size = window_size
 
     def forward(self, q, k, v):
         p = self.dropout if self.training else 0.0
@@ -165,10 +182,11 @@ class CoreAttention(torch.nn.Module):
             with self._dropout_rng():
                 return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p)
         b, s = q.shape[0], q.shape[1]
+        mask = attention_mask(s, k.shape[1], self.window_size, q.device)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         with self._dropout_rng():
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=p,
+                q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p,
                 enable_gqa=self.num_query_groups != self.num_heads)
         return out.transpose(1, 2).reshape(b, s, -1)
 
@@ -203,6 +221,9 @@ class LocalBackend(LayerBackend):
             mark_sequence_parallel(module)
         return module
 
-    def core_attention(self, num_heads, num_query_groups, head_dim, dropout):
+    def core_attention(self, num_heads, num_query_groups, head_dim, dropout, window_size=None):
+        """``window_size`` ``(left, 0)``: sliding-window attention (``--window-size``); an
+        extension of the interface this backend alone offers (validation refuses it on
+        others)."""
         return CoreAttention(num_heads, num_query_groups, head_dim, dropout, self.dropout_rng,
-                             self.parallel, self.config.parallel.cp_comm_type)
+                             self.parallel, self.config.parallel.cp_comm_type, window_size)

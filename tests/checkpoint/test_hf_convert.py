@@ -138,12 +138,14 @@ def test_plugtron_checkpoint_export_import_round_trip(layout, tmp_path):
 
 
 def test_unsupported_models_are_refused(tmp_path):
+    # gelu_new converts (--openai-gelu, test_hf_families.py); relu has no plugtron flag.
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4,
-                                     n_positions=32, bos_token_id=0, eos_token_id=0)
+                                     n_positions=32, bos_token_id=0, eos_token_id=0,
+                                     activation_function="relu")
     transformers.GPT2LMHeadModel(config).save_pretrained(str(tmp_path / "hf"))
     result = CliRunner().invoke(cli, ["convert", "import-hf", str(tmp_path / "hf"),
                                       str(tmp_path / "out")])
-    assert result.exit_code == 2 and "gelu_new" in result.output
+    assert result.exit_code == 2 and "'relu'" in result.output
     assert not os.path.exists(tmp_path / "out")
     result = CliRunner().invoke(cli, ["convert", "import-hf", str(tmp_path), str(tmp_path / "o")])
     assert result.exit_code == 2 and "config.json" in result.output

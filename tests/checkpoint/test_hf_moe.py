@@ -1,5 +1,5 @@
-"""Hugging Face interchange for MoE models (plugtron-moe's converters): tiny random Mixtral and
-Qwen2-MoE models built from configs (no downloads). plugtron's logits equal transformers'
+"""Hugging Face interchange for MoE models (plugtron-moe's converters): tiny random Mixtral,
+Qwen2-MoE and Qwen3-MoE models built from configs (no downloads). plugtron's logits equal transformers'
 within 1e-5 (fp32); export after import gives back the same tensors."""
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ def make_hf(kind: str, directory: str):
         config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=4,
                                             rope_theta=5000.0, **COMMON)
         model = transformers.MixtralForCausalLM(config)
+    elif kind == "qwen3_moe":  # per-head q/k norms, no shared expert, no biases
+        config = transformers.Qwen3MoeConfig(
+            intermediate_size=40, moe_intermediate_size=24, num_experts=4, head_dim=16,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], **COMMON)
+        model = transformers.Qwen3MoeForCausalLM(config)
     else:
         config = transformers.Qwen2MoeConfig(
             intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=20,
@@ -54,7 +59,7 @@ def run_for(path: str):
     return run
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen2_moe-norm"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen2_moe-norm", "qwen3_moe"])
 def test_import_gives_transformers_logits_and_exports_back(kind, tmp_path):
     hf_dir, ckpt, back = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
     model = make_hf(kind, hf_dir)

@@ -1,0 +1,176 @@
+"""The Llama family of Hugging Face layouts (``llama``, ``mistral``, ``qwen2``, ``qwen3``): how
+their config.json fields map to plugtron flags and back. The tensors are the same for all four
+(hf_convert.py), plus Qwen3's per-head ``q_norm`` / ``k_norm``.
+
+=========  ===========================================================================
+family     what differs from Llama
+=========  ===========================================================================
+mistral    ``sliding_window`` W (every layer): ``--window-size W-1,0``; no biases
+qwen2      biases on q, k, v only: ``--add-qkv-bias``; sliding window per ``layer_types``
+qwen3      ``q_norm`` / ``k_norm`` per head: ``--qk-layernorm``; ``attention_bias`` on q/k/v/o
+=========  ===========================================================================
+
+Rotary scaling (``rope_parameters``, or the older ``rope_scaling``): ``default``, ``linear``
+(``--rotary-seq-len-interpolation-factor``) and ``llama3`` (``--use-rope-scaling`` and its four
+options) convert exactly; any other type (``dynamic``, ``yarn``, ``longrope``, ...) is refused
+naming it, since plugtron would compute different angles.
+"""
+
+from __future__ import annotations
+
+from plugtron.api import ConfigError
+
+from .attention_options import attention_options, parse_window, rope_scaling
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def _need(d: dict, key: str, where: str):
+    if key not in d or d[key] is None:
+        raise ConfigError(f"config.json {where} has no {key!r}")
+    return d[key]
+
+
+# --------------------------------------------------------------------------- import
+
+
+def rope_flags(c: dict) -> dict:
+    """``rotary-base`` and the scaling flags of ``c``'s rotary settings."""
+    params = dict(c.get("rope_scaling") or {})
+    params.update(c.get("rope_parameters") or {})  # transformers 5's name wins
+    kind = params.get("rope_type") or params.get("type") or "default"
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
+    if float(params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))) != 1.0:
+        raise ConfigError("partial_rotary_factor != 1 is not supported: plugtron rotates every "
+                          "channel of a head")
+    flags = {"rotary-base": theta}
+    if kind == "default":
+        return flags
+    where = "rope_parameters"
+    if kind == "linear":
+        flags["rotary-seq-len-interpolation-factor"] = float(_need(params, "factor", where))
+        return flags
+    if kind == "llama3":
+        original = params.get("original_max_position_embeddings") or c.get(
+            "max_position_embeddings")
+        if original is None:
+            raise ConfigError("config.json rope_parameters (llama3) has no "
+                              "'original_max_position_embeddings'")
+        flags.update({"use-rope-scaling": True,
+                      "rope-scaling-factor": float(_need(params, "factor", where)),
+                      "rope-scaling-low-freq-factor": float(_need(params, "low_freq_factor",
+                                                                  where)),
+                      "rope-scaling-high-freq-factor": float(_need(params, "high_freq_factor",
+                                                                   where)),
+                      "rope-scaling-original-max-position-embeddings": int(original)})
+        return flags
+    raise ConfigError(f"rope type {kind!r} is not supported by plugtron: it converts 'default', "
+                      f"'linear' and 'llama3' rotary scaling exactly; {kind!r} would compute "
+                      f"different angles")
+
+
+def window_flags(c: dict, family: str) -> dict:
+    """``window-size`` where every layer uses the same sliding window; ConfigError where layers
+    differ (plugtron's window applies to every attention layer)."""
+    window = c.get("sliding_window")
+    if family == "mistral":
+        sliding = [window is not None] * c["num_hidden_layers"]
+    elif family in ("qwen2", "qwen3"):
+        types = c.get("layer_types")
+        if types is None:
+            on = bool(c.get("use_sliding_window")) and window is not None
+            first = c.get("max_window_layers", 0)
+            sliding = [on and i >= first for i in range(c["num_hidden_layers"])]
+        else:
+            sliding = [kind == "sliding_attention" for kind in types]
+    else:
+        if window is not None or c.get("use_sliding_window"):
+            raise ConfigError(f"{family} with a sliding window is not a layout plugtron reads")
+        return {}
+    if not any(sliding):
+        return {}
+    if not all(sliding):
+        raise ConfigError(f"{family}: some layers use sliding-window attention and some full "
+                          f"(layer_types / max_window_layers); plugtron's --window-size applies "
+                          f"to every layer")
+    if not isinstance(window, int) or window < 1:
+        raise ConfigError(f"config.json sliding_window must be a positive integer, got "
+                          f"{window!r}")
+    # Hugging Face's window of W keys includes the query's own position: Megatron's left W-1.
+    return {"window-size": f"{window - 1},0"}
+
+
+def bias_flags(c: dict, family: str) -> dict:
+    """``add-bias-linear`` / ``add-qkv-bias`` from the family's bias fields."""
+    if family == "qwen2":
+        return {"add-bias-linear": False, "add-qkv-bias": True}
+    if family == "mistral":
+        return {"add-bias-linear": False}
+    attention = bool(c.get("attention_bias", False))
+    mlp = bool(c.get("mlp_bias", False))
+    if family == "qwen3" and attention:
+        raise ConfigError("qwen3 attention_bias=true puts a bias on o_proj but not on the MLP; "
+                          "plugtron has one --add-bias-linear for every linear layer")
+    if attention != mlp:
+        raise ConfigError("attention_bias and mlp_bias differ; plugtron has one "
+                          "--add-bias-linear for all linear layers")
+    return {"add-bias-linear": attention}
+
+
+def family_flags(c: dict, family: str) -> dict:
+    """The flags of the family-specific fields (biases, window, rope, q/k norms)."""
+    flags = bias_flags(c, family) | window_flags(c, family) | rope_flags(c)
+    if family == "qwen3":
+        flags["qk-layernorm"] = True
+    return flags
+
+
+# --------------------------------------------------------------------------- export
+
+
+def family_of(config) -> str:
+    """Which family a plugtron run config is exported as, or ConfigError saying why none."""
+    m, o = config.model, attention_options(config)
+    qkv_only = o.add_qkv_bias and not m.add_bias_linear
+    if o.qk_layernorm:
+        if m.add_bias_linear or qkv_only:
+            raise ConfigError("--qk-layernorm exports as Qwen3, which has no MLP biases and no "
+                              "q/k/v-only biases; use --disable-bias-linear without "
+                              "--add-qkv-bias")
+        return "qwen3"
+    if qkv_only:
+        return "qwen2"
+    if parse_window(o.window_size) is not None:
+        if m.add_bias_linear:
+            raise ConfigError("--window-size exports as Mistral (or Qwen2 with --add-qkv-bias), "
+                              "neither of which has biases on every linear layer")
+        return "mistral"
+    return "llama"
+
+
+def family_config(config, family: str) -> dict:
+    """The family-specific config.json fields of ``config``."""
+    m, o = config.model, attention_options(config)
+    theta = float(m.rotary_base)
+    rope = {"rope_theta": theta, "rope_type": "default"}
+    scaling = rope_scaling(config)
+    if scaling is not None:
+        rope = {"rope_theta": theta} | scaling
+    out = {"architectures": [ARCHITECTURES[family]], "model_type": family,
+           "rope_theta": theta, "rope_parameters": rope}
+    window = parse_window(o.window_size)
+    size = window[0] + 1 if window is not None else None
+    if family == "llama":
+        out.update({"attention_bias": m.add_bias_linear, "mlp_bias": m.add_bias_linear})
+    elif family == "mistral":
+        out["sliding_window"] = size
+    else:
+        kind = "sliding_attention" if window is not None else "full_attention"
+        out.update({"use_sliding_window": window is not None, "sliding_window": size,
+                    "max_window_layers": 0 if window is not None else m.num_layers,
+                    "layer_types": [kind] * m.num_layers})
+        if family == "qwen3":
+            out["attention_bias"] = False
+    return out

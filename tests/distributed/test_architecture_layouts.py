@@ -1,0 +1,24 @@
+"""The architecture options of the downloaded families (issue 15) train like one process under
+tp 2, tp 2 with sequence parallelism and pp 2, all on in one model: --openai-gelu, a sliding
+window shorter than the sequence, q/k/v-only biases, per-head q/k norms and Llama 3.x rope
+scaling (fp32, dropout 0, relative 1e-5 on losses and grad norms). One spawn for the module."""
+
+from __future__ import annotations
+
+import pytest
+from plugtron.testing import assert_layouts_match
+
+FLAGS = {"model": "gpt", "openai-gelu": True, "window-size": "5,0", "add-bias-linear": False,
+         "add-qkv-bias": True, "qk-layernorm": True, "normalization": "RMSNorm",
+         "num-query-groups": 2, "position-embedding-type": "rope", "use-rope-scaling": True,
+         "rope-scaling-factor": 4.0, "rope-scaling-original-max-position-embeddings": 8}
+
+
+@pytest.fixture(scope="module")
+def pool(rank_pool_factory):
+    return rank_pool_factory(2)
+
+
+def test_all_architecture_options_match_one_process(pool):
+    assert_layouts_match(FLAGS, layouts=[{"tp": 2}, {"tp": 2, "sequence-parallel": True},
+                                         {"pp": 2}], pool=pool)
