@@ -21,7 +21,7 @@ from .. import registry
 from ..config import TrainConfig, padded_vocab_size
 from ..errors import CheckpointError, ConfigError
 from ..plugin_options import config_from_dict, config_from_flags
-from . import state, writer
+from . import hf_strict, state, writer
 from .loader import malformed
 from .pieces import Box
 from .reader import CheckpointReader
@@ -146,17 +146,6 @@ def read_hf_dir(path: str) -> tuple[dict, dict]:
     return config, tensors
 
 
-def _check_vocab_rows(hf_dir: str, vocab_size: int, tensors: dict, vocab_tensors) -> None:
-    """``vocab_size`` of config.json cannot exceed the rows the files hold: padding a handful
-    of rows is expected, padding to an absurd size would allocate it."""
-    for name in vocab_tensors:
-        tensor = tensors.get(name)
-        if tensor is not None and tensor.dim() and vocab_size > tensor.shape[0]:
-            raise CheckpointError(f"{os.path.join(hf_dir, 'config.json')}: field vocab_size "
-                                  f"{vocab_size} exceeds the {tensor.shape[0]} rows of {name} "
-                                  f"in the weight files")
-
-
 def write_hf_dir(path: str, config: dict, tensors: dict) -> None:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
@@ -181,21 +170,31 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     hf_config, hf_tensors = read_hf_dir(hf_dir)
     converter = converter_for_hf(model, hf_config)
     where = os.path.join(hf_dir, "config.json")
+    source = hf_strict.SourceTensors(hf_tensors)
     try:
-        flags, tensors = converter.import_hf(hf_config, hf_tensors)
+        flags, tensors = converter.import_hf(hf_config, source)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError,
             OverflowError) as exc:
         raise CheckpointError(f"{where} does not describe the weight files "
                               f"({type(exc).__name__}: {exc})") from None
+    hf_strict.check_reads(source, converter, flags, hf_dir)
     model = getattr(converter, "model", model)
     # With the options of the plugins the run selects (an MoE converter sets --num-experts).
-    config = config_from_flags({**flags, "model": model}, f"converted {hf_dir!r}")
+    try:
+        config = config_from_flags({**flags, "model": model}, "the settings it implies")
+    except ConfigError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
     m = config.model
     if not isinstance(m.vocab_size, int) or m.vocab_size < 1:
         raise CheckpointError(f"{where}: field vocab_size must be a positive integer, got "
                               f"{m.vocab_size!r}")
-    _check_vocab_rows(hf_dir, m.vocab_size, tensors, converter.vocab_tensors)
     m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    expected = hf_strict.expected_shapes(config, converter.vocab_tensors, flags, where)
+    exported = hf_strict.exported_shapes(converter, config, expected,
+                                         next(iter(hf_tensors.values())).dtype)
+    if exported is not None:
+        hf_strict.check_source_shapes(source, exported, hf_dir)
+    hf_strict.check_model_shapes(tensors, expected, hf_dir)
     entries = []
     for name, tensor in sorted(tensors.items()):
         tensor = tensor.to(dtype) if dtype is not None else tensor
@@ -235,6 +234,15 @@ def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
     return config, tensors, reader
 
 
+def run_export(converter, config: TrainConfig, tensors: dict) -> tuple[dict, dict]:
+    """The converter's export, called the way it declares (see :class:`Converter`)."""
+    if hasattr(converter, "export_hf_from"):
+        return converter.export_hf_from(config, tensors)
+    if "config" in inspect.signature(converter.export_hf).parameters:
+        return converter.export_hf(config.model, tensors, config=config)
+    return converter.export_hf(config.model, tensors)
+
+
 def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
     """Write the model of checkpoint ``path`` as a Hugging Face directory."""
     config, tensors, reader = checkpoint_tensors(path)
@@ -242,12 +250,7 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir!r} exists and is not empty; choose a new directory")
     with malformed(reader, "config.model"):
-        if hasattr(converter, "export_hf_from"):
-            hf_config, hf_tensors = converter.export_hf_from(config, tensors)
-        elif "config" in inspect.signature(converter.export_hf).parameters:
-            hf_config, hf_tensors = converter.export_hf(config.model, tensors, config=config)
-        else:
-            hf_config, hf_tensors = converter.export_hf(config.model, tensors)
+        hf_config, hf_tensors = run_export(converter, config, tensors)
     if dtype is not None:
         hf_tensors = {k: v.to(dtype) for k, v in hf_tensors.items()}
     hf_config["torch_dtype"] = str(next(iter(hf_tensors.values())).dtype).removeprefix("torch.")
