@@ -156,6 +156,29 @@ def write_hf_dir(path: str, config: dict, tensors: dict) -> None:
     save_file(payload, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
 
 
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_token_flags(hf_dir: str, hf_config: dict) -> dict:
+    """bos/eos/pad ids of config.json (generation_config.json where config.json has none) as
+    plugtron flags. A list of eos ids (Llama 3) keeps its first: plugtron has one eod."""
+    sources = [hf_config]
+    if os.path.lexists(os.path.join(hf_dir, "generation_config.json")):
+        sources.append(_hf_json(hf_dir, "generation_config.json"))
+    flags = {}
+    for key in SPECIAL_TOKENS:
+        value = next((s[key] for s in sources if s.get(key) is not None), None)
+        if isinstance(value, list) and value:
+            value = value[0]
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(f"{os.path.join(hf_dir, 'config.json')}: field {key} must be "
+                                  f"a token id (an integer >= 0), got {value!r}")
+        flags[key.replace("_", "-")] = value
+    return flags
+
+
 def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     if tensor.shape[0] >= rows:
         return tensor[:rows]
@@ -178,6 +201,7 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
         raise CheckpointError(f"{where} does not describe the weight files "
                               f"({type(exc).__name__}: {exc})") from None
     hf_strict.check_reads(source, converter, flags, hf_dir)
+    flags = {**special_token_flags(hf_dir, hf_config), **flags}
     model = getattr(converter, "model", model)
     # With the options of the plugins the run selects (an MoE converter sets --num-experts).
     try:
@@ -210,7 +234,7 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     metadata = state.base_metadata(config, 0, 0, layout,
                                    {"model": True, "optimizer": False, "rng": False})
     metadata["source"] = {"format": "huggingface", "path": os.path.abspath(hf_dir),
-                          "model_type": hf_config.get("model_type")}
+                          "model_type": hf_config.get("model_type"), "flags": flags}
     # Only the model plugin and its converter made this checkpoint; no run selected the others.
     chosen = {"model": model, "converter": model}
     metadata["plugins"] = {role: metadata["plugins"].get(role) or _plugin_info("converter", name)

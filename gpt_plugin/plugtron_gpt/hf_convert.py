@@ -99,7 +99,7 @@ def llama_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
              "position-embedding-type": "rope", "rotary-base": _rope_theta(c),
              "normalization": "RMSNorm", "norm-epsilon": c.get("rms_norm_eps", 1e-6),
              "swiglu": True, "untie-embeddings-and-output-weights": not tied,
-             "add-bias-linear": bias,
+             "add-bias-linear": bias, "hidden-dropout": 0.0,  # Llama has no residual dropout
              "attention-dropout": float(c.get("attention_dropout", 0.0))}
     if c.get("max_position_embeddings"):
         flags["max-position-embeddings"] = c["max_position_embeddings"]

@@ -132,6 +132,7 @@ class MoEConverter:
                  "norm-epsilon": c.get("rms_norm_eps", 1e-6), "swiglu": True,
                  "untie-embeddings-and-output-weights": not tied, "add-bias-linear": qwen,
                  "attention-dropout": float(c.get("attention_dropout", 0.0)),
+                 "hidden-dropout": 0.0,  # Mixtral and Qwen2-MoE have no residual dropout
                  "num-experts": experts, "moe-router-topk": c["num_experts_per_tok"],
                  "moe-ffn-hidden-size": moe_ffn,
                  "moe-layer-freq": "[" + ",".join(str(int(s)) for s in sparse) + "]",
