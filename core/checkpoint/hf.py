@@ -15,16 +15,14 @@ from typing import Protocol
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .. import registry
 from ..config import TrainConfig, padded_vocab_size
 from ..errors import CheckpointError, ConfigError
-from ..plugin_options import config_from_dict, config_from_flags
+from ..plugin_options import config_from_flags
 from . import hf_strict, state, writer
-from .loader import malformed
 from .pieces import Box
-from .reader import CheckpointReader
 from .safe_files import check_plain_name, read_small, regular_file_size
 from .st_header import read_header
 
@@ -146,16 +144,6 @@ def read_hf_dir(path: str) -> tuple[dict, dict]:
     return config, tensors
 
 
-def write_hf_dir(path: str, config: dict, tensors: dict) -> None:
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    # Own, contiguous storage per tensor (safetensors refuses views and shared storage).
-    payload = {k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-               for k, v in tensors.items()}
-    save_file(payload, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-
-
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -242,22 +230,6 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     return writer.write_single(out_dir, entries, metadata), config
 
 
-def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
-    """The model's full tensors from a checkpoint of any layout, vocabulary padding removed."""
-
-    reader = CheckpointReader(path)
-    with malformed(reader, "config"):
-        config = config_from_dict(reader.config)
-    converter = converter_for_config(config)
-    tensors = {}
-    for name in reader.names("model/"):
-        tensor = reader.read_full(f"model/{name}")
-        if name in converter.vocab_tensors:
-            tensor = tensor[:config.model.vocab_size]
-        tensors[name] = tensor
-    return config, tensors, reader
-
-
 def run_export(converter, config: TrainConfig, tensors: dict) -> tuple[dict, dict]:
     """The converter's export, called the way it declares (see :class:`Converter`)."""
     if hasattr(converter, "export_hf_from"):
@@ -267,16 +239,9 @@ def run_export(converter, config: TrainConfig, tensors: dict) -> tuple[dict, dic
     return converter.export_hf(config.model, tensors)
 
 
-def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
-    """Write the model of checkpoint ``path`` as a Hugging Face directory."""
-    config, tensors, reader = checkpoint_tensors(path)
-    converter = converter_for_config(config)
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ConfigError(f"{out_dir!r} exists and is not empty; choose a new directory")
-    with malformed(reader, "config.model"):
-        hf_config, hf_tensors = run_export(converter, config, tensors)
-    if dtype is not None:
-        hf_tensors = {k: v.to(dtype) for k, v in hf_tensors.items()}
-    hf_config["torch_dtype"] = str(next(iter(hf_tensors.values())).dtype).removeprefix("torch.")
-    write_hf_dir(out_dir, hf_config, hf_tensors)
-    return out_dir
+def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None,
+              max_shard_size=None) -> str:
+    """Write the model of checkpoint ``path`` as a Hugging Face directory (hf_export.py)."""
+    from .hf_export import export_hf as run
+
+    return run(path, out_dir, dtype, max_shard_size)
