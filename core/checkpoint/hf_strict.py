@@ -82,8 +82,8 @@ def _layer_hint(names, flags: dict) -> str:
     layers = flags.get("num-layers")
     found = {int(a or b) for n in names for a, b in _LAYER.findall(n)}
     if isinstance(layers, int) and found and max(found) >= layers:
-        return (f"; the files hold layer {max(found)} but config.json gives {layers} layers: "
-                f"the layer count disagrees with the weights")
+        return (f"; config.json gives {layers} layer(s) but the files hold layers 0..."
+                f"{max(found)}: the layer count disagrees with the weights")
     return ""
 
 
