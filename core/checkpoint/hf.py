@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 from typing import Protocol
 
 import torch
@@ -160,9 +161,13 @@ def special_token_flags(hf_dir: str, hf_config: dict) -> dict:
             value = value[0]
         if value is None:
             continue
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise CheckpointError(f"{os.path.join(hf_dir, 'config.json')}: field {key} must be "
-                                  f"a token id (an integer >= 0), got {value!r}")
+        vocab = hf_config.get("vocab_size")
+        if (not isinstance(value, int) or isinstance(value, bool) or value < 0
+                or isinstance(vocab, int) and value >= vocab):
+            # Some published configs carry e.g. pad_token_id -1; transformers tolerates them.
+            print(f"note: {os.path.join(hf_dir, 'config.json')}: field {key} {value!r} is not "
+                  f"a token id of the vocabulary; not recorded", file=sys.stderr)
+            continue
         flags[key.replace("_", "-")] = value
     return flags
 

@@ -13,7 +13,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
+from plugtron.core.checkpoint import CheckpointReader
+from plugtron.core.errors import ConfigError
+from plugtron.core.validate import validate
 from safetensors.torch import load_file, save_file
+
+from ..utils import tiny_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,6 +68,17 @@ def _import(target):
 def test_clean_model_converts(llama_dir, tmp_path):
     result = _import(_copy(llama_dir, tmp_path, "clean"))
     assert result.exit_code == 0, result.output
+    # pad_token_id -1 (some published configs): tolerated, as transformers does, not recorded
+    odd = _copy(llama_dir, tmp_path, "pad-minus-1")
+    _config(odd, lambda c: {**c, "pad_token_id": -1, "eos_token_id": 2})
+    assert _import(odd).exit_code == 0
+    model = CheckpointReader(odd + "-out").config["model"]
+    assert model["pad_token_id"] is None and model["eos_token_id"] == 2
+
+
+def test_token_ids_outside_the_vocabulary_are_refused():
+    with pytest.raises(ConfigError, match="--eos-token-id 100 is not a token id"):
+        validate(tiny_config(eos_token_id=100), world_size=1)
 
 
 def _set(key, value):

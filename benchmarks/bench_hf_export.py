@@ -1,0 +1,103 @@
+"""Peak memory of ``convert export-hf`` against the model's size.
+
+Makes a random Llama-shaped Hugging Face model (default ~90M parameters, fp32), imports it once,
+then exports the checkpoint in fresh processes, alternating rounds between
+
+* ``streamed``: plugtron's export (a lazy checkpoint view, tensors written one at a time), and
+* ``reference``: the whole-model path (every tensor read, the converter's output cloned, then
+  ``safetensors.save_file``), which plugtron used before,
+
+and reports each child's peak RSS above a child that only imports the same modules.
+
+    python benchmarks/bench_hf_export.py [--hidden 768 --layers 6 --vocab 32000 --rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+CHILD = r"""
+import json, resource, sys
+import torch
+from plugtron.core.checkpoint import hf, hf_export
+mode, ckpt, out = sys.argv[1:4]
+if mode == "streamed":
+    hf.export_hf(ckpt, out)
+elif mode == "reference":
+    from safetensors.torch import save_file
+    from plugtron.core.checkpoint.reader import CheckpointReader
+    from plugtron.core.plugin_options import config_from_dict
+    reader = CheckpointReader(ckpt)
+    config = config_from_dict(reader.config)
+    conv = hf.converter_for_config(config)
+    tensors = {}
+    for name in reader.names("model/"):
+        t = reader.read_full(f"model/{name}")
+        tensors[name] = t[:config.model.vocab_size] if name in conv.vocab_tensors else t
+    _, out_t = hf.run_export(conv, config, tensors)
+    save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in out_t.items()},
+              out + ".safetensors")
+print(json.dumps({"maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def child(mode: str, ckpt: str, out: str) -> float:
+    done = subprocess.run([sys.executable, "-c", CHILD, mode, ckpt, out], check=True,
+                          capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["maxrss_kb"] / 1024
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    import torch
+    import transformers
+    from plugtron.core.checkpoint.hf import import_hf
+
+    root = tempfile.mkdtemp(prefix="bench-hf-export-")
+    try:
+        config = transformers.LlamaConfig(
+            vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3,
+            num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+            num_key_value_heads=args.hidden // 128)
+        model = transformers.LlamaForCausalLM(config)
+        params = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(os.path.join(root, "hf"))
+        del model
+        import_hf(os.path.join(root, "hf"), os.path.join(root, "ckpt"))
+        size_mb = params * 4 / 2**20
+        results = {"baseline": [], "streamed": [], "reference": []}
+        for r in range(args.rounds):
+            order = ("streamed", "reference") if r % 2 == 0 else ("reference", "streamed")
+            for mode in ("baseline", *order):
+                out = os.path.join(root, f"{mode}-{r}")
+                results[mode].append(child(mode, os.path.join(root, "ckpt"), out))
+                shutil.rmtree(out, ignore_errors=True)
+                if os.path.exists(out + ".safetensors"):
+                    os.remove(out + ".safetensors")
+        base = statistics.median(results["baseline"])
+        print(f"model: {params / 1e6:.1f}M parameters, {size_mb:.0f} MiB fp32; "
+              f"baseline process {base:.0f} MiB; torch {torch.__version__}")
+        print("| export | peak RSS above baseline (MiB, median) | / model size | rounds |")
+        print("|---|---|---|---|")
+        for mode in ("streamed", "reference"):
+            extra = statistics.median(results[mode]) - base
+            print(f"| {mode} | {extra:.0f} | {extra / size_mb:.2f}x | "
+                  f"{', '.join(f'{v - base:.0f}' for v in results[mode])} |")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
