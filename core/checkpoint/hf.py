@@ -41,13 +41,20 @@ class Converter(Protocol):
 
     def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
         """-> (plugtron settings as ``{flag name: value}``, ``{plugtron name: tensor}``).
-        Raise ``ConfigError`` for a model this converter cannot represent."""
+        Raise ``ConfigError`` for a model this converter cannot represent.
+
+        ``tensors`` is a read-only mapping that counts each ``tensors[name]``: the core then
+        requires every tensor of the files read exactly once and checks every shape
+        (hf_strict.py), so read through it (``in`` is free) rather than copying it."""
 
     def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
         """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``). A converter whose
         ``export_hf`` also takes ``config`` gets the whole ``TrainConfig`` there (its model's
         own option sections included, e.g. ``config.hybrid``)."""
 
+    # Optional: ``ignored_hf_tensors``, regular expressions of file tensors that carry no
+    # weights (GPT-2's causal-mask buffers), accepted unread by the strict import.
+    #
     # Optional, for converters that another plugin ships for a model it extends (plugtron-moe's
     # Mixtral for the ``gpt`` model):
     #
