@@ -94,11 +94,15 @@ class HFLoad:
 
     def finish(self, config) -> None:
         """--load points at the cached checkpoint; nothing contradicts config.json."""
-        from plugtron.core.checkpoint.hf_load import check_agrees
+        from plugtron.core.checkpoint.hf_load import check_agrees, is_hf_dir
 
         if self.base is not None:
             config.checkpoint.load = self.base.checkpoint.load
             check_agrees(config, self.base, self.flags, self.dir)
+        elif is_hf_dir(config.checkpoint.load):  # from a config file: too late for its flags
+            raise ConfigError(f"load {config.checkpoint.load!r} (a Hugging Face directory) must "
+                              f"be given on the command line as --load, so that its model "
+                              f"settings are known before the options are built")
 
 
 def make_train_command(args: list[str]) -> click.Command:
