@@ -55,11 +55,17 @@ def import_hf(hf_dir, out_dir, model, dtype):
 @convert.command("export-hf")
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path())
-@click.option("--dtype", type=click.Choice(DTYPES), help="Cast the weights (default: keep).")
+@click.option("--dtype", type=click.Choice(DTYPES),
+              help="Cast the weights (default: keep). float32 from a bf16/fp16 run exports the "
+                   "optimizer's fp32 master weights where the checkpoint has them.")
+@click.option("--max-shard-size", default="50GB", show_default=True,
+              help="Largest safetensors shard (e.g. 5GB, 500MB, 2GiB); more than one shard "
+                   "writes model.safetensors.index.json.")
 @user_errors
-def export_hf(checkpoint, out_dir, dtype):
+def export_hf(checkpoint, out_dir, dtype, max_shard_size):
     """Write the model of CHECKPOINT (any layout; a directory of them: the newest) as a Hugging
-    Face directory OUT_DIR."""
+    Face directory OUT_DIR: config.json and generation_config.json (with bos/eos/pad ids),
+    the tokenizer files when the checkpoint names a tokenizer, safetensors shards."""
     from plugtron.core.checkpoint.hf import export_hf as run_export
 
-    click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype))}")
+    click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype), max_shard_size)}")

@@ -21,18 +21,21 @@ from .options import (
     prescan,
 )
 from .preflight import preflight
-from .train import check_data_paths, check_plugins
+from .train import HFLoad, check_data_paths, check_plugins, load_argument
 
 
-def checkpoint_base(load: str | None) -> TrainConfig:
+def checkpoint_base(load: str | None, model: str = "gpt") -> TrainConfig:
     """The checkpoint's own settings (model, data, seed, plugin sections), with the layout,
-    checkpoint and logging sections reset."""
-    from plugtron.core.checkpoint import CheckpointReader
+    checkpoint and logging sections reset. A Hugging Face directory is imported (cached) and
+    read as its checkpoint."""
+    from plugtron.core.checkpoint import CheckpointReader, hf_load
     from plugtron.core.plugin_options import config_from_dict
 
     if not load:
         raise ConfigError("plugtron evaluate needs --load DIR (a checkpoint or a directory of "
-                          "them)")
+                          "them, or a Hugging Face model directory)")
+    if hf_load.is_hf_dir(load):
+        load = hf_load.import_cached(load, model)
     reader = CheckpointReader(load)
     base = config_from_dict(reader.config)
     base.parallel, base.logging = ParallelConfig(), LoggingConfig()
@@ -42,31 +45,29 @@ def checkpoint_base(load: str | None) -> TrainConfig:
     return base
 
 
-def evaluation_config(params: dict, config_file: str | None, declared=()) -> TrainConfig:
-    """The checkpoint's settings; the config file and flags override."""
-    base = checkpoint_base(params.get("checkpoint__load"))
+def evaluation_config(params: dict, config_file: str | None, declared=(),
+                      hf: HFLoad | None = None) -> TrainConfig:
+    """The checkpoint's settings; the config file and flags override (except the settings a
+    Hugging Face directory's config.json fixes: those must agree)."""
+    base = hf.config_base() if hf is not None and hf.dir else None
+    if base is None:
+        base = checkpoint_base(params.get("checkpoint__load"))
     load = base.checkpoint.load
     config = build_config(params, config_file, None, base=base, declared=declared)
     config.checkpoint.load = load
+    if hf is not None:
+        hf.finish(config)
     config.checkpoint.save = config.checkpoint.save_interval = None
     if config.training.eval_iters < 1:
         raise ConfigError("plugtron evaluate needs --eval-iters of at least 1")
     return config
 
 
-def _load_argument(args: list[str]) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == "--load" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--load="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def make_evaluate_command(args: list[str]) -> click.Command:
     """``evaluate`` with the options of the plugins the checkpoint (and ``args``) select."""
+    hf = HFLoad(args, prescan(args).plugins.model)
     try:
-        base = checkpoint_base(_load_argument(args))
+        base = hf.config_base() if hf.dir else checkpoint_base(load_argument(args))
     except PlugtronError:
         base = None  # reported when the command runs
     declared = declared_sections(prescan(args, base))
@@ -83,7 +84,7 @@ def make_evaluate_command(args: list[str]) -> click.Command:
         """Validation losses (valid_<report key>) of checkpoint --load on the data the data
         flags give (--data, --data-path, --split, --eval-iters), in the layout the parallel
         flags give. Model settings come from the checkpoint; flags override them."""
-        config = evaluation_config(params, config_file, declared)
+        config = evaluation_config(params, config_file, declared, hf)
         external = launched_externally()
         world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
         check_plugins(config)

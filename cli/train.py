@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import click
@@ -59,9 +60,55 @@ def check_load(config) -> None:
     CheckpointReader(path).close()
 
 
+def load_argument(args: list[str]) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == "--load" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--load="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+class HFLoad:
+    """``--load HF_DIR``: the imported model's config (``base``, whose --load is the cached
+    checkpoint) and the settings the import fixed (``flags``); ``error`` if it cannot be
+    imported (reported when the command runs, not while click builds it)."""
+
+    def __init__(self, args: list[str], model: str):
+        from plugtron.core.checkpoint import hf_load
+        from plugtron.core.errors import PlugtronError
+
+        self.dir, self.base, self.flags, self.error = load_argument(args), None, {}, None
+        if not hf_load.is_hf_dir(self.dir):
+            self.dir = None
+            return
+        try:
+            self.base, self.flags = hf_load.hf_base(self.dir, model)
+        except PlugtronError as exc:
+            self.error = exc
+
+    def config_base(self):
+        if self.error is not None:
+            raise self.error
+        return copy.deepcopy(self.base) if self.base is not None else None
+
+    def finish(self, config) -> None:
+        """--load points at the cached checkpoint; nothing contradicts config.json."""
+        from plugtron.core.checkpoint.hf_load import check_agrees, is_hf_dir
+
+        if self.base is not None:
+            config.checkpoint.load = self.base.checkpoint.load
+            check_agrees(config, self.base, self.flags, self.dir)
+        elif is_hf_dir(config.checkpoint.load):  # from a config file: too late for its flags
+            raise ConfigError(f"load {config.checkpoint.load!r} (a Hugging Face directory) must "
+                              f"be given on the command line as --load, so that its model "
+                              f"settings are known before the options are built")
+
+
 def make_train_command(args: list[str]) -> click.Command:
     """The ``train`` command with the options of the plugins that ``args`` select."""
-    selection = prescan(args)
+    hf = HFLoad(args, prescan(args).plugins.model)
+    selection = prescan(args, hf.base and copy.deepcopy(hf.base))
     declared = declared_sections(selection)
     presets = model_presets(selection)
 
@@ -78,7 +125,9 @@ def make_train_command(args: list[str]) -> click.Command:
     def train(config_file, preset, nproc_per_node, **params):
         """Train a model. Under torchrun (or any launcher setting RANK/WORLD_SIZE) each rank
         joins that world; otherwise --nproc-per-node local ranks are started."""
-        config = build_config(params, config_file, preset, declared=declared, presets=presets)
+        config = build_config(params, config_file, preset, base=hf.config_base(),
+                              declared=declared, presets=presets)
+        hf.finish(config)
         external = launched_externally()
         if external and nproc_per_node > 1:
             raise ConfigError("--nproc-per-node cannot be used under torchrun: the launcher "

@@ -68,6 +68,14 @@ class ModelConfig:
                                 "Keep logits vocab-sharded into the loss.", is_flag=True,
                                 negative="--no-parallel-output")
     label_smoothing: float = opt(0.0, "--label-smoothing", "Label smoothing of the loss.")
+    # Recorded so that an export (config.json, generation_config.json) and generation keep them;
+    # an imported model takes them from its config.json.
+    bos_token_id: int | None = opt(None, "--bos-token-id", "Beginning-of-sequence token id "
+                                   "(default: the tokenizer's).")
+    eos_token_id: int | None = opt(None, "--eos-token-id", "End-of-sequence token id "
+                                   "(default: the tokenizer's eod).")
+    pad_token_id: int | None = opt(None, "--pad-token-id", "Padding token id "
+                                   "(default: the tokenizer's).")
 
     # Derived by finalize(); not flags.
     padded_vocab_size: int | None = None

@@ -40,14 +40,18 @@ class LoadedModel(torch.nn.Module):
         return logits if logits.dtype == torch.bfloat16 else logits.float()
 
 
-def load_model(path: str, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(path: str, device: str | torch.device = "cpu", model: str = "gpt") -> LoadedModel:
     """Load the model of checkpoint ``path`` (or the newest complete one in a directory of
-    them) into this process, in eval mode: fp32, or bf16 when the run trained in bf16."""
-    from .checkpoint import CheckpointReader
+    them, or a Hugging Face model directory, imported strictly into the ``--load HF_DIR``
+    cache with converter plugin ``model``) into this process, in eval mode: fp32, or bf16 when
+    the run trained in bf16."""
+    from .checkpoint import CheckpointReader, hf_load
     from .checkpoint.loader import load_checkpoint
     from .plugin_manager import new_plugin_manager
     from .plugin_options import config_from_dict
 
+    if hf_load.is_hf_dir(path):
+        path = hf_load.import_cached(path, model)
     reader = CheckpointReader(path)
     config = config_from_dict(reader.config)
     reader.close()

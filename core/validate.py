@@ -83,6 +83,11 @@ def validate_tensor_parallel(config: TrainConfig, tp: int | None = None) -> None
                           f"{m.make_vocab_size_divisible_by}")
     if m.vocab_size is not None and m.vocab_size < 1:
         raise ConfigError(f"--vocab-size must be at least 1, got {m.vocab_size}")
+    for kind in ("bos", "eos", "pad"):
+        token = getattr(m, f"{kind}_token_id", None)
+        if token is not None and not (0 <= token < (m.vocab_size or token + 1)):
+            raise ConfigError(f"--{kind}-token-id {token} is not a token id of the vocabulary "
+                              f"(0 to --vocab-size - 1 = {(m.vocab_size or 1) - 1})")
     if m.padded_vocab_size is not None and m.padded_vocab_size % tp:
         raise ConfigError(f"the padded vocabulary {m.padded_vocab_size} is not divisible by "
                           f"--tp {tp} (it is padded to a multiple of "

@@ -11,20 +11,19 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 from typing import Protocol
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from .. import registry
 from ..config import TrainConfig, padded_vocab_size
 from ..errors import CheckpointError, ConfigError
-from ..plugin_options import config_from_dict, config_from_flags
-from . import state, writer
-from .loader import malformed
+from ..plugin_options import config_from_flags
+from . import hf_strict, state, writer
 from .pieces import Box
-from .reader import CheckpointReader
 from .safe_files import check_plain_name, read_small, regular_file_size
 from .st_header import read_header
 
@@ -42,13 +41,20 @@ class Converter(Protocol):
 
     def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
         """-> (plugtron settings as ``{flag name: value}``, ``{plugtron name: tensor}``).
-        Raise ``ConfigError`` for a model this converter cannot represent."""
+        Raise ``ConfigError`` for a model this converter cannot represent.
+
+        ``tensors`` is a read-only mapping that counts each ``tensors[name]``: the core then
+        requires every tensor of the files read exactly once and checks every shape
+        (hf_strict.py), so read through it (``in`` is free) rather than copying it."""
 
     def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
         """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``). A converter whose
         ``export_hf`` also takes ``config`` gets the whole ``TrainConfig`` there (its model's
         own option sections included, e.g. ``config.hybrid``)."""
 
+    # Optional: ``ignored_hf_tensors``, regular expressions of file tensors that carry no
+    # weights (GPT-2's causal-mask buffers), accepted unread by the strict import.
+    #
     # Optional, for converters that another plugin ships for a model it extends (plugtron-moe's
     # Mixtral for the ``gpt`` model):
     #
@@ -146,25 +152,31 @@ def read_hf_dir(path: str) -> tuple[dict, dict]:
     return config, tensors
 
 
-def _check_vocab_rows(hf_dir: str, vocab_size: int, tensors: dict, vocab_tensors) -> None:
-    """``vocab_size`` of config.json cannot exceed the rows the files hold: padding a handful
-    of rows is expected, padding to an absurd size would allocate it."""
-    for name in vocab_tensors:
-        tensor = tensors.get(name)
-        if tensor is not None and tensor.dim() and vocab_size > tensor.shape[0]:
-            raise CheckpointError(f"{os.path.join(hf_dir, 'config.json')}: field vocab_size "
-                                  f"{vocab_size} exceeds the {tensor.shape[0]} rows of {name} "
-                                  f"in the weight files")
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def write_hf_dir(path: str, config: dict, tensors: dict) -> None:
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    # Own, contiguous storage per tensor (safetensors refuses views and shared storage).
-    payload = {k: v.detach().to("cpu").clone(memory_format=torch.contiguous_format)
-               for k, v in tensors.items()}
-    save_file(payload, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+def special_token_flags(hf_dir: str, hf_config: dict) -> dict:
+    """bos/eos/pad ids of config.json (generation_config.json where config.json has none) as
+    plugtron flags. A list of eos ids (Llama 3) keeps its first: plugtron has one eod."""
+    sources = [hf_config]
+    if os.path.lexists(os.path.join(hf_dir, "generation_config.json")):
+        sources.append(_hf_json(hf_dir, "generation_config.json"))
+    flags = {}
+    for key in SPECIAL_TOKENS:
+        value = next((s[key] for s in sources if s.get(key) is not None), None)
+        if isinstance(value, list) and value:
+            value = value[0]
+        if value is None:
+            continue
+        vocab = hf_config.get("vocab_size")
+        if (not isinstance(value, int) or isinstance(value, bool) or value < 0
+                or isinstance(vocab, int) and value >= vocab):
+            # Some published configs carry e.g. pad_token_id -1; transformers tolerates them.
+            print(f"note: {os.path.join(hf_dir, 'config.json')}: field {key} {value!r} is not "
+                  f"a token id of the vocabulary; not recorded", file=sys.stderr)
+            continue
+        flags[key.replace("_", "-")] = value
+    return flags
 
 
 def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
@@ -181,21 +193,32 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     hf_config, hf_tensors = read_hf_dir(hf_dir)
     converter = converter_for_hf(model, hf_config)
     where = os.path.join(hf_dir, "config.json")
+    source = hf_strict.SourceTensors(hf_tensors)
     try:
-        flags, tensors = converter.import_hf(hf_config, hf_tensors)
+        flags, tensors = converter.import_hf(hf_config, source)
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError,
             OverflowError) as exc:
         raise CheckpointError(f"{where} does not describe the weight files "
                               f"({type(exc).__name__}: {exc})") from None
+    hf_strict.check_reads(source, converter, flags, hf_dir)
+    flags = {**special_token_flags(hf_dir, hf_config), **flags}
     model = getattr(converter, "model", model)
     # With the options of the plugins the run selects (an MoE converter sets --num-experts).
-    config = config_from_flags({**flags, "model": model}, f"converted {hf_dir!r}")
+    try:
+        config = config_from_flags({**flags, "model": model}, "the settings it implies")
+    except ConfigError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
     m = config.model
     if not isinstance(m.vocab_size, int) or m.vocab_size < 1:
         raise CheckpointError(f"{where}: field vocab_size must be a positive integer, got "
                               f"{m.vocab_size!r}")
-    _check_vocab_rows(hf_dir, m.vocab_size, tensors, converter.vocab_tensors)
     m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    expected = hf_strict.expected_shapes(config, converter.vocab_tensors, flags, where)
+    exported = hf_strict.exported_shapes(converter, config, expected,
+                                         next(iter(hf_tensors.values())).dtype)
+    if exported is not None:
+        hf_strict.check_source_shapes(source, exported, hf_dir)
+    hf_strict.check_model_shapes(tensors, expected, hf_dir)
     entries = []
     for name, tensor in sorted(tensors.items()):
         tensor = tensor.to(dtype) if dtype is not None else tensor
@@ -211,7 +234,7 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     metadata = state.base_metadata(config, 0, 0, layout,
                                    {"model": True, "optimizer": False, "rng": False})
     metadata["source"] = {"format": "huggingface", "path": os.path.abspath(hf_dir),
-                          "model_type": hf_config.get("model_type")}
+                          "model_type": hf_config.get("model_type"), "flags": flags}
     # Only the model plugin and its converter made this checkpoint; no run selected the others.
     chosen = {"model": model, "converter": model}
     metadata["plugins"] = {role: metadata["plugins"].get(role) or _plugin_info("converter", name)
@@ -219,37 +242,18 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     return writer.write_single(out_dir, entries, metadata), config
 
 
-def checkpoint_tensors(path: str) -> tuple[TrainConfig, dict, CheckpointReader]:
-    """The model's full tensors from a checkpoint of any layout, vocabulary padding removed."""
-
-    reader = CheckpointReader(path)
-    with malformed(reader, "config"):
-        config = config_from_dict(reader.config)
-    converter = converter_for_config(config)
-    tensors = {}
-    for name in reader.names("model/"):
-        tensor = reader.read_full(f"model/{name}")
-        if name in converter.vocab_tensors:
-            tensor = tensor[:config.model.vocab_size]
-        tensors[name] = tensor
-    return config, tensors, reader
+def run_export(converter, config: TrainConfig, tensors: dict) -> tuple[dict, dict]:
+    """The converter's export, called the way it declares (see :class:`Converter`)."""
+    if hasattr(converter, "export_hf_from"):
+        return converter.export_hf_from(config, tensors)
+    if "config" in inspect.signature(converter.export_hf).parameters:
+        return converter.export_hf(config.model, tensors, config=config)
+    return converter.export_hf(config.model, tensors)
 
 
-def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
-    """Write the model of checkpoint ``path`` as a Hugging Face directory."""
-    config, tensors, reader = checkpoint_tensors(path)
-    converter = converter_for_config(config)
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise ConfigError(f"{out_dir!r} exists and is not empty; choose a new directory")
-    with malformed(reader, "config.model"):
-        if hasattr(converter, "export_hf_from"):
-            hf_config, hf_tensors = converter.export_hf_from(config, tensors)
-        elif "config" in inspect.signature(converter.export_hf).parameters:
-            hf_config, hf_tensors = converter.export_hf(config.model, tensors, config=config)
-        else:
-            hf_config, hf_tensors = converter.export_hf(config.model, tensors)
-    if dtype is not None:
-        hf_tensors = {k: v.to(dtype) for k, v in hf_tensors.items()}
-    hf_config["torch_dtype"] = str(next(iter(hf_tensors.values())).dtype).removeprefix("torch.")
-    write_hf_dir(out_dir, hf_config, hf_tensors)
-    return out_dir
+def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None,
+              max_shard_size=None) -> str:
+    """Write the model of checkpoint ``path`` as a Hugging Face directory (hf_export.py)."""
+    from .hf_export import export_hf as run
+
+    return run(path, out_dir, dtype, max_shard_size)

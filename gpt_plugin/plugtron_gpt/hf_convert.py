@@ -97,6 +97,7 @@ def llama_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
              "position-embedding-type": "rope",
              "normalization": "RMSNorm", "norm-epsilon": c.get("rms_norm_eps", 1e-6),
              "swiglu": True, "untie-embeddings-and-output-weights": not tied,
+             "hidden-dropout": 0.0,  # Llama has no residual dropout
              "attention-dropout": float(c.get("attention_dropout", 0.0))} | extra
     if c.get("max_position_embeddings"):
         flags["max-position-embeddings"] = c["max_position_embeddings"]
@@ -175,6 +176,23 @@ def llama_to_hf(config, t: dict) -> tuple[dict, dict]:
 GPT2_ACTIVATIONS = {"gelu": False, "gelu_new": True, "gelu_pytorch_tanh": True}
 
 
+class _Unprefixed:
+    """``hf`` read with or without GPT-2's ``transformer.`` prefix (GPT2LMHeadModel writes it,
+    GPT2Model does not). Reads go through to ``hf`` so the core sees which tensors were used."""
+
+    def __init__(self, hf, prefix: str):
+        self.hf, self.prefix = hf, prefix
+
+    def _name(self, name: str) -> str:
+        return self.prefix + name if self.prefix + name in self.hf else name
+
+    def __contains__(self, name) -> bool:
+        return self._name(name) in self.hf
+
+    def __getitem__(self, name):
+        return self.hf[self._name(name)]
+
+
 def gpt2_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
     act = c.get("activation_function", "gelu_new")
     if act not in GPT2_ACTIVATIONS:
@@ -185,7 +203,7 @@ def gpt2_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
             raise ConfigError(f"GPT-2 {flag}=true is not supported by plugtron")
     if not c.get("tie_word_embeddings", True):
         raise ConfigError("an untied GPT-2 is not a GPT-2 layout plugtron converts")
-    hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
+    hf = _Unprefixed(hf, "transformer.")
     layers, hidden, heads = c["n_layer"], c["n_embd"], c["n_head"]
     flags = {"num-layers": layers, "hidden-size": hidden,
              "ffn-hidden-size": c.get("n_inner") or 4 * hidden, "num-attention-heads": heads,
@@ -287,6 +305,10 @@ def hf_layout_of(config) -> str:
 
 class GPTConverter:
     vocab_tensors = (EMBEDDING, OUTPUT)
+    #: Buffers some files still hold that carry no weights (GPT-2's causal mask, old Llama
+    #: files' rotary frequencies): the strict import accepts them unread.
+    ignored_hf_tensors = (r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",
+                          r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
     def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
         kind = hf_config.get("model_type")

@@ -161,6 +161,7 @@ class MoEConverter:
                  "norm-epsilon": c.get("rms_norm_eps", 1e-6), "swiglu": True,
                  "untie-embeddings-and-output-weights": not tied, "add-bias-linear": False,
                  "attention-dropout": float(c.get("attention_dropout", 0.0)),
+                 "hidden-dropout": 0.0,  # Mixtral and Qwen2-MoE have no residual dropout
                  "num-experts": experts, "moe-router-topk": c["num_experts_per_tok"],
                  "moe-ffn-hidden-size": moe_ffn,
                  "moe-layer-freq": "[" + ",".join(str(int(s)) for s in sparse) + "]",
@@ -294,7 +295,8 @@ class MoEConverter:
         a, m = f"{src}.self_attention", f"{src}.mlp"
 
         def no_bias(name):
-            if name in t and t[name].abs().max() > 0:
+            # (meta tensors: the core's strict import exports shapes only)
+            if name in t and not t[name].is_meta and t[name].abs().max() > 0:
                 raise ConfigError(f"{name} is nonzero, but {kind} has no bias there")
 
         out = {f"{dst}.input_layernorm.weight": t[f"{src}.input_layernorm.weight"],
