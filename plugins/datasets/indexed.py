@@ -22,7 +22,7 @@ from . import gpt_indices
 from .gpt_dataset import Tokens, build_blend, build_gpt_split
 from .indexed_format import IndexedCorpus, IndexedFormatError
 from .preprocess import format_summary, preprocess
-from .sample_options import SAMPLE_SECTION
+from .sample_options import SAMPLE_SECTION, validate_sample_options
 
 
 @dataclass
@@ -76,6 +76,10 @@ class IndexedDataset:
     #: ``plugtron data preprocess`` reaches the tools through the entry point.
     preprocess = staticmethod(preprocess)
     format_summary = staticmethod(format_summary)
+
+    @hookimpl
+    def plugtron_validate(self, config):
+        validate_sample_options(config)
 
     @hookimpl
     def plugtron_config_sections(self):

@@ -27,8 +27,11 @@ from plugtron.api import (
     scatter_to_tensor_parallel_region,
     sequence_parallel_linear,
     set_tensor_parallel,
+    current_forward_context,
     shard_of,
 )
+
+from .attention_mask import causal_mask
 
 
 class _TPLayer(torch.nn.Module):
@@ -147,7 +150,9 @@ class RMSNorm(torch.nn.Module):
 
 class CoreAttention(torch.nn.Module):
     """Causal scaled-dot-product attention over this rank's heads; key/value groups are
-    repeated for GQA. Attention dropout draws from the model-parallel stream (``dropout_rng``):
+    repeated for GQA. Packed samples (``document_ids`` of the forward context, from
+    ``--reset-attention-mask``) attend within their document through an explicit mask; without
+    them the ``is_causal`` fast path runs. Attention dropout draws from the model-parallel stream (``dropout_rng``):
     each tp rank holds different heads. Under context parallelism the keys of other cp ranks
     are reached by the core's ``context_parallel_attention`` (``--cp-comm-type``)."""
 
@@ -165,10 +170,14 @@ class CoreAttention(torch.nn.Module):
             with self._dropout_rng():
                 return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p)
         b, s = q.shape[0], q.shape[1]
+        document_ids = current_forward_context().document_ids
+        mask = None
+        if document_ids is not None:
+            mask = causal_mask(s, k.shape[1], document_ids.to(q.device))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         with self._dropout_rng():
             out = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=p,
+                q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p,
                 enable_gqa=self.num_query_groups != self.num_heads)
         return out.transpose(1, 2).reshape(b, s, -1)
 
@@ -176,6 +185,7 @@ class CoreAttention(torch.nn.Module):
 class LocalBackend(LayerBackend):
     name = "local"
     supports_context_parallel = True  # core_attention reaches the other cp ranks
+    supports_document_ids = True  # core_attention masks packed documents (attention_mask.py)
 
     def column_parallel_linear(self, input_size, output_size, *, bias, init_method,
                                gather_output=False, skip_bias_add=False, partition_chunks=1):
