@@ -21,7 +21,7 @@ $(STAMP): setup.cfg gpt_plugin/setup.cfg moe_plugin/setup.cfg pyproject.toml
 # The sequential loops of Megatron's index building, compiled (optional: without a C compiler
 # the same arrays come from numpy/Python, slower).
 $(BLEND): plugins/datasets/index_helpers.c
-	-$(CC) -O2 -shared -fPIC -o $@ $<
+	-$(CC) -O3 -shared -fPIC -o $@ $<
 
 install: $(STAMP) $(BLEND)
 

@@ -14,7 +14,9 @@
 
 void build_blending_indices(int16_t *dataset_index, int64_t *dataset_sample_index,
                             const double *weights, int32_t num_datasets, int64_t size,
-                            int64_t *counts) {
+                            int64_t *counts_out) {
+    /* counts on the stack: a pointer the outputs might alias would be reloaded every step */
+    int64_t counts[num_datasets > 0 ? num_datasets : 1];
     for (int32_t i = 0; i < num_datasets; ++i) counts[i] = 0;
     for (int64_t s = 0; s < size; ++s) {
         double scale = s > 1 ? (double)s : 1.0;
@@ -31,6 +33,7 @@ void build_blending_indices(int16_t *dataset_index, int64_t *dataset_sample_inde
         dataset_sample_index[s] = counts[best];
         counts[best] += 1;
     }
+    for (int32_t i = 0; i < num_datasets; ++i) counts_out[i] = counts[i];
 }
 
 void build_sample_index(const int32_t *sizes, const int32_t *document_index,
