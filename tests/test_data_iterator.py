@@ -107,3 +107,15 @@ def test_a_failing_sample_raises_where_its_batch_is_drawn():
     assert indices(next(batches)) == [0, 1] and indices(next(batches)) == [2, 3]
     with pytest.raises(KeyError, match="sample 5"):
         next(batches)
+
+
+def test_prefetch_threads_share_a_mock_dataset_safely():
+    """The mock/text datasets cache blocks and epoch orders; threads read them concurrently."""
+    from .utils import tiny_config
+
+    config = tiny_config(seq_length=8)
+    train = MockDataset().dataset_provider(config=config, split_sizes=(64, 0, 0))[0]
+    inline = [b["tokens"] for b in microbatch_iterator(train, 2, 0, 1)]
+    threaded = [b["tokens"] for b in microbatch_iterator(train, 2, 0, 1, num_workers=3)]
+    assert len(inline) == len(threaded) > 0
+    assert all(torch.equal(a, b) for a, b in zip(inline, threaded))
