@@ -6,6 +6,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+CC     ?= cc
+BLEND  := plugins/datasets/index_helpers.so
 
 .PHONY: train test install clean
 
@@ -16,15 +18,20 @@ $(STAMP): setup.cfg gpt_plugin/setup.cfg moe_plugin/setup.cfg pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]' -e ./gpt_plugin -e ./moe_plugin
 	touch $(STAMP)
 
-install: $(STAMP)
+# The sequential loops of Megatron's index building, compiled (optional: without a C compiler
+# the same arrays come from numpy/Python, slower).
+$(BLEND): plugins/datasets/index_helpers.c
+	-$(CC) -O3 -shared -fPIC -o $@ $<
+
+install: $(STAMP) $(BLEND)
 
 ## Train the default small GPT on the Python standard library's source (ARGS="..." adds flags).
-train: $(STAMP)
+train: $(STAMP) $(BLEND)
 	$(VENV)/bin/plugtron train $(ARGS)
 
 ## Run the whole test suite.
-test: $(STAMP)
+test: $(STAMP) $(BLEND)
 	$(PY) -m pytest -q $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info gpt_plugin/*.egg-info moe_plugin/*.egg-info
+	rm -rf $(VENV) $(BLEND) build *.egg-info gpt_plugin/*.egg-info moe_plugin/*.egg-info

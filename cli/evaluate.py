@@ -53,7 +53,13 @@ def evaluation_config(params: dict, config_file: str | None, declared=(),
     if base is None:
         base = checkpoint_base(params.get("checkpoint__load"))
     load = base.checkpoint.load
+    trained_with = (base.data.tokenizer_type, base.data.tokenizer_model)
     config = build_config(params, config_file, None, base=base, declared=declared)
+    if (config.data.tokenizer_type, config.data.tokenizer_model) != trained_with:
+        # another tokenizer named: its vocabulary, not the checkpoint's, is what it would give
+        # (checked against the checkpoint's before launch, below)
+        if params.get("model__vocab_size") is None:
+            config.model.vocab_size = None
     config.checkpoint.load = load
     if hf is not None:
         hf.finish(config)
@@ -91,6 +97,9 @@ def make_evaluate_command(args: list[str]) -> click.Command:
         preflight(config, world_size)
         validate(config, world_size)
         check_data_paths(config)
+        from plugtron.core.tokenizers import check_checkpoint_tokenizer
+
+        check_checkpoint_tokenizer(config)  # the checkpoint's own unless flags name another
         if nproc_per_node > 1 and not external:
             launch_local_ranks(config.to_json(), nproc_per_node, command="evaluate")
             return

@@ -58,6 +58,9 @@ def check_load(config) -> None:
     if save and os.path.abspath(save) == os.path.abspath(path) and not layout.has_checkpoint(path):
         return  # --load equal to --save with nothing saved yet: a fresh start
     CheckpointReader(path).close()
+    from plugtron.core.tokenizers import check_checkpoint_tokenizer
+
+    check_checkpoint_tokenizer(config)
 
 
 def load_argument(args: list[str]) -> str | None:

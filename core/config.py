@@ -196,6 +196,9 @@ class DataConfig:
                                      "NullTokenizer, ByteTokenizer (default: the dataset's).")
     tokenizer_model: str | None = opt(None, "--tokenizer-model",
                                       "Local tokenizer directory or file (never downloaded).")
+    num_workers: int = opt(2, "--num-workers",
+                           "Background threads preparing microbatches ahead of the step, in "
+                           "order (0: in the main thread).")
 
 
 @dataclass

@@ -65,7 +65,8 @@ def dataset_provider(config: Any, split_sizes: tuple[int, int, int], parallel: A
     :returns: ``(train, valid, test)``, each a map-style dataset (``__len__`` and
         ``__getitem__``) or ``None``. A sample is a dict of 1-D tensors of length
         ``seq_length``: ``tokens`` (int64), ``labels`` (int64), ``loss_mask`` (float32),
-        ``position_ids`` (int64), optionally ``attention_mask``.
+        ``position_ids`` (int64), optionally ``attention_mask`` (int64, the document number of
+        each token: attention stays within a document, ``--reset-attention-mask``).
 
     Called once per run on every rank, after process groups are ready and before the model is
     built. A provider may set ``config.model.vocab_size`` when its tokenizer fixes it; the core

@@ -45,6 +45,8 @@ class LayerBackend(ABC):
     name = "abstract"
     #: whether core_attention works under --cp > 1 (refused before launch otherwise)
     supports_context_parallel = False
+    #: whether core_attention reads the forward context's document_ids (--reset-attention-mask)
+    supports_document_ids = False
 
     def __init__(self, config, parallel):
         from .validate import validate_tensor_parallel

@@ -13,7 +13,7 @@ import uuid
 class MetricsLogger:
     #: Keys of a train record that are not losses (everything else a model reported is one).
     STEP_KEYS = ("iteration", "grad_norm", "lr", "tokens_per_sec", "step_time_s",
-                 "consumed_samples", "skipped", "num_zeros", "loss_scale", "memory_mb")
+                 "data_time_s", "consumed_samples", "skipped", "num_zeros", "loss_scale", "memory_mb")
 
     def __init__(self, config, rank: int, start_iteration: int = 0, main_loss: str = "lm_loss"):
         self.config = config

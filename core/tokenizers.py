@@ -9,6 +9,8 @@ vocab_size=--vocab-size)``. The tokenizer fixes the model's vocabulary: a datase
 
 from __future__ import annotations
 
+import copy
+
 from . import registry
 from .errors import ConfigError
 
@@ -41,3 +43,23 @@ def tokenizer_for(config, default: str | None = None):
     data.tokenizer_type = name
     model.vocab_size = tokenizer.vocab_size
     return tokenizer
+
+
+def check_checkpoint_tokenizer(config) -> None:
+    """Before launch, with ``--load`` and a named ``--tokenizer-type``: the tokenizer must give
+    the checkpoint's vocabulary (``CheckpointError``, exit 2, naming the tokenizer it was
+    trained with). Without a named tokenizer the dataset's default is checked in the ranks when
+    the checkpoint is loaded."""
+    from .checkpoint.loader import check_tokenizer
+    from .checkpoint.saved_config import saved_config
+
+    data = config.data
+    saved = saved_config(config.checkpoint.load)
+    if not saved or not data.tokenizer_type:
+        return
+    saved_vocab = (saved.get("model") or {}).get("vocab_size")
+    tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model,
+                                config.model.vocab_size or saved_vocab)
+    probe = copy.deepcopy(config)
+    probe.model.vocab_size = tokenizer.vocab_size
+    check_tokenizer(saved, probe)

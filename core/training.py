@@ -160,17 +160,25 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None)
 # --------------------------------------------------------------------------- the step
 
 
-def data_iterators(run: Run, dataset, consumed_samples: int) -> list:
+def data_iterators(run: Run, dataset, consumed_samples: int, timers: list | None = None) -> list:
     """One iterator per model chunk, all at the same position (interleaving draws each chunk's
-    microbatches in its own order)."""
+    microbatches in its own order). ``timers`` receives each chunk's ``TimedIterator`` (the
+    step's data time)."""
     mbs = run.config.training.micro_batch_size
-    # ``recording``: each drawn microbatch sets the token weight of losses added inside the
-    # model (core/aux_losses.py). ``local_microbatches``: every cp rank of a dp rank draws the
-    # same samples and keeps its sequence chunks (core/context_parallel.py).
-    return [aux_losses.recording(local_microbatches(data.microbatch_iterator(
-                dataset, mbs, run.parallel.dp_rank, run.parallel.dp_size, consumed_samples),
-                run.parallel, run.config.model.seq_length))
-            for _ in run.model_chunks]
+    workers = run.config.data.num_workers
+    out = []
+    for _ in run.model_chunks:
+        timed = data.TimedIterator(data.microbatch_iterator(
+            dataset, mbs, run.parallel.dp_rank, run.parallel.dp_size, consumed_samples,
+            num_workers=workers))
+        if timers is not None:
+            timers.append(timed)
+        # ``recording``: each drawn microbatch sets the token weight of losses added inside the
+        # model (core/aux_losses.py). ``local_microbatches``: every cp rank of a dp rank draws
+        # the same samples and keeps its sequence chunks (core/context_parallel.py).
+        out.append(aux_losses.recording(local_microbatches(timed, run.parallel,
+                                                           run.config.model.seq_length)))
+    return out
 
 
 def _report_pair(value) -> torch.Tensor:
@@ -313,7 +321,8 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
     config, state = run.config, run.state
     t = config.training
     tokens_per_iter = t.global_batch_size * config.model.seq_length
-    iterators = data_iterators(run, run.datasets[0], state.consumed_samples)
+    timers: list = []
+    iterators = data_iterators(run, run.datasets[0], state.consumed_samples, timers)
     run.pm.hook.plugtron_train_start(config=config, state=state)
     throughput = Throughput()
     profiler = StepProfiler(config, run.world.rank)
@@ -338,6 +347,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
         record = {"iteration": iteration, **loss_metrics(losses),
                   "grad_norm": result.grad_norm, "lr": lr,
                   "tokens_per_sec": throughput.add(tokens_per_iter), "step_time_s": step_time,
+                  "data_time_s": sum(timer.take_wait() for timer in timers),
                   "consumed_samples": state.consumed_samples, "skipped": not result.stepped,
                   "memory_mb": step_memory_mb(run.world.device)}
         if result.num_zeros is not None:

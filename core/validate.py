@@ -51,6 +51,9 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({t.lr})")
     if t.eval_interval < 0 or t.eval_iters < 0:
         raise ConfigError("--eval-interval and --eval-iters must be >= 0")
+    if config.data.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0 (0: load in the main thread), got "
+                          f"{config.data.num_workers}")
 
     vp = p.virtual_pipeline_model_parallel_size
     if not _model_places_layers(config):

@@ -82,3 +82,40 @@ def test_collate_stacks_real_samples():
         "tokens": (4, 8), "labels": (4, 8), "loss_mask": (4, 8), "position_ids": (4, 8)}
     assert torch.equal(batch["tokens"][2], train[2]["tokens"])
     assert collate([train[0]])["tokens"].shape == (1, 8)
+
+
+def test_prefetch_threads_give_the_inline_batches_in_order():
+    dataset = IndexDataset(40)
+    inline = [indices(b) for b in microbatch_iterator(dataset, 2, 1, 2, consumed_samples=4)]
+    for workers in (1, 3):
+        got = [indices(b) for b in microbatch_iterator(dataset, 2, 1, 2, consumed_samples=4,
+                                                       num_workers=workers)]
+        assert got == inline
+    with pytest.raises(ValueError, match="num_workers"):
+        microbatch_iterator(dataset, 2, 0, 1, num_workers=-1)
+
+
+class FailingDataset(IndexDataset):
+    def __getitem__(self, index):
+        if index == 5:
+            raise KeyError("sample 5 is broken")
+        return super().__getitem__(index)
+
+
+def test_a_failing_sample_raises_where_its_batch_is_drawn():
+    batches = microbatch_iterator(FailingDataset(16), 2, 0, 1, num_workers=2)
+    assert indices(next(batches)) == [0, 1] and indices(next(batches)) == [2, 3]
+    with pytest.raises(KeyError, match="sample 5"):
+        next(batches)
+
+
+def test_prefetch_threads_share_a_mock_dataset_safely():
+    """The mock/text datasets cache blocks and epoch orders; threads read them concurrently."""
+    from .utils import tiny_config
+
+    config = tiny_config(seq_length=8)
+    train = MockDataset().dataset_provider(config=config, split_sizes=(64, 0, 0))[0]
+    inline = [b["tokens"] for b in microbatch_iterator(train, 2, 0, 1)]
+    threaded = [b["tokens"] for b in microbatch_iterator(train, 2, 0, 1, num_workers=3)]
+    assert len(inline) == len(threaded) > 0
+    assert all(torch.equal(a, b) for a, b in zip(inline, threaded))

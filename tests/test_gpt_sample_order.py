@@ -115,6 +115,32 @@ def test_blending_greedy_rule_literal():
     assert gpt_indices.blend_sizes(weights, 1000, 0.005) == [302, 704]
 
 
+def test_compiled_helpers_equal_numpy_and_python(monkeypatch):
+    """index_helpers.so (blending, sample index) against the pure paths, empty documents too."""
+    if gpt_indices._helpers() is None:
+        pytest.skip("index_helpers.so not built (make install compiles it)")
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(0, 40, size=300).astype(np.int32)
+    sizes[[0, 7, 8]] = 0
+    documents = rng.permutation(np.tile(np.arange(300, dtype=np.int32), 2))
+    tokens = int(sizes.sum())
+    weights = gpt_indices.normalize([0.11, 0.5, 0.05, 0.34, 0.0])
+
+    def build():
+        return (*gpt_indices.build_blending_indices(weights, 5000),
+                gpt_indices.build_sample_index(sizes, documents, 16, 2, tokens))
+
+    compiled = build()
+    monkeypatch.setenv("PLUGTRON_NO_INDEX_HELPERS", "1")
+    gpt_indices._helpers.cache_clear()
+    try:
+        pure = build()
+    finally:
+        gpt_indices._helpers.cache_clear()
+    for a, b in zip(compiled, pure):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
 # --------------------------------------------------------------------------- datasets
 
 

@@ -105,3 +105,48 @@ def test_train_on_a_preprocessed_blend_and_resume_bitwise(tmp_path, jsonl):
                    "--metrics-file", str(tmp_path / "rest.jsonl")])
     assert rest.exit_code == 0, rest.output
     assert losses(tmp_path / "rest.jsonl") == losses(tmp_path / "whole.jsonl")[3:]
+
+
+@pytest.mark.parametrize("blend", [True, False], ids=["blend", "one-corpus"])
+def test_a_larger_train_iters_resumes_bitwise_and_workers_change_nothing(tmp_path, jsonl, blend):
+    """4 iterations saved, resumed to 8, equals an uninterrupted 8 (within the epochs built);
+    the uninterrupted run prefetches with 2 threads, the others read inline."""
+    for name in ("a", "b"):
+        assert invoke(["data", "preprocess", "--input", str(jsonl), "--tokenizer-type",
+                       "ByteTokenizer", "--output-prefix", str(tmp_path / name),
+                       "--append-eod", "--no-progress"]).exit_code == 0
+    a, b = str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document")
+    paths = ["0.4", a, "0.6", b] if blend else [a]
+    base = ["train", "--data", "indexed", "--tokenizer-type", "ByteTokenizer", "--data-path",
+            *paths, "--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
+            "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+            "--split", "90,10,0", "--no-progress", "--eval-interval", "0", "--hidden-dropout",
+            "0", "--attention-dropout", "0", "--data-cache-path", str(tmp_path / "cache")]
+
+    def losses(path):
+        return [r["lm_loss"] for r in map(json.loads, path.read_text().splitlines())
+                if "lm_loss" in r]
+
+    whole = invoke([*base, "--train-iters", "8", "--num-workers", "2",
+                    "--metrics-file", str(tmp_path / "whole.jsonl")])
+    assert whole.exit_code == 0, whole.output
+    first = invoke([*base, "--train-iters", "4", "--num-workers", "0", "--save",
+                    str(tmp_path / "ck"), "--metrics-file", str(tmp_path / "first.jsonl")])
+    assert first.exit_code == 0, first.output
+    rest = invoke([*base, "--train-iters", "8", "--num-workers", "0", "--load",
+                   str(tmp_path / "ck"), "--metrics-file", str(tmp_path / "rest.jsonl")])
+    assert rest.exit_code == 0, rest.output
+    assert "differs from the first run" not in rest.output
+    if blend:  # the blend's indices end at the first run's size: rebuilt, the same order
+        assert "the sample order continues" in rest.output
+    assert losses(tmp_path / "first.jsonl") == losses(tmp_path / "whole.jsonl")[:4]
+    assert losses(tmp_path / "rest.jsonl") == losses(tmp_path / "whole.jsonl")[4:]
+    records = [r for r in map(json.loads, (tmp_path / "whole.jsonl").read_text().splitlines())
+               if "lm_loss" in r]
+    assert len(records) == 8 and all(r["data_time_s"] >= 0 for r in records)
+
+
+def test_num_workers_must_not_be_negative(tmp_path):
+    result = invoke(["train", "--data", "mock", "--vocab-size", "64", "--num-workers", "-1",
+                     "--train-iters", "1", "--no-progress"])
+    assert result.exit_code == 2 and "--num-workers must be >= 0" in result.output

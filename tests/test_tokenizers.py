@@ -122,3 +122,30 @@ def test_cli_resume_with_a_mismatched_tokenizer_exits_2(tmp_path, hf_dir):
     assert result.exit_code == 2, result.output
     assert "trained with --tokenizer-type ByteTokenizer" in result.output
     assert "Traceback" not in result.output
+
+
+def test_evaluate_uses_the_checkpoint_tokenizer_and_refuses_another(tmp_path, hf_dir):
+    """evaluate reads the tokenizer from the checkpoint's config; a tokenizer of another
+    vocabulary is refused before launch (exit 2) by evaluate and by train --load, also when
+    ranks would be launched."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("hello world " * 200)
+    base = ["--data", "text", "--data-path", str(corpus), "--num-layers", "1", "--hidden-size",
+            "16", "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--no-progress", "--eval-interval", "0", "--split",
+            "9,1,0", "--eval-iters", "1"]
+    run = CliRunner().invoke(cli, ["train", *base, "--train-iters", "1", "--save",
+                                   str(tmp_path / "ck")], catch_exceptions=False)
+    assert run.exit_code == 0, run.output
+    ok = CliRunner().invoke(cli, ["evaluate", "--load", str(tmp_path / "ck"), "--data-path",
+                                  str(corpus), "--no-progress"], catch_exceptions=False)
+    assert ok.exit_code == 0, ok.output
+    other = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf_dir)]
+    for args in (["evaluate", "--load", str(tmp_path / "ck"), *other],
+                 ["train", *base, "--train-iters", "2", "--load", str(tmp_path / "ck"), *other,
+                  "--nproc-per-node", "2"]):
+        refused = CliRunner().invoke(cli, args, catch_exceptions=False)
+        assert refused.exit_code == 2, refused.output
+        assert "trained with --tokenizer-type ByteTokenizer" in refused.output
+        assert "Traceback" not in refused.output

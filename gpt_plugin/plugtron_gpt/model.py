@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from plugtron.api import (
     ComposedLayer,
     chunk_layers,
+    forward_context,
     load_layer_types,
     normal_init,
     share_parameter,
@@ -134,9 +135,11 @@ class GPTModel(torch.nn.Module):
             tensor = tensor[0]
         self.input_tensor = tensor
 
-    def forward(self, tokens, position_ids=None, labels=None):
+    def forward(self, tokens, position_ids=None, labels=None, document_ids=None):
         """Logits, or with ``labels`` the per-token loss, on the last stage; the hidden states
-        elsewhere. ``position_ids`` default to 0..seq-1 (``model(tokens)`` gives logits)."""
+        elsewhere. ``position_ids`` default to 0..seq-1 (``model(tokens)`` gives logits).
+        ``document_ids`` (``[b, s]``, the batch's ``attention_mask`` under
+        ``--reset-attention-mask``): attention stays within each packed document."""
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         hidden = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
@@ -144,7 +147,11 @@ class GPTModel(torch.nn.Module):
         if self.use_rotary:  # at the batch's true positions (a cp rank's chunks are apart)
             rotary = rotary_freqs_at(position_ids, self.head_dim, self.config.model.rotary_base,
                                      self.rope_scaling)
-        hidden = self.decoder(hidden, rotary)
+        if document_ids is None:  # keep a context the caller set
+            hidden = self.decoder(hidden, rotary)
+        else:
+            with forward_context(document_ids=document_ids):
+                hidden = self.decoder(hidden, rotary)
         if not self.post_process:
             return hidden
         m = self.config.model

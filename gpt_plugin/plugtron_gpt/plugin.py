@@ -61,7 +61,11 @@ class GPTPlugin:
         tokens = batch["tokens"].to(device, non_blocking=True)
         position_ids = batch["position_ids"].to(device, non_blocking=True)
         labels = batch["labels"].to(device, non_blocking=True)
-        output = model(tokens, position_ids, labels=labels)
+        # --reset-attention-mask: each token's document number (every stage draws the batch)
+        document_ids = batch.get("attention_mask")
+        if document_ids is not None:
+            document_ids = document_ids.to(device, non_blocking=True)
+        output = model(tokens, position_ids, labels=labels, document_ids=document_ids)
         return output, partial(loss_func, batch["loss_mask"].to(device))
 
     @hookimpl

@@ -10,6 +10,7 @@ provider produces samples with exactly the same layout.
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -144,8 +145,8 @@ class TokenWindowDataset:
         self.options, self.eod = options, eod
         self.windows_per_epoch = (len(stream) - 1) // seq_length
         self.num_epochs = max(1, math.ceil(num_samples / self.windows_per_epoch))
-        self._cached_epoch: int | None = None
-        self._cached_order: np.ndarray | None = None
+        # (epoch, permutation) as one value: --num-workers threads read it concurrently
+        self._cached: tuple[int, np.ndarray] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -156,11 +157,11 @@ class TokenWindowDataset:
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
         # Samples are read in order, so caching the current epoch's permutation is enough.
-        if epoch != self._cached_epoch:
+        cached = self._cached
+        if cached is None or cached[0] != epoch:
             rng = seeded_rng(self.seed, self.split_index, epoch)
-            self._cached_order = rng.permutation(self.windows_per_epoch)
-            self._cached_epoch = epoch
-        return self._cached_order
+            cached = self._cached = (epoch, rng.permutation(self.windows_per_epoch))
+        return cached[1]
 
     def window_start(self, index: int) -> int:
         """Offset into the stream of sample ``index``'s first token."""
@@ -209,6 +210,7 @@ class BlockWindowDataset:
         self.split_index = split_index
         self.options, self.eod = options, eod
         self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._blocks_lock = threading.Lock()  # --num-workers threads share the cache
 
     @property
     def block_tokens(self) -> int:
@@ -222,6 +224,10 @@ class BlockWindowDataset:
         return self._block(index)[0]
 
     def _block(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        with self._blocks_lock:
+            return self._block_locked(index)
+
+    def _block_locked(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         if index not in self._blocks:
             tokens = self.make_block(index, self.block_tokens)
             if len(tokens) != self.block_tokens:

@@ -20,8 +20,10 @@ Same inputs, same arrays, bit for bit, as ``megatron/core/datasets/gpt_dataset.p
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import os
 import re
 
 import numpy as np
@@ -90,13 +92,21 @@ def build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length
     """``[num_samples + 1, 2]`` of (document-index position, offset): Megatron's
     ``build_sample_idx`` with ``drop_last_partial_sequence`` and one extra token."""
     num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
+    limit = max(len(document_index), int(np.max(sizes)) if len(sizes) else 0)
+    dtype = np.int32 if limit <= np.iinfo(np.int32).max else np.int64
+    helpers = _helpers()
+    if helpers is not None:
+        sizes32 = np.ascontiguousarray(sizes, dtype=np.int32)
+        documents32 = np.ascontiguousarray(document_index, dtype=np.int32)
+        index = np.empty((num_samples + 1, 2), dtype=np.int64)
+        helpers.build_sample_index(sizes32.ctypes.data, documents32.ctypes.data,
+                                   len(documents32), seq_length, num_samples, index.ctypes.data)
+        return index if dtype == np.int64 else index.astype(dtype)
     lengths = np.asarray(sizes)[document_index].astype(np.int64)
     ends = np.cumsum(lengths)
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     position = np.searchsorted(ends, starts, side="right")
     offset = starts - (ends[position] - lengths[position])
-    limit = max(len(document_index), int(np.max(sizes)) if len(sizes) else 0)
-    dtype = np.int32 if limit <= np.iinfo(np.int32).max else np.int64
     index = np.empty((num_samples + 1, 2), dtype=dtype)
     index[:, 0], index[:, 1] = position, offset
     index[0] = 0  # C++ starts at (0, 0) even when the first document is empty
@@ -145,11 +155,19 @@ def blend_sizes(weights: list[float], size: int, surplus: float = 0.0) -> list[i
 
 
 def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dataset index int16, sample index within that dataset int64) of the greedy rule."""
+    """(dataset index int16, sample index within that dataset int64) of the greedy rule: the
+    compiled loop (index_helpers.c) when ``make install`` built it, else the same in Python."""
     weights = [float(w) for w in weights]
-    counts = [0] * len(weights)
     dataset_index = np.empty(size, dtype=np.int16)
     sample_index = np.empty(size, dtype=np.int64)
+    helpers = _helpers()
+    if helpers is not None:
+        w = np.ascontiguousarray(weights, dtype=np.float64)
+        counts = np.zeros(len(weights), dtype=np.int64)
+        helpers.build_blending_indices(dataset_index.ctypes.data, sample_index.ctypes.data, w.ctypes.data,
+               len(weights), size, counts.ctypes.data)
+        return dataset_index, sample_index
+    counts = [0] * len(weights)
     pairs = list(enumerate(weights))
     for s in range(size):
         scale = float(max(s, 1))
@@ -162,3 +180,24 @@ def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray,
         sample_index[s] = counts[best]
         counts[best] += 1
     return dataset_index, sample_index
+
+
+#: index_helpers.so beside this file (``make install`` compiles index_helpers.c); set
+#: PLUGTRON_NO_INDEX_HELPERS=1 to use numpy/Python only.
+INDEX_HELPERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "index_helpers.so")
+
+
+@functools.lru_cache(maxsize=1)
+def _helpers():
+    if os.environ.get("PLUGTRON_NO_INDEX_HELPERS") or not os.path.exists(INDEX_HELPERS):
+        return None
+    try:
+        library = ctypes.CDLL(INDEX_HELPERS)
+    except OSError:
+        return None
+    pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    library.build_blending_indices.restype = None
+    library.build_blending_indices.argtypes = [pointer, pointer, pointer, i32, i64, pointer]
+    library.build_sample_index.restype = None
+    library.build_sample_index.argtypes = [pointer, pointer, i64, i64, i64, pointer]
+    return library

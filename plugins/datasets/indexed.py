@@ -22,7 +22,7 @@ from . import gpt_indices
 from .gpt_dataset import Tokens, build_blend, build_gpt_split
 from .indexed_format import IndexedCorpus, IndexedFormatError
 from .preprocess import format_summary, preprocess
-from .sample_options import SAMPLE_SECTION
+from .sample_options import SAMPLE_SECTION, validate_sample_options
 
 
 @dataclass
@@ -78,6 +78,10 @@ class IndexedDataset:
     format_summary = staticmethod(format_summary)
 
     @hookimpl
+    def plugtron_validate(self, config):
+        validate_sample_options(config)
+
+    @hookimpl
     def plugtron_config_sections(self):
         return [SAMPLE_SECTION, INDEXED_SECTION]
 
@@ -90,11 +94,19 @@ class IndexedDataset:
         datasets = self.build(config, sizes, Tokens(tokenizer))
         if sizes != list(split_sizes) and any(
                 d is not None and len(d) < n for d, n in zip(datasets, split_sizes)):
-            # The first run's indices do not reach this far: build for what is asked now.
-            _log(config, "the run needs more samples than the indices of the run it resumes "
-                         "hold; building new indices (the sample order changes)")
+            # The first run's indices do not reach this far: build for what is asked now. The
+            # order goes on unchanged while every corpus keeps its epochs (a blend's greedy
+            # index only grows at its end); say which it is.
+            before = datasets
             sizes = list(split_sizes)
             datasets = self.build(config, sizes, Tokens(tokenizer))
+            if all(_continues(a, b) for a, b in zip(before, datasets)):
+                _log(config, "the run needs more samples than the indices of the run it resumes "
+                             "hold; built them for this run; the sample order continues "
+                             "(the same epochs)")
+            else:
+                _log(config, "the run needs more epochs than the run it resumes; built new "
+                             "indices (the sample order from here differs from the first run's)")
         config.indexed.index_samples = sizes
         return tuple(datasets)
 
@@ -164,6 +176,25 @@ class IndexedDataset:
             raise ConfigError(str(exc)) from None
         return [blend(config.data.data_path, bookends, i) if sizes[i] > 0 else None
                 for i in range(3)]
+
+
+def _continues(old, new) -> bool:
+    """Whether ``new`` gives ``old``'s samples at ``old``'s indices (then a resumed run goes on
+    in the same order): a GPT split's three indices equal (the same epochs, the same final-epoch
+    rule), a blend's indices a prefix of the new ones over parts that continue."""
+    import numpy as np
+
+    if old is None or new is None:
+        return old is new
+    if hasattr(old, "dataset_index"):
+        n = len(old)
+        return (hasattr(new, "dataset_index") and len(new) >= n
+                and np.array_equal(old.dataset_index, new.dataset_index[:n])
+                and np.array_equal(old.dataset_sample_index, new.dataset_sample_index[:n])
+                and len(old.datasets) == len(new.datasets)
+                and all(_continues(a, b) for a, b in zip(old.datasets, new.datasets)))
+    return all(np.array_equal(getattr(old, name), getattr(new, name))
+               for name in ("document_index", "sample_index", "shuffle_index"))
 
 
 def _log(config, message: str) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 from plugtron.api import ConfigError, hookimpl
 
 from .common import BlockWindowDataset, parse_split, seeded_rng, token_dtype
-from .sample_options import SAMPLE_SECTION
+from .sample_options import SAMPLE_SECTION, validate_sample_options
 
 DEFAULT_VOCAB_SIZE = 512
 #: Allowed successors per token in Markov documents.
@@ -108,6 +108,10 @@ def windows_per_block(seq_length: int) -> int:
 
 class MockDataset:
     """Dataset provider ``mock`` (entry point in ``plugtron.datasets``)."""
+
+    @hookimpl
+    def plugtron_validate(self, config):
+        validate_sample_options(config)
 
     @hookimpl
     def plugtron_config_sections(self):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from plugtron.api import ConfigSection, opt
+from plugtron.api import ConfigError, ConfigSection, load_plugin, opt
 
 
 @dataclass
@@ -30,6 +30,25 @@ class SampleOptions:
 
 
 SAMPLE_SECTION = ConfigSection("samples", SampleOptions, title="Sample masks and positions")
+
+
+def validate_sample_options(config) -> None:
+    """Before launch: ``--reset-attention-mask`` needs an attention that reads the document
+    numbers. The local backend's does; TE's (fixed ``causal`` mask type) and context-parallel
+    attention (the mask would have to follow the ring) do not, so they are refused rather than
+    silently attending across documents."""
+    options = getattr(config, "samples", None)
+    if options is None or not options.reset_attention_mask:
+        return
+    if config.parallel.context_parallel_size > 1:
+        raise ConfigError(f"--reset-attention-mask is not supported with --cp "
+                          f"{config.parallel.context_parallel_size}: context-parallel attention "
+                          f"does not mask documents; use --cp 1")
+    name = config.plugins.layer_backend
+    backend = load_plugin("layer_backend", name)
+    if not getattr(backend, "supports_document_ids", False):
+        raise ConfigError(f"--reset-attention-mask is not supported by --layer-backend {name}: "
+                          f"its attention does not mask documents; use --layer-backend local")
 
 
 def document_numbers(tokens: np.ndarray, eod: int) -> np.ndarray:

@@ -26,7 +26,7 @@ from .common import (
     split_documents,
     token_dtype,
 )
-from .sample_options import SAMPLE_SECTION
+from .sample_options import SAMPLE_SECTION, validate_sample_options
 
 #: Suffixes read when walking a folder; a file named directly is read whatever its suffix.
 TEXT_SUFFIXES = frozenset({
@@ -111,6 +111,10 @@ class TextDataset:
 
     #: The last run's tokenizer (``plugtron data inspect`` shows text with it).
     tokenizer = None
+
+    @hookimpl
+    def plugtron_validate(self, config):
+        validate_sample_options(config)
 
     @hookimpl
     def plugtron_config_sections(self):

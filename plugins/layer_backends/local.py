@@ -27,8 +27,11 @@ from plugtron.api import (
     scatter_to_tensor_parallel_region,
     sequence_parallel_linear,
     set_tensor_parallel,
+    current_forward_context,
     shard_of,
 )
+
+from .attention_mask import attention_mask
 
 
 class _TPLayer(torch.nn.Module):
@@ -145,23 +148,11 @@ class RMSNorm(torch.nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
-def attention_mask(q_len: int, k_len: int, window: tuple[int, int] | None,
-                   device) -> torch.Tensor | None:
-    """Which keys each query sees, ``[q_len, k_len]`` booleans (True: attend), or None where
-    plain causal attention (``is_causal``) is exact. Queries are the last ``q_len`` of the
-    ``k_len`` positions. ``window`` ``(left, 0)``: a query at i sees keys i-left..i (Megatron's
-    and TE's convention). The one place the mask is built, so other restrictions (document
-    boundaries) combine here."""
-    if window is None or window[0] >= k_len - 1:  # the window covers every earlier key
-        return None
-    q_pos = torch.arange(k_len - q_len, k_len, device=device)[:, None]
-    k_pos = torch.arange(k_len, device=device)[None, :]
-    return (k_pos <= q_pos) & (q_pos - k_pos <= window[0])
-
-
 class CoreAttention(torch.nn.Module):
     """Causal scaled-dot-product attention over this rank's heads; key/value groups are
-    repeated for GQA. Attention dropout draws from the model-parallel stream (``dropout_rng``):
+    repeated for GQA. Packed samples (``document_ids`` of the forward context, from
+    ``--reset-attention-mask``) attend within their document through an explicit mask; without
+    them the ``is_causal`` fast path runs. Attention dropout draws from the model-parallel stream (``dropout_rng``):
     each tp rank holds different heads. Under context parallelism the keys of other cp ranks
     are reached by the core's ``context_parallel_attention`` (``--cp-comm-type``).
     ``window_size`` ``(left, 0)``: sliding-window attention (refused with cp > 1 before
@@ -182,7 +173,10 @@ class CoreAttention(torch.nn.Module):
             with self._dropout_rng():
                 return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p)
         b, s = q.shape[0], q.shape[1]
-        mask = attention_mask(s, k.shape[1], self.window_size, q.device)
+        document_ids = current_forward_context().document_ids
+        mask = attention_mask(s, k.shape[1], window=self.window_size, device=q.device,
+                              document_ids=None if document_ids is None
+                              else document_ids.to(q.device))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         with self._dropout_rng():
             out = F.scaled_dot_product_attention(
@@ -194,6 +188,7 @@ class CoreAttention(torch.nn.Module):
 class LocalBackend(LayerBackend):
     name = "local"
     supports_context_parallel = True  # core_attention reaches the other cp ranks
+    supports_document_ids = True  # core_attention masks packed documents (attention_mask.py)
 
     def column_parallel_linear(self, input_size, output_size, *, bias, init_method,
                                gather_output=False, skip_bias_add=False, partition_chunks=1):

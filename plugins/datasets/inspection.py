@@ -1,0 +1,88 @@
+"""What ``plugtron data inspect`` and ``plugtron data stats`` report about a run's datasets.
+
+Plain functions over the datasets a provider returned: the samples themselves (any provider),
+and for Megatron corpora (``--data indexed``) the documents, tokens, length histogram and
+epochs of each split, and a blend's effective weights over the samples the run draws.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sample_records(dataset, start: int, count: int, tokenizer=None) -> list[dict]:
+    """Samples ``start .. start + count - 1`` as plain lists (and text, with a tokenizer)."""
+    out = []
+    for index in range(start, min(start + count, len(dataset))):
+        sample = dataset[index]
+        record = {"index": index, **{key: value.tolist() for key, value in sample.items()}}
+        if tokenizer is not None:
+            record["text"] = tokenizer.detokenize(record["tokens"])
+        out.append(record)
+    return out
+
+
+def length_histogram(lengths: np.ndarray) -> list[dict]:
+    """Document lengths in power-of-two bins ``[lo, hi)``, empty bins left out."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        return []
+    top = int(lengths.max())
+    edges = [0, 1]
+    while edges[-1] <= top:
+        edges.append(edges[-1] * 2)
+    counts, _ = np.histogram(lengths, bins=edges)
+    return [{"min": lo, "max": hi - 1, "documents": int(n)}
+            for lo, hi, n in zip(edges[:-1], edges[1:], counts) if n]
+
+
+def _corpus_split(dataset) -> dict:
+    begin, end = dataset.description.get("range", [0, 0])
+    lengths = np.asarray(dataset.corpus.sequence_lengths[begin:end])
+    seq = dataset.description.get("seq_length")
+    return {"corpus": dataset.corpus.prefix, "documents": int(end - begin),
+            "tokens": int(lengths.sum(dtype=np.int64)), "epochs": dataset.num_epochs,
+            "samples_built": len(dataset),
+            "samples_per_epoch": int((lengths.sum(dtype=np.int64) - 1) // seq) if seq else None,
+            "length_histogram": length_histogram(lengths),
+            "mean_length": float(lengths.mean()) if len(lengths) else 0.0}
+
+
+def split_stats(dataset, needed: int) -> dict:
+    """One split: the samples the run draws (``needed``) and what they come from."""
+    if dataset is None:
+        return {"samples": 0, "needed": needed}
+    out = {"samples": len(dataset), "needed": needed}
+    if hasattr(dataset, "dataset_index"):  # a blend
+        drawn = np.asarray(dataset.dataset_index[:min(needed, len(dataset))])
+        counts = np.bincount(drawn, minlength=len(dataset.datasets))
+        out["blend"] = [{"weight": float(w),
+                         "effective_weight": float(n / max(1, len(drawn))),
+                         "samples_drawn": int(n), **_corpus_split(part)}
+                        for w, n, part in zip(dataset.weights, counts, dataset.datasets)]
+    elif hasattr(dataset, "corpus"):
+        out.update(_corpus_split(dataset))
+    return out
+
+
+def format_stats(stats: dict) -> str:
+    lines = [f"data {stats['data']}: seq_length {stats['seq_length']}"]
+    for split, entry in stats["splits"].items():
+        if entry["samples"] == 0:
+            lines.append(f"{split}: empty (no documents in --split, or not drawn)")
+            continue
+        lines.append(f"{split}: {entry['samples']} samples built, the run draws "
+                     f"{entry['needed']}")
+        parts = entry.get("blend") or ([entry] if "corpus" in entry else [])
+        for part in parts:
+            weight = ""
+            if "weight" in part:
+                weight = (f"weight {part['weight']:.4f} (effective "
+                          f"{part['effective_weight']:.4f}, {part['samples_drawn']} drawn), ")
+            lines.append(f"  {part['corpus']}: {weight}{part['documents']} documents, "
+                         f"{part['tokens']} tokens (mean {part['mean_length']:.1f}), "
+                         f"{part['epochs']} epoch(s) of {part['samples_per_epoch']} samples")
+            for row in part["length_histogram"]:
+                lines.append(f"    length {row['min']:>7}-{row['max']:<7} "
+                             f"{row['documents']} documents")
+    return "\n".join(lines)
