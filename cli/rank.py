@@ -1,4 +1,4 @@
-"""Entry of one launched rank: ``python -m plugtron.cli.rank {train|evaluate} CONFIG_JSON``."""
+"""Entry of one launched rank: ``python -m plugtron.cli.rank {train|evaluate|generate} CONFIG_JSON``."""
 
 from __future__ import annotations
 
@@ -27,7 +27,13 @@ def _evaluate(config):
     evaluate_checkpoint(config)
 
 
-COMMANDS = {"train": _train, "evaluate": _evaluate}
+def _generate(config):
+    from .generate import rank_main
+
+    rank_main(config)
+
+
+COMMANDS = {"train": _train, "evaluate": _evaluate, "generate": _generate}
 
 
 def main(argv: list[str]) -> int:

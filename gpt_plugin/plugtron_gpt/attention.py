@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from plugtron.api import normal_init, scaled_normal_init
+from plugtron.api import current_forward_context, normal_init, scaled_normal_init
 
 from .rope import apply_rotary
 
@@ -27,6 +27,7 @@ class SelfAttention(torch.nn.Module):
         super().__init__()
         m = config.model
         tp = parallel.tp_size
+        self.cache_key = prefix  # this layer's entry in a generation's KV cache
         self.num_heads = m.num_attention_heads // tp
         self.num_groups = (m.num_query_groups or m.num_attention_heads) // tp
         self.heads_per_group = self.num_heads // self.num_groups
@@ -52,6 +53,9 @@ class SelfAttention(torch.nn.Module):
         k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        inference = current_forward_context().inference
+        if inference is not None:  # generation: attend over the cached keys too
+            k, v = inference.update(self.cache_key, k, v)
         out, _ = self.linear_proj(self.core_attention(q, k, v))
         return out
 
@@ -61,6 +65,7 @@ class SelfAttentionLayer(torch.nn.Module):
 
     symbol = "*"
     supports_context_parallel = True  # core_attention reaches the keys on other cp ranks
+    supports_kv_cache = True  # generation keeps its k/v (SelfAttention.forward)
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()
