@@ -24,7 +24,9 @@ def _train(config):
 def _evaluate(config):
     from plugtron.core.checkpoint.evaluate import evaluate_checkpoint
 
-    evaluate_checkpoint(config)
+    from .evaluate import JSON_ENV
+
+    evaluate_checkpoint(config, as_json=bool(os.environ.get(JSON_ENV)))
 
 
 def _generate(config):

@@ -169,3 +169,20 @@ def test_tp2_gives_the_tokens_of_tp1(gpt_checkpoint):
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     expected = generate(load_model(gpt_checkpoint), PROMPTS, 5, greedy=True).tokens
     assert [line["tokens"] for line in lines] == expected
+
+
+def test_hybrid_runs_without_a_cache_one_row_at_a_time(tmp_path):
+    """Mamba layers keep no generation state here: the prefix is recomputed for every token,
+    each row alone (no padding for the recurrence to read); the cache is refused."""
+    path = str(tmp_path / "hy")
+    config = tiny_config(train_iters=1, save=path, model="hybrid", hybrid_layer_pattern="M*-",
+                         num_layers=3, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
+                         mamba_chunk_size=4)
+    run = training.setup(config, world=single_process())
+    checkpoint.load_if_requested(run)
+    training.train(run, MetricsLogger(config, rank=1))
+    model = load_model(path)
+    out = generate(model, PROMPTS, 4, greedy=True)
+    assert out.tokens == [_reference(model, prompt, 4) for prompt in PROMPTS]
+    with pytest.raises(ValueError, match="use_cache=False"):
+        generate(model, PROMPTS, 2, use_cache=True)
