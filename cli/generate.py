@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import click
 from plugtron.core.distributed import launched_externally
@@ -86,6 +87,15 @@ def build_request(load, prompts, prompt_file, prompt_ids, **values) -> dict:
         raise ConfigError(f"--top-k must be >= 0 (0: off), got {values['top_k']}")
     if not 0 < values["top_p"] <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {values['top_p']}")
+    from plugtron.core.generation import position_limit
+
+    limit = position_limit(SimpleNamespace(**{k: model.get(k) for k in (
+        "position_embedding_type", "max_position_embeddings", "seq_length")}))
+    longest = max(len(p) for p in encoded)
+    if limit is not None and longest + values["max_new_tokens"] > limit:
+        raise ConfigError(f"the longest prompt ({longest} tokens) + --max-new-tokens "
+                          f"{values['max_new_tokens']} exceeds the model's {limit} learned "
+                          f"positions")
     _check_layout(model, values["tp"], values.pop("pp"), values["nproc_per_node"])
     return {"load": path, "prompts": encoded, "texts": texts + [None] * len(ids),
             "tokenizer_type": tokenizer_type, "tokenizer_model": tokenizer_model, **values}

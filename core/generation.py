@@ -95,6 +95,14 @@ def supports_kv_cache(module: torch.nn.Module) -> bool:
     return bool(parts) and all(getattr(part, "supports_kv_cache", False) for part in parts)
 
 
+def position_limit(model_config) -> int | None:
+    """The longest sequence a model with learned absolute positions can embed (None: RoPE or
+    no position embedding, no table to run past)."""
+    if getattr(model_config, "position_embedding_type", None) != "learned_absolute":
+        return None
+    return model_config.max_position_embeddings or model_config.seq_length
+
+
 def _check(prompts, max_new_tokens, temperature, top_k, top_p) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
             or max_new_tokens <= 0:
@@ -211,6 +219,12 @@ def generate(model, prompts, max_new_tokens: int, *, greedy: bool = False,
         if bad:
             raise ValueError(f"prompt {i} has token id {bad[0]} outside the vocabulary "
                              f"[0, {vocab})")
+    config = getattr(model, "config", None) or getattr(module, "config", None)
+    limit = position_limit(config.model) if config is not None else None
+    longest = max(len(p) for p in prompts)
+    if limit is not None and longest + max_new_tokens > limit:
+        raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the "
+                         f"model's {limit} learned positions")
     if eod is None and tokenizer is not None:
         eod = tokenizer.eod
     cacheable = supports_kv_cache(module)

@@ -47,3 +47,6 @@ def test_greedy_equals_transformers_generate_on_the_exported_model(kind, tmp_pat
     ours = generate(model, PROMPTS, NEW, greedy=True).tokens
     assert ours == _hf_greedy(hf, PROMPTS)
     assert len({tuple(t) for t in ours}) > 1  # not one token repeated everywhere
+    if kind == "gpt2":  # 32 learned positions: 6 + 30 do not fit
+        with pytest.raises(ValueError, match="32 learned positions"):
+            generate(model, PROMPTS, 30)
