@@ -12,11 +12,11 @@ Prompts of different lengths are left-padded: every row's next token is then in 
 column. Positions count each row's own tokens (the first real token is position 0), so a padded
 row gets exactly the tokens it gets alone.
 
-Layer types that keep no per-token state other than attention's k/v declare
-``supports_kv_cache = True`` (attention ``*``, MLP ``-``, MoE ``E``). A model with any other
-layer (the Hybrid model's Mamba ``M``, whose cache would be its conv and SSM state) is run
-without a cache and one row at a time: the whole prefix is recomputed for every new token, with
-no padding that a recurrent layer would read.
+Layer types whose state between steps lives in the InferenceState declare
+``supports_kv_cache = True``: attention ``*`` (k/v), MLP ``-`` and MoE ``E`` (none), Mamba ``M``
+(its conv window and SSM state in ``state.recurrent``; padding tokens are made no-ops). A model
+with any other layer is run without a cache and one row at a time: the whole prefix is
+recomputed for every new token, with no padding that an unknown layer would read.
 """
 
 from __future__ import annotations
@@ -42,6 +42,12 @@ class InferenceState:
         self.use_cache = use_cache
         self.offset = 0  # tokens of every row already in the cache
         self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: Per-layer state of recurrent layers (Mamba: conv window, SSM state), by layer name.
+        self.recurrent: dict[str, object] = {}
+
+    def valid(self, num_tokens: int) -> torch.Tensor:
+        """``[b, num_tokens]`` bool: which of this step's tokens are real (not padding)."""
+        return self.key_valid[:, self.offset:self.offset + num_tokens]
 
     def update(self, key: str, k: torch.Tensor, v: torch.Tensor):
         """Append this step's ``k``, ``v`` ``[b, s, groups, d]`` of layer ``key`` at the

@@ -171,18 +171,35 @@ def test_tp2_gives_the_tokens_of_tp1(gpt_checkpoint):
     assert [line["tokens"] for line in lines] == expected
 
 
-def test_hybrid_runs_without_a_cache_one_row_at_a_time(tmp_path):
-    """Mamba layers keep no generation state here: the prefix is recomputed for every token,
-    each row alone (no padding for the recurrence to read); the cache is refused."""
+def test_hybrid_cache_carries_the_mamba_state(tmp_path, monkeypatch):
+    """Mamba layers keep their conv window and SSM state between steps; padding is a no-op for
+    the recurrence: cached == uncached == each row alone by hand. The scan's final state
+    equals the token-by-token recurrence's."""
+    from plugtron_gpt.ssd import sequential_scan, ssd_final_state, ssd_step
+
+    g = torch.Generator().manual_seed(0)
+    x, B = torch.randn(2, 7, 4, 3, generator=g), torch.randn(2, 7, 2, 5, generator=g)
+    dt, A = torch.rand(2, 7, 4, generator=g), -torch.rand(4, generator=g)
+    zero = torch.zeros(2, 4, 3, 5)
+    y, state = ssd_step(zero, x, dt, A, B, B)
+    assert torch.allclose(y, sequential_scan(x, dt, A, B, B), atol=1e-5)
+    assert torch.allclose(ssd_final_state(x, dt, A, B), state, atol=1e-5)
+
     path = str(tmp_path / "hy")
     config = tiny_config(train_iters=1, save=path, model="hybrid", hybrid_layer_pattern="M*-",
                          num_layers=3, mamba_state_dim=8, mamba_head_dim=8, mamba_num_groups=2,
-                         mamba_chunk_size=4)
+                         mamba_chunk_size=4, init_method_std=0.2)
     run = training.setup(config, world=single_process())
     checkpoint.load_if_requested(run)
     training.train(run, MetricsLogger(config, rank=1))
     model = load_model(path)
-    out = generate(model, PROMPTS, 4, greedy=True)
-    assert out.tokens == [_reference(model, prompt, 4) for prompt in PROMPTS]
+    cached = generate(model, PROMPTS, 5, greedy=True)
+    assert cached.tokens == generate(model, PROMPTS, 5, greedy=True, use_cache=False).tokens
+    assert cached.tokens == [_reference(model, prompt, 5) for prompt in PROMPTS]
+    # A layer type that does not declare cache support: no cache, one row at a time.
+    from plugtron_gpt.mamba import MambaLayer
+
+    monkeypatch.setattr(MambaLayer, "supports_kv_cache", False)
+    assert generate(model, PROMPTS, 5, greedy=True).tokens == cached.tokens
     with pytest.raises(ValueError, match="use_cache=False"):
         generate(model, PROMPTS, 2, use_cache=True)

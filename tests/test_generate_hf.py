@@ -50,3 +50,21 @@ def test_greedy_equals_transformers_generate_on_the_exported_model(kind, tmp_pat
     if kind == "gpt2":  # 32 learned positions: 6 + 30 do not fit
         with pytest.raises(ValueError, match="32 learned positions"):
             generate(model, PROMPTS, 30)
+
+
+def test_hybrid_greedy_equals_transformers_nemotron_h(tmp_path):
+    """Mamba + attention (NemotronH ``M*-M-*``): our Mamba cache (conv window, SSM state)
+    against transformers' own cache, on the exported model; equal-length prompts."""
+    from .checkpoint.test_hybrid_hf_convert import make_hf as make_hybrid
+
+    hf_dir, ckpt, exported = (str(tmp_path / n) for n in ("hf", "ckpt", "exported"))
+    make_hybrid("nemotron_h", hf_dir)
+    runner = CliRunner()
+    for args in (["import-hf", "--model", "hybrid", hf_dir, ckpt], ["export-hf", ckpt, exported]):
+        result = runner.invoke(cli, ["convert", *args])
+        assert result.exit_code == 0, result.output
+    hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
+    hf.generation_config.eos_token_id = None
+    prompts = [PROMPTS[0], PROMPTS[0][::-1]]
+    ours = generate(load_model(ckpt), prompts, NEW, greedy=True).tokens
+    assert ours == _hf_greedy(hf, prompts)
