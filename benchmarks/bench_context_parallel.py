@@ -4,23 +4,29 @@ One causal attention layer (forward + backward of ``context_parallel_attention``
 layer backend's core_attention makes) on gloo ranks, one thread per rank (or NCCL GPUs when
 ``--cuda``):
 
-1. At ``--seq`` (default 4096): step time, tokens/s (the whole sequence over the step time) and
-   the attention activations each rank keeps for backward (bytes saved by autograd, counted with
-   saved-tensor hooks, each storage once; on CUDA also the peak allocated memory), against 1/cp
-   of cp 1's.
-2. p2p overlap: the ring's step time against the sum of its compute alone (the same blocks with
-   the transfers replaced by a local copy) and its communication alone (the same transfers with
-   no compute).
-3. The longest sequence whose attention activations fit a per-rank cap (``--cap-mib``), cp 1
-   against cp 4 (p2p), doubling from 1024.
+1. At ``--seq`` (default 4096): step time, tokens/s (the whole sequence over the step time), the
+   attention activations each rank keeps for backward (bytes saved by autograd, counted with
+   saved-tensor hooks, each storage once) against 1/cp of cp 1's, and the peak memory of the
+   step per rank: on CPU the rise of the process's peak resident set (VmHWM, reset before the
+   step through /proc/self/clear_refs after malloc_trim) over its resident set before; on CUDA
+   the peak allocated bytes.
+2. p2p overlap, at ``--seq`` and ``--overlap-seq``: the ring's step time against its compute
+   alone (the same blocks, transfers replaced by a local copy) and its communication alone (the
+   same transfers, no compute). Overlap shows as ring < compute + communication.
+3. The longest sequence within a per-rank cap, cp 1 against cp 4 (each comm type), doubling:
+   by attention activations (``--cap-mib``, forward only) and by the step's peak memory
+   (``--peak-cap-mib``, p2p, forward + backward).
 
-Appends a section to benchmarks/RESULTS.md with ``--write``. Usage:
-``python benchmarks/bench_context_parallel.py [--seq 4096] [--cap-mib 16] [--write]``
+Rounds alternate between configurations (each round runs every configuration once, after one
+warm-up round) and the medians are reported. Appends a section to benchmarks/RESULTS.md with
+``--write``. Usage:
+``python benchmarks/bench_context_parallel.py [--seq 4096] [--repeats 3] [--write]``
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import os
 import pathlib
@@ -30,6 +36,10 @@ import sys
 import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench_tensor_parallel.py
+# Allocations above 1 MiB are mmapped and returned on free (glibc's threshold otherwise grows to
+# the largest block freed, keeping later ones in the heap), so the resident set follows the live
+# memory; the spawned ranks inherit it.
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -64,19 +74,51 @@ def _inputs(seq, parallel, cuda):
 
 def _saved_bytes(fn):
     """Bytes autograd keeps for backward while ``fn`` runs (each storage once)."""
-    seen, total = set(), [0]
+    seen = set()
 
     def pack(t):
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key not in seen:
-            seen.add(key)
-            total[0] += storage.nbytes()
+        seen.add((storage.data_ptr(), storage.nbytes()))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
-    return out, total[0]
+    return out, sum(nbytes for _, nbytes in seen)
+
+
+class _PeakMemory:
+    """Peak memory of a region above its start: CUDA peak allocated, or on CPU the rise of the
+    peak resident set (Linux: /proc/self/clear_refs resets VmHWM to the current RSS)."""
+
+    def __init__(self, cuda):
+        self.cuda = cuda
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+        else:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # freed heap back to the system first
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.start = _status_bytes("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.peak = _status_bytes("VmHWM") - self.start
+
+
+def _status_bytes(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
 
 
 def _sync(cuda):
@@ -84,39 +126,9 @@ def _sync(cuda):
         torch.cuda.synchronize()
 
 
-def _rank_step(rank, world_size, seq, comm_type, repeats, cuda, mode="full"):
-    """Median fwd+bwd seconds over ``repeats`` (after one warm-up), saved bytes, peak bytes."""
-    parallel = _parallel(rank, world_size, cuda)
-    q, k, v = _inputs(seq, parallel, cuda)
-    real_exchange = cp_attention._RingExchange
-    if mode == "compute":  # same blocks, transfers replaced by handing back the same block
-        cp_attention._RingExchange = _LocalExchange
-    times, saved, peak = [], 0, 0
-    try:
-        for i in range(repeats + 1):
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            _sync(cuda)
-            if world_size > 1:
-                torch.distributed.barrier()
-            start = time.perf_counter()
-            if mode == "comm":
-                _ring_transfers_only(q, k, v, parallel)
-            else:
-                out, saved = _saved_bytes(lambda: cp_attention.context_parallel_attention(
-                    q, k, v, parallel, comm_type))
-                out.sum().backward()
-            _sync(cuda)
-            if i:
-                times.append(time.perf_counter() - start)
-            if cuda:
-                peak = torch.cuda.max_memory_allocated()
-    finally:
-        cp_attention._RingExchange = real_exchange
-    return statistics.median(times), saved, peak
-
-
 class _LocalExchange:
+    """Stands in for the ring's transfer: hands back a copy of the block sent."""
+
     def __init__(self, tensor, *args):
         self.received = tensor.clone()
 
@@ -137,6 +149,34 @@ def _ring_transfers_only(q, k, v, parallel):
         grad = cp_attention._RingExchange(grad, ranks, rank, parallel.cp_group, 11).wait()
 
 
+def _rank_step(rank, world_size, seq, comm_type, cuda, mode="full"):
+    """One fwd+bwd: (seconds, bytes saved for backward, peak bytes of the step)."""
+    parallel = _parallel(rank, world_size, cuda)
+    q, k, v = _inputs(seq, parallel, cuda)
+    real_exchange = cp_attention._RingExchange
+    if mode == "compute":
+        cp_attention._RingExchange = _LocalExchange
+    try:
+        saved = 0
+        _sync(cuda)
+        if world_size > 1:
+            torch.distributed.barrier()
+        with _PeakMemory(cuda) as memory:
+            start = time.perf_counter()
+            if mode == "comm":
+                _ring_transfers_only(q, k, v, parallel)
+            else:
+                out, saved = _saved_bytes(lambda: cp_attention.context_parallel_attention(
+                    q, k, v, parallel, comm_type))
+                out.sum().backward()
+                del out
+            _sync(cuda)
+            seconds = time.perf_counter() - start
+    finally:
+        cp_attention._RingExchange = real_exchange
+    return seconds, saved, memory.peak
+
+
 def _rank_saved_only(rank, world_size, seq, comm_type, cuda):
     parallel = _parallel(rank, world_size, cuda)
     q, k, v = _inputs(seq, parallel, cuda)
@@ -145,79 +185,108 @@ def _rank_saved_only(rank, world_size, seq, comm_type, cuda):
     return saved
 
 
+def _alternating(pool, configs, repeats, cuda):
+    """``configs``: {name: (cp, seq, comm_type, mode)}. One warm-up round, then ``repeats``
+    rounds each running every configuration once; per configuration the medians over rounds of
+    the slowest rank's time, the largest saved bytes and the largest peak."""
+    samples = {name: [] for name in configs}
+    for round_ in range(repeats + 1):
+        for name, (cp, seq, comm_type, mode) in configs.items():
+            res = pool.run(_rank_step, seq, comm_type, cuda, mode, world_size=cp)
+            if round_:
+                samples[name].append((max(r[0] for r in res), max(r[1] for r in res),
+                                      max(r[2] for r in res)))
+            print(name, res, flush=True)
+    return {name: tuple(statistics.median(s[i] for s in rows) for i in range(3))
+            for name, rows in samples.items()}
+
+
+def _longest(pool, cp, comm_type, cap, start, max_seq, cuda, by_peak):
+    seq, best = start, None
+    while seq <= max_seq:
+        if by_peak:
+            used = max(r[2] for r in pool.run(_rank_step, seq, comm_type, cuda, world_size=cp))
+        else:
+            used = max(pool.run(_rank_saved_only, seq, comm_type, cuda, world_size=cp))
+        print("longest", cp, comm_type, seq, used, flush=True)
+        if used > cap:
+            break
+        best, seq = seq, seq * 2
+    return best
+
+
 def run(args):
-    pool = DistributedPool(4, timeout=1800, backend="nccl" if args.cuda else "gloo")
-    rows, overlap, longest = [], None, {}
+    pool = DistributedPool(4, timeout=3600, backend="nccl" if args.cuda else "gloo")
+    main = {(cp, c): (cp, args.seq, c, "full")
+            for cp in (1, 2, 4) for c in (COMM_TYPES if cp > 1 else ("p2p",))}
+    overlap = {}
+    for seq in sorted({args.seq, args.overlap_seq}):
+        for cp in (2, 4):
+            for mode in ("full", "compute", "comm"):
+                overlap[(cp, seq, mode)] = (cp, seq, "p2p", mode)
     with pool:
-        for cp in (1, 2, 4):
-            for comm_type in (COMM_TYPES if cp > 1 else ("p2p",)):
-                res = pool.run(_rank_step, args.seq, comm_type, args.repeats, args.cuda,
-                               world_size=cp)
-                step = max(r[0] for r in res)
-                rows.append({"cp": cp, "comm": comm_type if cp > 1 else "-", "step_s": step,
-                             "tokens_s": BATCH * args.seq / step,
-                             "saved_mib": max(r[1] for r in res) / 2**20,
-                             "peak_mib": max(r[2] for r in res) / 2**20})
-                print(rows[-1], flush=True)
-        cp = 4
-        compute = max(r[0] for r in pool.run(_rank_step, args.seq, "p2p", args.repeats,
-                                             args.cuda, "compute", world_size=cp))
-        comm = max(r[0] for r in pool.run(_rank_step, args.seq, "p2p", args.repeats,
-                                          args.cuda, "comm", world_size=cp))
-        ring = next(r["step_s"] for r in rows if r["cp"] == cp and r["comm"] == "p2p")
-        overlap = {"cp": cp, "ring": ring, "compute": compute, "comm": comm}
-        print(overlap, flush=True)
-        cap = args.cap_mib * 2**20
+        figures = _alternating(pool, {**main, **overlap}, args.repeats, args.cuda)
+        longest = {}
+        for cp, comm_type in [(1, "p2p")] + [(4, c) for c in COMM_TYPES]:
+            longest[("saved", cp, comm_type)] = _longest(
+                pool, cp, comm_type, args.cap_mib * 2**20, 1024, args.max_seq, args.cuda, False)
         for cp in (1, 4):
-            seq, best = 1024, None
-            while seq <= args.max_seq:
-                saved = max(pool.run(_rank_saved_only, seq, "p2p", args.cuda, world_size=cp))
-                if saved > cap:
-                    break
-                best, seq = seq, seq * 2
-            longest[cp] = best
-            print("longest", cp, best, flush=True)
-    return rows, overlap, longest
+            longest[("peak", cp, "p2p")] = _longest(
+                pool, cp, "p2p", args.peak_cap_mib * 2**20, 2048, args.max_seq, args.cuda, True)
+    return figures, longest
 
 
-def report(args, rows, overlap, longest) -> str:
-    base = next(r for r in rows if r["cp"] == 1)
+def report(args, figures, longest) -> str:
+    base = figures[(1, "p2p")]
     device = "NCCL GPUs" if args.cuda else "gloo CPU ranks, 1 thread each"
-    lines = [f"## Context parallelism: attention over cp ranks ({datetime.date.today()})", "",
-             f"Machine: {platform.machine()} {os.cpu_count()} cores shared, torch "
+    peak_name = "peak allocated" if args.cuda else "peak RSS rise"
+    lines = [f"## Context parallelism: attention memory, speed and overlap ({datetime.date.today()})",
+             "",
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+             f"shared with other engineers' builds and tests (figures are noisy), torch "
              f"{torch.__version__}, {device}. Command: `python benchmarks/"
              f"bench_context_parallel.py {' '.join(sys.argv[1:])}`. One causal attention layer "
-             f"(batch {BATCH}, {HEADS} heads, {GROUPS} groups, head dim {DIM}), forward + "
-             f"backward, median of {args.repeats} after one warm-up; step = slowest rank.", "",
+             f"(batch {BATCH}, {HEADS} heads, {GROUPS} groups, head dim {DIM}, fp32), forward + "
+             f"backward; {args.repeats} alternating rounds after a warm-up, medians; step = "
+             f"slowest rank.", "",
              f"### Sequence {args.seq}", "",
-             "| cp | comm | step (s) | tokens/s | activations saved per rank (MiB) | "
-             "vs cp 1 / cp | peak allocated per rank (MiB) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        ratio = r["saved_mib"] / (base["saved_mib"] / r["cp"])
-        lines.append(f"| {r['cp']} | {r['comm']} | {r['step_s']:.3f} | {r['tokens_s']:,.0f} | "
-                     f"{r['saved_mib']:.2f} | {ratio:.2f}x | "
-                     f"{r['peak_mib']:.1f} |" if args.cuda else
-                     f"| {r['cp']} | {r['comm']} | {r['step_s']:.3f} | {r['tokens_s']:,.0f} | "
-                     f"{r['saved_mib']:.2f} | {ratio:.2f}x | n/a (CPU) |")
-    o = overlap
-    lines += ["", f"### p2p overlap (cp {o['cp']}, sequence {args.seq})", "",
-              "| ring step (s) | compute alone (s) | communication alone (s) | sum (s) | "
-              "ring / sum |", "|---|---|---|---|---|",
-              f"| {o['ring']:.3f} | {o['compute']:.3f} | {o['comm']:.3f} | "
-              f"{o['compute'] + o['comm']:.3f} | {o['ring'] / (o['compute'] + o['comm']):.2f} |",
-              "", f"### Longest sequence within {args.cap_mib} MiB of attention activations per "
-              f"rank (p2p, doubling from 1024, up to {args.max_seq})", "",
-              "| cp | longest sequence |", "|---|---|"]
-    lines += [f"| {cp} | {seq} |" for cp, seq in longest.items()]
+             f"| cp | comm | step (s) | tokens/s | activations saved per rank (MiB) | "
+             f"vs cp 1 / cp | {peak_name} per rank (MiB) | vs cp 1 / cp |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (cp, comm_type), (step, saved, peak) in ((k, v) for k, v in figures.items()
+                                                  if len(k) == 2):
+        lines.append(f"| {cp} | {comm_type if cp > 1 else '-'} | {step:.3f} | "
+                     f"{BATCH * args.seq / step:,.0f} | {saved / 2**20:.2f} | "
+                     f"{saved / (base[1] / cp):.2f}x | {peak / 2**20:.1f} | "
+                     f"{peak / (base[2] / cp):.2f}x |")
+    lines += ["", "### p2p overlap: ring step against its compute alone and its communication "
+              "alone", "",
+              "| cp | sequence | ring step (s) | compute alone (s) | communication alone (s) | "
+              "sum (s) | ring / sum | communication hidden |", "|---|---|---|---|---|---|---|---|"]
+    for key in figures:
+        if len(key) == 3 and key[2] == "full":
+            cp, seq, _ = key
+            ring, compute, comm = (figures[(cp, seq, m)][0] for m in ("full", "compute", "comm"))
+            hidden = (compute + comm - ring) / comm
+            lines.append(f"| {cp} | {seq} | {ring:.3f} | {compute:.3f} | {comm:.3f} | "
+                         f"{compute + comm:.3f} | {ring / (compute + comm):.2f} | "
+                         f"{hidden:.0%} |")
+    lines += ["", f"### Longest sequence within a per-rank cap (doubling, up to {args.max_seq})",
+              "", "| cap | cp | comm | longest sequence |", "|---|---|---|---|"]
+    for (kind, cp, comm_type), seq in longest.items():
+        cap = (f"{args.cap_mib} MiB activations" if kind == "saved"
+               else f"{args.peak_cap_mib} MiB {peak_name}")
+        lines.append(f"| {cap} | {cp} | {comm_type if cp > 1 else '-'} | {seq} |")
     return "\n".join(lines) + "\n"
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cap-mib", type=int, default=16)
+    parser.add_argument("--overlap-seq", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--cap-mib", type=int, default=24)
+    parser.add_argument("--peak-cap-mib", type=int, default=128)
     parser.add_argument("--max-seq", type=int, default=16384)
     parser.add_argument("--cuda", action="store_true", help="NCCL on 4 GPUs")
     parser.add_argument("--write", action="store_true", help="append to RESULTS.md")

@@ -4,10 +4,12 @@
 2. an 8-expert top-2 MoE layer vs a dense MLP with the same active parameters (ffn of the dense
    MLP = 2 x the expert ffn), one rank; goal: MoE <= 1.3x dense;
 3. allgather vs alltoall dispatchers at ep 2 (2 gloo ranks, the same MoE layer);
-4. tokens per expert over training steps of a small model: no balancing, aux loss, expert bias
-   (a PNG plot when matplotlib is installed, and the max/mean load of the last step).
+4. tokens per expert over training steps of a small model: no balancing, aux loss (1e-2 and
+   1e-1), expert bias, each over three seeds (a PNG plot, benchmarks/moe_balance.png).
 
-Usage: python benchmarks/bench_moe.py [--steps 200] [--no-write]
+Timings alternate: every round runs each variant once, medians and per-round ratios reported.
+
+Usage: python benchmarks/bench_moe.py [--steps 200] [--rounds 9] [--no-write]
 """
 
 from __future__ import annotations
@@ -45,48 +47,72 @@ def _layer(config, parallel=None):
     return load_plugin("layer", "mlp")(config, backend, parallel, 1, 0)
 
 
-def _time(layer, x, repeats=7) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        layer(x).sum().backward()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) * 1000
+def _once(layer, x) -> float:
+    start = time.perf_counter()
+    layer(x).sum().backward()
+    return (time.perf_counter() - start) * 1000
 
 
-def layer_timings() -> dict:
+def _alternating(layers: dict, x, rounds: int) -> dict:
+    """Per variant: the median ms and, per round, the time over the first variant's (the
+    variants take turns inside each round, so machine noise hits them alike)."""
+    for layer in layers.values():  # warm-up
+        _once(layer, x)
+    times = {name: [] for name in layers}
+    for _ in range(rounds):
+        for name, layer in layers.items():
+            times[name].append(_once(layer, x))
+    first = next(iter(times.values()))
+    return {name: (statistics.median(t), statistics.median(a / b for a, b in zip(t, first)))
+            for name, t in times.items()}
+
+
+def layer_timings(rounds: int) -> dict:
+    """``{variant: (median ms, median ratio to dense)}``."""
     torch.set_num_threads(1)
     x = torch.randn(1, TOKENS, HIDDEN, requires_grad=True)
-    out = {}
-    for name, flags in (("looped", {}), ("grouped", {"moe-grouped-gemm": True}),
-                        ("dense (ffn 2x expert)", {"num-experts": None,
-                                                   "ffn-hidden-size": 2 * FFN})):
+    layers = {}
+    for name, flags in (("dense (ffn 2x expert)", {"num-experts": None,
+                                                   "ffn-hidden-size": 2 * FFN}),
+                        ("looped", {}), ("grouped", {"moe-grouped-gemm": True})):
         torch.manual_seed(0)
-        out[name] = _time(_layer(_config(**flags)), x)
-    return out
+        layers[name] = _layer(_config(**flags))
+    return _alternating(layers, x, rounds)
 
 
-def _rank_dispatch(rank, world_size, dispatcher):
+def _rank_dispatch(rank, world_size, rounds):
     from plugtron.api import ParallelContext
 
     torch.set_num_threads(1)
     parallel = ParallelContext.build(world_size, rank, ep=2)
-    config = _config(**{"moe-token-dispatcher-type": dispatcher,
-                        "expert-model-parallel-size": 2})
-    layer = _layer(config, parallel)
+    layers = {d: _layer(_config(**{"moe-token-dispatcher-type": d,
+                                   "expert-model-parallel-size": 2}), parallel)
+              for d in ("allgather", "alltoall")}
     x = torch.randn(1, TOKENS // 2, HIDDEN, generator=torch.Generator().manual_seed(rank),
                     requires_grad=True)
-    return _time(layer, x)
+    return _alternating(layers, x, rounds)
 
 
-def dispatcher_timings() -> dict:
+def dispatcher_timings(rounds: int) -> dict:
+    """``{dispatcher: (median ms, median ratio to allgather)}`` of the slower rank."""
     from plugtron.testing import DistributedPool
 
     with DistributedPool(2) as pool:
-        return {d: max(pool.run(_rank_dispatch, d)) for d in ("allgather", "alltoall")}
+        per_rank = pool.run(_rank_dispatch, rounds)
+    return {d: max((r[d] for r in per_rank), key=lambda v: v[0]) for d in per_rank[0]}
+
+
+SEEDS = (1234, 1, 2)
+BALANCE_RUNS = {"none": {}, "aux loss 1e-2": {"moe-aux-loss-coeff": 1e-2},
+                "aux loss 1e-1": {"moe-aux-loss-coeff": 1e-1},
+                "expert bias": {"moe-router-score-function": "sigmoid",
+                                "moe-router-enable-expert-bias": True,
+                                "moe-router-bias-update-rate": 1e-2}}
 
 
 def balance(steps: int) -> dict:
+    """``{variant: [per-seed list of max/mean load per step]}`` (same seeds for every
+    variant: one seed alone is within run-to-run noise at coefficient 1e-2)."""
     from plugtron.core.distributed import single_process
     from plugtron.core.metrics import MetricsLogger
     from plugtron.core.training import setup, train
@@ -95,17 +121,15 @@ def balance(steps: int) -> dict:
     flags = {"num-experts": 8, "moe-router-topk": 2, "train-iters": steps, "num-layers": 2,
              "hidden-size": 64, "seq-length": 32, "micro-batch-size": 4,
              "global-batch-size": 8, "lr": 3e-3, "moe-per-layer-logging": False}
-    runs = {"none": {}, "aux loss 1e-2": {"moe-aux-loss-coeff": 1e-2},
-            "expert bias": {"moe-router-score-function": "sigmoid",
-                            "moe-router-enable-expert-bias": True,
-                            "moe-router-bias-update-rate": 1e-2}}
     out = {}
-    for name, extra in runs.items():
-        config = make_config({**flags, **extra})
-        recorder = LoadRecorder()
-        run = setup(config, extra_plugins=[recorder], world=single_process())
-        train(run, MetricsLogger(config, rank=1))  # rank != 0: writes nothing
-        out[name] = recorder.loads
+    for name, extra in BALANCE_RUNS.items():
+        out[name] = []
+        for seed in SEEDS:
+            config = make_config({**flags, **extra, "seed": seed})
+            recorder = LoadRecorder()
+            run = setup(config, extra_plugins=[recorder], world=single_process())
+            train(run, MetricsLogger(config, rank=1))  # rank != 0: writes nothing
+            out[name].append(recorder.loads)
     return out
 
 
@@ -140,6 +164,26 @@ def _hookimpls():
     LoadRecorder.plugtron_step_end = hookimpl(LoadRecorder.plugtron_step_end)
 
 
+def noise_floor(tokens: int = 256, trials: int = 2000) -> float:
+    """Mean max/mean load of a router that picks its top-2 of 8 uniformly at random for
+    ``tokens`` tokens (one step of the balance runs): what sampling alone gives."""
+    gen = torch.Generator().manual_seed(0)
+    loads = []
+    for _ in range(trials):
+        picks = torch.rand(tokens, 8, generator=gen).topk(2, dim=1).indices.flatten()
+        counts = torch.bincount(picks, minlength=8).float()
+        loads.append(float(counts.max() / counts.mean()))
+    return statistics.mean(loads)
+
+
+def _smooth(values: list, window: int = 10) -> list:
+    return [statistics.mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
+
+
+def _seed_mean(runs: list[list]) -> list:
+    return [statistics.mean(step) for step in zip(*runs)]
+
+
 def plot(series: dict, path: str) -> str:
     try:
         import matplotlib
@@ -148,50 +192,66 @@ def plot(series: dict, path: str) -> str:
         import matplotlib.pyplot as plt
     except ImportError:
         return "(matplotlib not installed: no plot)"
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for name, values in series.items():
-        ax.plot(range(1, len(values) + 1), values, label=name)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, runs in series.items():
+        mean = _seed_mean(runs)
+        ax.plot(range(1, len(mean) + 1), _smooth(mean), label=name)
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.axhline(noise_floor(), color="grey", lw=0.8, ls="--", label="random routing (sampling)")
     ax.set_xlabel("step")
-    ax.set_ylabel("max / mean tokens per expert (layer 1)")
+    ax.set_ylabel("max / mean tokens per expert, layer 1")
+    ax.set_title(f"MoE balance: mean of seeds {', '.join(map(str, SEEDS))}, "
+                 f"10-step moving average", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=100)
     return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     _hookimpls()
     start = time.time()
-    layers = layer_timings()
-    dispatch = dispatcher_timings()
+    layers = layer_timings(args.rounds)
+    dispatch = dispatcher_timings(args.rounds)
     loads = balance(args.steps)
     png = plot(loads, os.path.join(os.path.dirname(__file__), "moe_balance.png"))
     took = time.time() - start
-    ratio = layers["looped"] / layers["dense (ffn 2x expert)"]
-    lines = [f"\n## MoE ({time.strftime('%Y-%m-%d')})\n",
-             f"Machine: {platform.machine()} {os.cpu_count()}-core CPU, torch "
-             f"{torch.__version__}, 1 thread per rank, shared with other engineers' runs "
-             f"(noisy). Command: `python benchmarks/bench_moe.py --steps {args.steps}` "
-             f"(took {took:.0f} s).\n",
+    lines = [f"\n## MoE, second pass: alternating rounds, balance over seeds "
+             f"({time.strftime('%Y-%m-%d')})\n",
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+             f"torch {torch.__version__}, 1 thread per rank, shared with other engineers' "
+             f"runs (noisy). Command: `python benchmarks/bench_moe.py --steps {args.steps} "
+             f"--rounds {args.rounds}` (took {took:.0f} s).\n",
              f"One layer, hidden {HIDDEN}, {EXPERTS} experts top-2, expert ffn {FFN} (SwiGLU), "
-             f"{TOKENS} tokens, forward + backward, median of 6 ms:\n",
-             "| variant | ms |", "|---|---|"]
-    lines += [f"| {name} | {ms:.1f} |" for name, ms in layers.items()]
-    lines += [f"\nMoE (looped) / dense with the same active parameters: **{ratio:.2f}x** "
-              f"(goal <= 1.3x). Grouped / looped: "
-              f"{layers['grouped'] / layers['looped']:.2f}x (on CPU the batched "
-              f"equivalent pads to the largest expert; torch's grouped mm runs on CUDA only).\n",
-              f"Dispatchers at ep 2 (2 gloo ranks, {TOKENS // 2} tokens each, slowest rank): "
-              + ", ".join(f"{d} {ms:.1f} ms" for d, ms in dispatch.items()) + ".\n",
-              f"Balance over {args.steps} steps (2 layers, hidden 64, 8 experts top-2; max/mean "
-              f"tokens per expert of layer 1; 1.0 is perfect): "
-              + ", ".join(f"{n}: first {v[0]:.2f}, last {v[-1]:.2f}, mean of last 20 "
-                          f"{statistics.mean(v[-20:]):.2f}" for n, v in loads.items())
-              + f". Plot: {os.path.basename(png) if png.endswith('.png') else png}.\n"]
+             f"{TOKENS} tokens, forward + backward; {args.rounds} rounds, the variants taking "
+             f"turns in each; median ms and median per-round ratio to dense:\n",
+             "| variant | ms | / dense |", "|---|---|---|"]
+    lines += [f"| {name} | {ms:.1f} | {ratio:.2f} |" for name, (ms, ratio) in layers.items()]
+    grouped = layers["grouped"][1] / layers["looped"][1]
+    lines += [f"\nMoE (looped) / dense with the same active parameters: "
+              f"**{layers['looped'][1]:.2f}x** (goal <= 1.3x); grouped: "
+              f"{layers['grouped'][1]:.2f}x, grouped / looped {grouped:.2f} (CPU: the padded "
+              f"batched matmul; torch's grouped mm is selected where it runs, CUDA).\n",
+              f"Dispatchers at ep 2 (2 gloo ranks, {TOKENS // 2} tokens each, slower rank, "
+              f"alternating): " + ", ".join(f"{d} {ms:.1f} ms ({r:.2f}x allgather)"
+                                           for d, (ms, r) in dispatch.items()) + ".\n",
+              f"Balance over {args.steps} steps (2 layers, hidden 64, 8 experts top-2, mock "
+              f"tokens; max/mean tokens per expert of layer 1 per step, 512 assignments a "
+              f"step, so {noise_floor():.2f} even for uniformly random routing, by sampling "
+              f"alone); "
+              f"mean of the last 50 steps per seed {SEEDS}:\n",
+              "| variant | " + " | ".join(f"seed {s}" for s in SEEDS) + " | mean |",
+              "|---|" + "---|" * (len(SEEDS) + 1)]
+    for name, runs in loads.items():
+        last = [statistics.mean(r[-50:]) for r in runs]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in last)
+                     + f" | {statistics.mean(last):.2f} |")
+    lines.append(f"\nPlot: {os.path.basename(png) if png.endswith('.png') else png}.\n")
     text = "\n".join(lines)
     print(text)
     if not args.no_write:

@@ -65,9 +65,12 @@ def add_loss(hidden: torch.Tensor, name: str, loss: torch.Tensor) -> torch.Tenso
     if loss.dim() != 0:
         raise ValueError(f"add_loss({name!r}): the loss must be a scalar, got shape "
                          f"{tuple(loss.shape)}")
+    from .recompute import is_recomputing
+
     tokens = _state["tokens"]
-    value = loss.detach().float() * tokens
-    _totals[name] = _totals[name] + value if name in _totals else value
+    if not is_recomputing():  # a recomputed forward must not report the term a second time
+        value = loss.detach().float() * tokens
+        _totals[name] = _totals[name] + value if name in _totals else value
     if not (torch.is_grad_enabled() and loss.requires_grad):
         return hidden
     return _InjectLossGrad.apply(hidden, loss, _state["loss_scale"] * tokens)

@@ -164,6 +164,19 @@ class TrainingConfig:
                                               "Stop cleanly (and save) after this many minutes.")
     exit_interval: int | None = opt(None, "--exit-interval",
                                     "Stop cleanly (and save) at an iteration divisible by N.")
+    # Activation recompute (core/recompute.py).
+    recompute_granularity: str | None = opt(
+        None, "--recompute-granularity", "Recompute activations in backward: full (whole "
+        "layers) or selective (the parts --recompute-modules names).",
+        choices=("full", "selective"))
+    recompute_method: str = opt("uniform", "--recompute-method",
+                                "full: uniform (groups of N layers) or block (first N layers "
+                                "of each chunk).", choices=("uniform", "block"))
+    recompute_num_layers: int = opt(1, "--recompute-num-layers",
+                                    "full: layers per group (uniform) or per chunk (block).")
+    recompute_modules: list = opt([], "--recompute-modules",
+                                  "selective: core_attn (default), mlp, layernorm, moe_act, "
+                                  "moe, shared_experts (repeatable or comma-separated).")
 
 
 @dataclass

@@ -114,10 +114,6 @@ def check_support(config, model=None, layer_backend=None) -> None:
             raise ConfigError(f"--cp-comm-type a2a trades the sequence split for a head split: "
                               f"the {heads} heads and {groups} query groups per tp rank must "
                               f"both be divisible by --cp {cp}; use p2p or allgather")
-    if m.attention_dropout and comm_type == "p2p":
-        raise ConfigError(f"--attention-dropout {m.attention_dropout} with --cp-comm-type p2p: "
-                          f"ring attention has no attention dropout here; set "
-                          f"--attention-dropout 0 or use --cp-comm-type allgather or a2a")
     for what, obj in (("model", model), ("layer backend", layer_backend)):
         if obj is not None and not declares_support(obj):
             name = getattr(obj, "name", None) or type(obj).__name__

@@ -7,18 +7,26 @@ position, most of which live on other ranks. Three ways to bring them together, 
 
 * ``p2p`` (:func:`ring_attention`): K/V blocks travel around the cp ring; each rank attends its
   queries to the block it holds and merges the partial results by log-sum-exp (online softmax).
-  The causal structure of the load-balanced layout makes every step after the first exactly half
-  a block: against an earlier rank's block only its first chunk is visible (to all local
+  The causal structure of the load-balanced layout skips every fully masked part: at step 0 the
+  first local chunk does not look at the second; every later step is exactly half a block: against an earlier rank's block only its first chunk is visible (to all local
   queries); against a later rank's block only the second local chunk sees anything (all of it).
-  The next block's send is posted before the current block is computed, so communication hides
-  behind compute. Backward sends the K/V blocks around again with their dK/dV accumulators.
-  Memory: q, k, v, the output and the log-sum-exp, no score matrix survives a step.
-* ``allgather`` (:func:`all_gather_attention`): K/V all-gathered over cp, local queries attend to
-  the whole sequence under a positional causal mask. Simple; holds the full K/V.
+  The next block's transfer is posted before the current block is computed and waited for after,
+  so communication hides behind compute. Backward sends the K/V blocks around again with their
+  dK/dV accumulators.
+* ``allgather`` (:func:`all_gather_attention`): K/V all-gathered over cp; each local chunk
+  attends to the prefix of the sequence up to its end (Megatron's all-gather cp works chunk by
+  chunk the same way). The gathered K/V is dropped after forward and gathered again in backward,
+  whose dK/dV are reduce-scattered home.
 * ``a2a`` (:func:`all_to_all_attention`, DeepSpeed-Ulysses): an all-to-all trades the sequence
   split for a head split, each rank runs ordinary causal attention over the whole sequence for
   ``heads / cp`` heads, and a second all-to-all trades back. Needs heads and groups divisible
   by cp.
+
+Memory: all three keep for backward only tensors of the local tokens' size (q, k, v, the output
+and the log-sum-exp, for a2a those of its head slice), so attention activations per rank are
+1/cp of one process's; p2p and allgather recompute the scores block by block
+(:mod:`plugtron.core.attention_blocks`). Attention dropout: p2p and allgather draw a positional
+mask (:func:`plugtron.core.attention_blocks.keep_mask`), a2a torch's own.
 
 Shapes are the layer backend's: q ``[b, s_local, heads, d]``, k and v ``[b, s_local, groups, d]``
 (grouped-query attention: ``heads`` a multiple of ``groups``), result ``[b, s_local, heads * d]``.
@@ -26,6 +34,7 @@ Shapes are the layer backend's: q ``[b, s_local, heads, d]``, k and v ``[b, s_lo
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -33,8 +42,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import comm
-from .context_parallel import COMM_TYPES, local_positions
-from .tensor_parallel import gather_from_sequence_parallel_region
+from .attention_blocks import block_backward, block_forward, draw_dropout
+from .context_parallel import COMM_TYPES, local_chunk_ids, local_positions
 
 KV_TAG = 10  # K/V blocks going round the ring
 GRAD_TAG = 11  # their dK/dV accumulators (backward)
@@ -43,15 +52,15 @@ GRAD_TAG = 11  # their dK/dV accumulators (backward)
 def context_parallel_attention(q, k, v, parallel, comm_type: str = "p2p",
                                dropout_p: float = 0.0) -> torch.Tensor:
     """Causal attention of this cp rank's queries over the whole sequence, by ``comm_type``
-    (``p2p``, ``allgather`` or ``a2a``); plain causal attention without cp."""
+    (``p2p``, ``allgather`` or ``a2a``); plain causal attention without cp. Dropout randomness
+    is drawn from the current random stream (the caller's dropout stream)."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp comm type {comm_type!r} is not one of {', '.join(COMM_TYPES)}")
     if parallel.cp_size == 1:
         return _local_causal(q, k, v, dropout_p)
     if comm_type == "p2p":
-        if dropout_p:
-            raise ValueError("ring attention (p2p) has no attention dropout")
-        return ring_attention(q, k, v, parallel.cp_group, parallel.cp_ranks, parallel.cp_rank)
+        return ring_attention(q, k, v, parallel.cp_group, parallel.cp_ranks, parallel.cp_rank,
+                              dropout_p)
     if comm_type == "allgather":
         return all_gather_attention(q, k, v, parallel.cp_group, parallel.cp_rank,
                                     parallel.cp_size, dropout_p)
@@ -66,7 +75,14 @@ def _local_causal(q, k, v, dropout_p=0.0):
     return out.transpose(1, 2).reshape(b, s, -1)
 
 
-# --------------------------------------------------------------------------- all-gather
+def _heads_first(q, k, v):
+    """Layer-backend layout ``[b, s, h, d]`` to the kernels' ``[b, h, s, d]``."""
+    return (t.transpose(1, 2) for t in (q, k, v))
+
+
+def _sequence_first(out: torch.Tensor) -> torch.Tensor:
+    b, _, s, _ = out.shape
+    return out.transpose(1, 2).reshape(b, s, -1)
 
 
 def layout_positions(seq_length: int, cp_size: int, device=None) -> torch.Tensor:
@@ -74,23 +90,89 @@ def layout_positions(seq_length: int, cp_size: int, device=None) -> torch.Tensor
     return torch.cat([local_positions(seq_length, r, cp_size, device) for r in range(cp_size)])
 
 
+# --------------------------------------------------------------------------- all-gather
+
+
+def _gather_kv(kv: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """``[2, b, g, s_local, d]`` of every cp rank -> ``[2, b, g, seq, d]`` in sequence order."""
+    two, b, g, s, d = kv.shape
+    parts = comm.all_gather_tensor(kv.unsqueeze(0), group)  # [cp, 2, b, g, s, d], rank order
+    ranked = parts.permute(1, 2, 3, 0, 4, 5).reshape(two, b, g, cp * s, d)
+    order = torch.argsort(layout_positions(cp * s, cp, kv.device))
+    return ranked.index_select(3, order)
+
+
+def _scatter_kv_grad(grad: torch.Tensor, group, cp: int) -> torch.Tensor:
+    """Inverse of :func:`_gather_kv` for gradients: every rank's ``[2, b, g, seq, d]`` summed,
+    each rank keeping its own tokens ``[2, b, g, s_local, d]``."""
+    two, b, g, seq, d = grad.shape
+    ranked = grad.index_select(3, layout_positions(seq, cp, grad.device))
+    parts = ranked.view(two, b, g, cp, seq // cp, d).permute(3, 0, 1, 2, 4, 5)
+    return comm.reduce_scatter_tensor(parts.contiguous(), group)[0]
+
+
+class _AllGatherAttention(torch.autograd.Function):
+    """q ``[b, heads, s, d]``, k/v ``[b, groups, s, d]`` -> output like q. Saves the local q, k,
+    v, the output and the log-sum-exp only; the gathered K/V lives for one pass at a time."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, cp_rank, cp_size, dropout):
+        chunk = q.shape[2] // 2
+        seq = 2 * chunk * cp_size
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        kv = _gather_kv(torch.stack([k, v]), group, cp_size)
+        q_pos = local_positions(seq, cp_rank, cp_size, q.device)
+        k_pos = torch.arange(seq, device=q.device)
+        out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        for i, chunk_id in enumerate(local_chunk_ids(cp_rank, cp_size)):
+            rows, end = slice(i * chunk, (i + 1) * chunk), (chunk_id + 1) * chunk
+            out[:, :, rows], lse[:, :, rows] = block_forward(
+                q[:, :, rows], kv[0][:, :, :end], kv[1][:, :, :end], q_pos[rows], k_pos[:end],
+                scale, True, dropout)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.cp_rank, ctx.cp_size, ctx.dropout = group, cp_rank, cp_size, dropout
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        cp_rank, cp_size = ctx.cp_rank, ctx.cp_size
+        chunk = q.shape[2] // 2
+        seq = 2 * chunk * cp_size
+        kv = _gather_kv(torch.stack([k, v]), ctx.group, cp_size)
+        q_pos = local_positions(seq, cp_rank, cp_size, q.device)
+        k_pos = torch.arange(seq, device=q.device)
+        grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        for i, chunk_id in enumerate(local_chunk_ids(cp_rank, cp_size)):
+            rows, end = slice(i * chunk, (i + 1) * chunk), (chunk_id + 1) * chunk
+            grad_q[:, :, rows], dk, dv = block_backward(
+                q[:, :, rows], kv[0][:, :, :end], kv[1][:, :, :end], out[:, :, rows],
+                lse[:, :, rows], grad_out[:, :, rows], q_pos[rows], k_pos[:end], ctx.scale,
+                True, ctx.dropout)
+            grad_kv[0][:, :, :end] += dk
+            grad_kv[1][:, :, :end] += dv
+        del kv
+        grad_kv = _scatter_kv_grad(grad_kv, ctx.group, cp_size)
+        return (grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype),
+                None, None, None, None)
+
+
 def all_gather_attention(q, k, v, group, cp_rank: int, cp_size: int,
                          dropout_p: float = 0.0) -> torch.Tensor:
-    """K/V gathered over cp (backward: their gradients reduce-scattered back), local queries
-    attend to every key at or before their true position."""
-    b, s_local = q.shape[:2]
-    seq = s_local * cp_size
-    # Gathered in rank order, then put back in sequence order.
-    order = torch.argsort(layout_positions(seq, cp_size, q.device))
-    k_all = gather_from_sequence_parallel_region(k, group).index_select(1, order)
-    v_all = gather_from_sequence_parallel_region(v, group).index_select(1, order)
-    q_pos = local_positions(seq, cp_rank, cp_size, q.device)
-    mask = q_pos[:, None] >= torch.arange(seq, device=q.device)[None, :]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k_all.transpose(1, 2),
-                                         v_all.transpose(1, 2), attn_mask=mask,
-                                         dropout_p=dropout_p,
-                                         enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2).reshape(b, s_local, -1)
+    """K/V gathered over cp, each local chunk attending causally to the sequence up to its end;
+    backward gathers K/V again and reduce-scatters their gradients."""
+    if q.shape[1] % 2:
+        raise ValueError(f"all-gather cp attention needs an even local sequence (two chunks), "
+                         f"got {q.shape[1]}")
+    if comm.group_size(group) == 1:
+        return _local_causal(q, k, v, dropout_p)
+    dropout = draw_dropout(dropout_p, q.device)
+    return _sequence_first(_AllGatherAttention.apply(*_heads_first(q, k, v), group, cp_rank,
+                                                     cp_size, dropout))
 
 
 # --------------------------------------------------------------------------- all-to-all
@@ -144,6 +226,24 @@ class _HeadsToSeq(torch.autograd.Function):
         return _seq_to_heads(grad, ctx.group, ctx.cp), None, None
 
 
+@contextlib.contextmanager
+def _head_block_dropout_stream(dropout_p: float, device, cp_rank: int):
+    """cp ranks share their dropout stream, but under a2a each holds different heads: torch's
+    dropout draws from a seed taken from the shared stream plus the cp rank, so head blocks get
+    independent masks (the shared stream advances alike on every rank)."""
+    if not dropout_p:
+        yield
+        return
+    seed = draw_dropout(dropout_p, device).seed + cp_rank
+    device = torch.device(device)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+        yield
+
+
 def all_to_all_attention(q, k, v, group, cp_size: int, dropout_p: float = 0.0) -> torch.Tensor:
     """Ulysses: all-to-all to whole sequences of ``1/cp`` of the heads (and groups: rank j gets
     head block j, which is query-group block j since heads are laid out group-major), causal
@@ -157,10 +257,11 @@ def all_to_all_attention(q, k, v, group, cp_size: int, dropout_p: float = 0.0) -
     order = torch.argsort(positions)
     q_all, k_all, v_all = (_SeqToHeads.apply(t, group, cp_size).index_select(1, order)
                            for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q_all.transpose(1, 2), k_all.transpose(1, 2),
-                                         v_all.transpose(1, 2), is_causal=True,
-                                         dropout_p=dropout_p,
-                                         enable_gqa=q_all.shape[2] != k_all.shape[2])
+    with _head_block_dropout_stream(dropout_p, q.device, comm.group_rank(group)):
+        out = F.scaled_dot_product_attention(q_all.transpose(1, 2), k_all.transpose(1, 2),
+                                             v_all.transpose(1, 2), is_causal=True,
+                                             dropout_p=dropout_p,
+                                             enable_gqa=q_all.shape[2] != k_all.shape[2])
     # Back to rank order (the inverse permutation of ``order`` is ``positions``).
     out = out.transpose(1, 2).index_select(1, positions)
     return _HeadsToSeq.apply(out, group, cp_size).reshape(b, s_local, -1)
@@ -190,126 +291,95 @@ class _RingExchange:
 
 
 def _visible(step: int, src: int, rank: int, chunk: int):
-    """Which query rows and key rows of a ring step can see each other, and whether the causal
-    mask applies: (query slice, key slice, causal)."""
-    everything = slice(None)
-    if step == 0:  # own block: the local tokens are in increasing order, so plain causal
-        return everything, everything, True
+    """The parts of a ring step's block that can see each other: [(query rows, key rows,
+    causal)], fully masked parts left out."""
+    everything, first, second = slice(None), slice(0, chunk), slice(chunk, None)
+    if step == 0:  # own block, local tokens in increasing order: the first chunk cannot see
+        return [(first, first, True), (second, everything, True)]  # the second: skipped
     if src < rank:  # an earlier rank: only its first chunk is before our tokens, all of it
-        return everything, slice(0, chunk), False
-    return slice(chunk, None), everything, False  # a later rank: only our second chunk sees it
-
-
-def _expand(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """K/V groups repeated to one per query head ``[b, groups, s, d] -> [b, heads, s, d]``."""
-    groups = x.shape[1]
-    return x if groups == heads else x.repeat_interleave(heads // groups, dim=1)
-
-
-def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """Gradient of :func:`_expand`: the heads of one group summed."""
-    b, heads, s, d = grad.shape
-    if heads == groups:
-        return grad
-    return grad.view(b, groups, heads // groups, s, d).sum(2)
-
-
-def _scores(q, k, scale, causal):
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        sq, sk = scores.shape[-2:]
-        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1 + sk - sq)
-        scores = scores.masked_fill(mask, float("-inf"))
-    return scores
-
-
-def _block_forward(q, k, v, scale, causal):
-    """Attention of one block in fp32: (output, log-sum-exp of the scores per query row)."""
-    scores = _scores(q, _expand(k, q.shape[1]), scale, causal)
-    lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - lse[..., None])
-    return torch.matmul(probs, _expand(v, q.shape[1])), lse
-
-
-def _block_backward(q, k, v, out, lse, grad_out, delta, scale, causal):
-    """Flash-attention backward of one block, given the *final* output's log-sum-exp and
-    ``delta = rowsum(grad_out * out)``: (dq, dk, dv), dk/dv per group."""
-    heads, groups = q.shape[1], k.shape[1]
-    k_e, v_e = _expand(k, heads), _expand(v, heads)
-    probs = torch.exp(_scores(q, k_e, scale, causal) - lse[..., None])
-    grad_v = torch.matmul(probs.transpose(-1, -2), grad_out)
-    grad_scores = probs * (torch.matmul(grad_out, v_e.transpose(-1, -2)) - delta[..., None])
-    grad_q = torch.matmul(grad_scores, k_e) * scale
-    grad_k = torch.matmul(grad_scores.transpose(-1, -2), q) * scale
-    return grad_q, _fold(grad_k, groups), _fold(grad_v, groups)
+        return [(everything, first, False)]
+    return [(second, everything, False)]  # a later rank: only our second chunk sees it
 
 
 class _RingAttention(torch.autograd.Function):
-    """q ``[b, heads, s, d]``, k/v ``[b, groups, s, d]`` (fp32 inside) -> output like q."""
+    """q ``[b, heads, s, d]``, k/v ``[b, groups, s, d]`` -> output like q. Saves the local q, k,
+    v, the output and the log-sum-exp only: no received block outlives its ring step."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, ranks, rank):
+    def forward(ctx, q, k, v, group, ranks, rank, dropout):
         cp, chunk = len(ranks), q.shape[2] // 2
+        seq = 2 * chunk * cp
         scale = 1.0 / math.sqrt(q.shape[-1])
-        qf = q.float()
-        out = torch.zeros_like(qf)
-        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
+        q_pos = local_positions(seq, rank, cp, q.device)
         kv = torch.stack([k, v])
         for step in range(cp):
             # Post the next block's transfer first: it travels while this block is computed.
             pending = _RingExchange(kv, ranks, rank, group, KV_TAG) if step < cp - 1 else None
-            rows, cols, causal = _visible(step, (rank - step) % cp, rank, chunk)
-            block_out, block_lse = _block_forward(qf[:, :, rows], kv[0][:, :, cols].float(),
-                                                  kv[1][:, :, cols].float(), scale, causal)
-            merged = torch.logaddexp(lse[:, :, rows], block_lse)
-            out[:, :, rows] = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged)[..., None]
-                               + block_out * torch.exp(block_lse - merged)[..., None])
-            lse[:, :, rows] = merged
+            src = (rank - step) % cp
+            k_pos = local_positions(seq, src, cp, q.device)
+            for rows, cols, causal in _visible(step, src, rank, chunk):
+                block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols],
+                                                     kv[1][:, :, cols], q_pos[rows],
+                                                     k_pos[cols], scale, causal, dropout)
+                merged = torch.logaddexp(lse[:, :, rows], block_lse)
+                out[:, :, rows] = (out[:, :, rows]
+                                   * torch.exp(lse[:, :, rows] - merged)[..., None]
+                                   + block_out * torch.exp(block_lse - merged)[..., None])
+                lse[:, :, rows] = merged
             if pending is not None:
                 kv = pending.wait()
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.ranks, ctx.rank, ctx.scale = group, ranks, rank, scale
-        return out.to(q.dtype)
+        ctx.group, ctx.ranks, ctx.rank, ctx.scale, ctx.dropout = group, ranks, rank, scale, dropout
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
         group, ranks, rank, scale = ctx.group, ctx.ranks, ctx.rank, ctx.scale
         cp, chunk = len(ranks), q.shape[2] // 2
-        qf, grad_out = q.float(), grad_out.float()
-        delta = (grad_out * out).sum(-1)
-        grad_q = torch.zeros_like(qf)
+        seq = 2 * chunk * cp
+        q_pos = local_positions(seq, rank, cp, q.device)
+        grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         returning = None  # the dK/dV accumulator arriving with the current block
         for step in range(cp):
             pending = _RingExchange(kv, ranks, rank, group, KV_TAG) if step < cp - 1 else None
-            rows, cols, causal = _visible(step, (rank - step) % cp, rank, chunk)
-            dq, dk, dv = _block_backward(qf[:, :, rows], kv[0][:, :, cols].float(),
-                                         kv[1][:, :, cols].float(), out[:, :, rows],
-                                         lse[:, :, rows], grad_out[:, :, rows],
-                                         delta[:, :, rows], scale, causal)
-            grad_q[:, :, rows] += dq
+            src = (rank - step) % cp
+            k_pos = local_positions(seq, src, cp, q.device)
+            parts = []
+            for rows, cols, causal in _visible(step, src, rank, chunk):
+                dq, dk, dv = block_backward(q[:, :, rows], kv[0][:, :, cols],
+                                            kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+                                            grad_out[:, :, rows], q_pos[rows], k_pos[cols],
+                                            scale, causal, ctx.dropout)
+                grad_q[:, :, rows] += dq
+                parts.append((cols, dk, dv))
             grad_kv = (torch.zeros(2, *k.shape, dtype=torch.float32, device=k.device)
                        if returning is None else returning.wait())
-            grad_kv[0][:, :, cols] += dk
-            grad_kv[1][:, :, cols] += dv
+            for cols, dk, dv in parts:
+                grad_kv[0][:, :, cols] += dk
+                grad_kv[1][:, :, cols] += dv
             # The accumulator follows its block: after cp hops it is home, complete.
             returning = _RingExchange(grad_kv, ranks, rank, group, GRAD_TAG)
             if pending is not None:
                 kv = pending.wait()
         grad_kv = returning.wait()
         return (grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype),
-                None, None, None)
+                None, None, None, None)
 
 
-def ring_attention(q, k, v, group, ranks: list[int], rank: int) -> torch.Tensor:
+def ring_attention(q, k, v, group, ranks: list[int], rank: int,
+                   dropout_p: float = 0.0) -> torch.Tensor:
     """Ring attention over the cp group (``ranks``: its global ranks, ``rank``: this rank's
     index in it). Layer-backend shapes (see the module docstring)."""
-    b, s = q.shape[:2]
+    s = q.shape[1]
     if s % 2:
         raise ValueError(f"ring attention needs an even local sequence (two chunks), got {s}")
     if comm.group_size(group) == 1:
-        return _local_causal(q, k, v)
-    out = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), group,
-                               list(ranks), rank)
-    return out.transpose(1, 2).reshape(b, s, -1)
+        return _local_causal(q, k, v, dropout_p)
+    dropout = draw_dropout(dropout_p, q.device)
+    return _sequence_first(_RingAttention.apply(*_heads_first(q, k, v), group, list(ranks),
+                                                rank, dropout))

@@ -7,7 +7,7 @@ import math
 import torch
 
 from . import comm, shared_params
-from .sharding import is_tensor_parallel
+from .sharding import is_expert, is_tensor_parallel, tp_split_of
 
 
 def grad_of(param: torch.Tensor) -> torch.Tensor | None:
@@ -17,11 +17,13 @@ def grad_of(param: torch.Tensor) -> torch.Tensor | None:
 
 
 def finalize_model_grads(model_chunks, parallel, num_tokens: torch.Tensor | None) -> None:
-    """Megatron's order: data-parallel sync; tp all-reduce of sequence-parallel params; tied
-    embedding grads summed between first and last stage; divide by the global token count."""
+    """Megatron's order: data-parallel sync; tp all-reduce of sequence-parallel params (over
+    etp for expert ones, whose replicas are the expert tensor-parallel group); tied embedding
+    grads summed between first and last stage; divide by the global token count."""
     for chunk in model_chunks:
         chunk.finish_grad_sync()
-    _allreduce_marked(model_chunks, "sequence_parallel", parallel.tp_group)
+    _allreduce_marked(model_chunks, "sequence_parallel", parallel.tp_group, expert=False)
+    _allreduce_marked(model_chunks, "sequence_parallel", parallel.etp_group, expert=True)
     shared_params.allreduce_grads(model_chunks, parallel, grad_of)
     if num_tokens is not None:
         total = num_tokens.detach().clone().float()
@@ -33,11 +35,12 @@ def finalize_model_grads(model_chunks, parallel, num_tokens: torch.Tensor | None
             chunk.scale_grads(scale)
 
 
-def _allreduce_marked(model_chunks, attribute: str, group) -> None:
+def _allreduce_marked(model_chunks, attribute: str, group, expert: bool) -> None:
     if comm.group_size(group) == 1:
         return
     grads = [grad_of(p) for chunk in model_chunks for p in chunk.parameters()
-             if getattr(p, attribute, False) and grad_of(p) is not None]
+             if getattr(p, attribute, False) and is_expert(p) == expert
+             and grad_of(p) is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -48,15 +51,11 @@ def _allreduce_marked(model_chunks, attribute: str, group) -> None:
         offset += g.numel()
 
 
-def is_expert(param: torch.Tensor) -> bool:
-    """An expert parameter (``allreduce = False``): split over ep, reduced over edp."""
-    return getattr(param, "allreduce", True) is False
-
-
 def counts_for_norm(param: torch.Tensor, parallel) -> bool:
-    """Count each element once: tp-replicated params only on tp rank 0, the tied output
-    weight only on the first stage."""
-    if not is_tensor_parallel(param) and parallel.tp_rank != 0:
+    """Count each element once: tp-replicated params only on tp rank 0 (expert params not
+    split over etp: etp rank 0), the tied output weight only on the first stage."""
+    _, rank, size = tp_split_of(param, parallel)
+    if rank != 0 and not (is_tensor_parallel(param) and size > 1):
         return False
     return shared_params.counts_once(param, parallel)
 
@@ -81,21 +80,21 @@ def global_norm(sq_norm: torch.Tensor, parallel, extra_groups=()) -> float:
 
 def _sum_dense_and_expert(pairs, parallel, local, dense_groups, expert_groups) -> torch.Tensor:
     """``local(grads)`` of the dense and the expert gradients, each summed over the ranks that
-    hold other parts of it, then together over the model-parallel group. Expert grads differ
-    across ep ranks (whole experts each) and, when an optimizer shards them, across edp; dense
-    ones across ``dense_groups`` (the optimizer's shards). Every element counts once."""
+    hold other parts of it. Dense grads differ across tp x pp (the model-parallel group) and
+    ``dense_groups`` (the optimizer's shards); expert grads across etp x ep x pp (the expert
+    grid: with etp < tp, tp ranks hold *other* experts or replicas, so the tp sum would count
+    them wrongly) and ``expert_groups`` (shards over edp). Every element counts once."""
     dense = [g for g, p in pairs if not is_expert(p)]
     expert = [g for g, p in pairs if is_expert(p)]
     device = next((g.device for g, _ in pairs), parallel.device)
     total = local(dense, device).detach().clone().float()
-    for group in dense_groups:
+    for group in (*dense_groups, parallel.mp_group):
         comm.all_reduce(total, group)
     experts = local(expert, device).detach().clone().float()
-    for group in (*expert_groups, parallel.ep_group):
+    # etp then ep: the etp x ep block of this stage; then pp: one block per stage.
+    for group in (*expert_groups, parallel.etp_group, parallel.ep_group, parallel.pp_group):
         comm.all_reduce(experts, group)
-    total = total + experts
-    comm.all_reduce(total, parallel.mp_group)
-    return total
+    return total + experts
 
 
 def total_norm(pairs, parallel, dense_groups=(), expert_groups=()) -> float:

@@ -348,6 +348,18 @@ def plugtron_step_end(iteration: int, metrics: dict) -> None:
 
 
 @hookspec
+def plugtron_evaluation_end(iteration: int, metrics: dict) -> None:
+    """Hear the result of an evaluation on the validation data.
+
+    :param iteration: the iteration after which it ran.
+    :param metrics: the line written to ``--metrics-file`` (``valid_<loss key>`` for every
+        loss the model reports).
+
+    Called on every rank after every evaluation during and at the end of training.
+    """
+
+
+@hookspec
 def plugtron_checkpoint_saved(iteration: int, path: str) -> None:
     """Hear that a checkpoint is complete on disk.
 

@@ -50,6 +50,9 @@ class RNGStatesTracker:
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self._states: dict[str, torch.Tensor] = {}
+        from .recompute import register_tracker
+
+        register_tracker(self)  # a recomputed forward replays these streams too
 
     # The default generator of the device, read and written as a state tensor.
     def _get(self) -> torch.Tensor:

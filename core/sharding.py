@@ -15,7 +15,9 @@ into any layout. Attributes (absent means "replicated, not sharded"):
 * ``shared_group`` (str): one copy of a tensor shared between the first and last pipeline stage
   (core/shared_params.py, e.g. a tied embedding); gradients are summed over the embedding group.
 * ``allreduce`` (bool, default True): reduced over data parallel (False for expert params, which
-  reduce over the expert data-parallel group).
+  reduce over the expert data-parallel group). An expert parameter's tensor-parallel split and
+  ``sequence_parallel`` sum are over the *expert* tensor-parallel group (etp, which may differ
+  from tp): :func:`tp_split_of` says which group a parameter is split over.
 """
 
 from __future__ import annotations
@@ -52,6 +54,19 @@ def set_tensor_parallel(param: torch.nn.Parameter, dim: int,
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """An expert parameter (``allreduce = False``): split over ep and etp, reduced over edp."""
+    return getattr(param, "allreduce", True) is False
+
+
+def tp_split_of(param: torch.Tensor, parallel) -> tuple:
+    """``(group, rank, size)`` of the tensor-parallel group ``param`` lives in: etp for expert
+    parameters, tp for the others. Replicas of a non-sharded parameter are the same group."""
+    if is_expert(param):
+        return parallel.etp_group, parallel.etp_rank, parallel.etp_size
+    return parallel.tp_group, parallel.tp_rank, parallel.tp_size
 
 
 def shard_of(full: torch.Tensor, dim: int, rank: int, size: int,

@@ -339,7 +339,9 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
 def run_evaluation(run: Run, metrics: MetricsLogger, iteration: int) -> None:
     losses = evaluate_all(run)
     if losses is not None:
-        metrics.evaluation({"iteration": iteration, **loss_metrics(losses, "valid_")})
+        record = {"iteration": iteration, **loss_metrics(losses, "valid_")}
+        metrics.evaluation(record)
+        run.pm.hook.plugtron_evaluation_end(iteration=iteration, metrics=record)
 
 
 def after_step(run: Run, iteration: int) -> None:

@@ -63,8 +63,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
     if config.checkpoint.save_interval is not None and not config.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
     from .profiling import validate_profile
+    from .recompute import validate_recompute
 
     validate_profile(config)
+    validate_recompute(config)
     validate_plugins(config, world_size)
 
 
@@ -102,12 +104,6 @@ def _refuse_unbuilt(config: TrainConfig) -> None:
         if value is not None and value != 1:
             raise ConfigError(f"{flag} {value}: not supported yet (only 1); plugtron does not "
                               f"accept a flag that would change nothing")
-    p = config.parallel
-    # Experts (plugtron-moe) are split over etp exactly as the dense layers over tp; another
-    # etp would need its own sharding bookkeeping (norm, checkpoints), which is not built.
-    if p.expert_tensor_parallel_size not in (None, p.tensor_model_parallel_size):
-        raise ConfigError(f"--expert-tensor-parallel-size/--etp {p.expert_tensor_parallel_size}: "
-                          f"only etp = tp ({p.tensor_model_parallel_size}) is supported yet")
 
 
 def _model_places_layers(config: TrainConfig) -> bool:

@@ -17,6 +17,7 @@ from plugtron.core.errors import ConfigError
 from plugtron.core.layer_stack import ComposedLayer
 from plugtron.core.parallel_context import ParallelContext
 from plugtron.core.validate import validate
+from plugtron.plugins.extensions.console_log import ConsoleLog
 
 from .utils import tiny_config
 
@@ -47,9 +48,10 @@ def test_a2a_needs_heads_and_groups_divisible_by_cp():
     assert "a2a" in out and "divisible by --cp 4" in out
 
 
-def test_ring_refuses_attention_dropout():
-    out = _refused("--cp", "2", "--seq-length", "16", "--attention-dropout", "0.1")
-    assert "--attention-dropout 0.1 with --cp-comm-type p2p" in out
+def test_attention_dropout_is_accepted_with_every_comm_type():
+    for comm_type in ("p2p", "allgather", "a2a"):
+        validate(tiny_config(cp=2, seq_length=16, attention_dropout=0.1,
+                             cp_comm_type=comm_type), 2)
 
 
 def test_a_valid_cp_config_passes():
@@ -107,3 +109,19 @@ def test_split_keeps_chunks_r_and_2cp_minus_1_minus_r():
         assert torch.equal(local["labels"][0], want + 1)
         assert local["attention_mask"].shape == (2, 1, seq // cp, seq)
         assert local["note"] == "kept"
+
+
+def test_the_console_header_names_cp_and_its_comm_type(capsys):
+    state = type("State", (), {"iteration": 0})()
+    ConsoleLog().plugtron_train_start(tiny_config(cp=2, seq_length=16, cp_comm_type="a2a"),
+                                      state)
+    assert "cp 2 (a2a)" in capsys.readouterr().out
+    ConsoleLog().plugtron_train_start(tiny_config(), state)
+    assert "cp 1;" in capsys.readouterr().out
+
+
+def test_the_cli_refuses_cp_with_a_mamba_layer():
+    out = _refused("--model", "hybrid", "--hybrid-layer-pattern", "M*", "--cp", "2",
+                   "--seq-length", "16", "--mamba-state-dim", "8", "--mamba-head-dim", "8",
+                   "--mamba-num-groups", "2", "--mamba-chunk-size", "4")
+    assert "context parallelism is not supported with Mamba" in out

@@ -219,6 +219,25 @@ def test_hook_plugtron_step_end():
             "consumed_samples"} <= set(records[0])
 
 
+def test_hook_plugtron_evaluation_end():
+    """Fires after each evaluation with the metrics file's valid_* line."""
+    from plugtron.core.training import pretrain
+
+    class Evaluations:
+        def __init__(self):
+            self.calls = []
+
+        @hookimpl
+        def plugtron_evaluation_end(self, iteration, metrics):
+            self.calls.append((iteration, dict(metrics)))
+
+    heard = Evaluations()
+    pretrain(tiny_config(train_iters=4, eval_interval=2, eval_iters=1), extra_plugins=[heard],
+             world=single_process())
+    assert [it for it, _ in heard.calls] == [2, 4]
+    assert all(m["iteration"] == it and "valid_lm_loss" in m for it, m in heard.calls)
+
+
 def test_hook_plugtron_train_end():
     assert _lifecycle_calls()[-1] == "end"
 

@@ -27,10 +27,19 @@ def invoke(args):
 def test_help_lists_the_moe_flags():
     out = invoke(["train", "--help"]).output
     assert "Mixture of experts (plugtron-moe 0.1.0)" in out
-    for flag in ("--num-experts", "--moe-router-topk", "--moe-token-dispatcher-type",
-                 "--moe-router-load-balancing-type", "--moe-grouped-gemm",
-                 "--moe-shared-expert-gate", "--moe-per-layer-logging"):
-        assert flag in out
+    # Every flag the issue names, with Megatron's spelling.
+    for flag in ("--num-experts", "--moe-ffn-hidden-size", "--moe-layer-freq",
+                 "--moe-router-topk", "--moe-router-score-function", "--moe-router-pre-softmax",
+                 "--moe-router-num-groups", "--moe-router-group-topk",
+                 "--moe-router-topk-scaling-factor", "--moe-router-load-balancing-type",
+                 "--moe-aux-loss-coeff", "--moe-z-loss-coeff", "--moe-router-enable-expert-bias",
+                 "--moe-router-bias-update-rate", "--moe-router-dtype", "--moe-input-jitter-eps",
+                 "--moe-expert-capacity-factor", "--moe-pad-expert-input-to-capacity",
+                 "--moe-token-drop-policy", "--moe-shared-expert-intermediate-size",
+                 "--moe-shared-expert-gate", "--moe-grouped-gemm", "--moe-token-dispatcher-type",
+                 "--moe-per-layer-logging", "--expert-model-parallel-size",
+                 "--expert-tensor-parallel-size"):
+        assert flag in out, flag
 
 
 @pytest.mark.parametrize("extra,message", [
@@ -41,6 +50,10 @@ def test_help_lists_the_moe_flags():
      "unknown moe_dispatcher 'nosuch'; available: allgather (plugtron-moe 0.1.0), alltoall"),
     (["--num-experts", "4", "--ep", "4", "--pp", "2"], "not divisible by etp 1 x ep 4 x pp 2"),
     (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], "gives 3 layers"),
+    (["--num-experts", "4", "--tp", "2", "--etp", "1", "--seq-length", "15",
+      "--micro-batch-size", "1"], "needs them divisible by 2"),
+    (["--num-experts", "4", "--etp", "2", "--moe-ffn-hidden-size", "15"],
+     "--moe-ffn-hidden-size 15 is not divisible by the expert tensor-parallel size 2"),
 ])
 def test_bad_combinations_exit_2_before_launch(extra, message):
     result = invoke(["train", *ARGS, "--nproc-per-node", "2", *extra])

@@ -164,8 +164,8 @@ def test_gpt_size_rules_live_in_the_gpt_plugin():
 
 
 @pytest.mark.parametrize("flag,value,message", [
-    ("--etp", "2", "supported yet"),
-    # --ep is built (plugtron-moe), but splits nothing without experts.
+    # --ep and --etp are built (plugtron-moe), but split nothing without experts.
+    ("--etp", "2", "needs --num-experts"),
     ("--ep", "2", "needs --num-experts")])
 def test_parallel_sizes_not_built_yet_are_refused(flag, value, message):
     result = invoke(["train", *ARGS, "--nproc-per-node", "2", flag, value])

@@ -64,6 +64,7 @@ from plugtron.core.pipeline_executor import ActionListSchedule, execute_actions
 from plugtron.core.pipeline_layout import chunk_layers, stage_layer_counts
 from plugtron.core.plugin_manager import selected_drivers
 from plugtron.core.random import EXPERT_PARALLEL_RNG, RNGStatesTracker, model_parallel_rng_tracker
+from plugtron.core.recompute import is_recomputing, recompute, recompute_module, run_layers
 from plugtron.core.registry import load as load_plugin
 from plugtron.core.schedule_plan import Action
 from plugtron.core.schedule_utils import backward_step as schedule_backward_step
@@ -105,6 +106,7 @@ __all__ = [
     "InitMethod", "normal_init", "scaled_normal_init", "check_finite", "add_loss",
     "share_parameter", "ParallelContext", "load_model", "generate", "InferenceState",
     "ForwardContext", "forward_context", "current_forward_context", "use_forward_context",
+    "recompute", "recompute_module", "run_layers", "is_recomputing",
     # tensor parallelism
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",

@@ -7,7 +7,8 @@ Rules (the contracts in docs/checkpoints.md):
   its global name; sharding is what the layer declared on the tensor (core/sharding.py).
 * Data-parallel replicas are identical: only dp-cp rank 0 writes (expert tensors, which differ
   across ep ranks: expert-data-parallel rank 0). Tensor-parallel replicas
-  (tensors that are not tp-sharded) are written by tp rank 0 only.
+  (tensors that are not tp-sharded) are written by tp rank 0 only; expert tensors are split
+  over (and replicated across) the expert tensor-parallel group instead, so etp rank 0.
 * A parameter shared between stages (``share_parameter``, e.g. a tied output weight) is stored
   once, under its group's name (its name on the first stage); the other copies are never
   written and load from that one.
@@ -24,6 +25,7 @@ import torch
 from .. import shared_params
 from ..errors import CheckpointError
 from ..random import get_rng_state
+from ..sharding import is_expert, tp_split_of
 from .pieces import ShardSpec, local_boxes_of
 from .writer import RankSnapshot, TensorEntry
 
@@ -37,7 +39,8 @@ def model_tensors(run) -> list[tuple[str, torch.Tensor, ShardSpec]]:
     for chunk in run.model_chunks:
         module = getattr(chunk, "module", chunk)
         for name, tensor in module.state_dict(keep_vars=True).items():
-            out.append((name, tensor, ShardSpec.of_param(tensor, p.tp_rank, p.tp_size)))
+            _, rank, size = tp_split_of(tensor, p)  # etp for expert tensors
+            out.append((name, tensor, ShardSpec.of_param(tensor, rank, size)))
     return out
 
 
@@ -92,11 +95,10 @@ def writes_here(run, spec: ShardSpec, expert: bool = False) -> bool:
     the tensor is tp-sharded."""
     p = run.parallel
     first = p.edp_rank == 0 if expert else p.dp_cp_rank == 0
-    return first and (spec.sharded or p.tp_rank == 0)
+    return first and (spec.sharded or (p.etp_rank if expert else p.tp_rank) == 0)
 
 
-def _is_expert(tensor: torch.Tensor) -> bool:
-    return getattr(tensor, "allreduce", True) is False
+_is_expert = is_expert
 
 
 def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot, dict]:

@@ -18,7 +18,7 @@ from plugtron.core.checkpoint.state import stored_name
 from plugtron.core.hookspecs import hookimpl
 from plugtron.core.metrics import MetricsLogger
 from plugtron.core.plugin_manager import resolve_schedule
-from plugtron.core.sharding import gather_tensor_parallel
+from plugtron.core.sharding import gather_tensor_parallel, is_expert, tp_split_of
 
 from .config import make_config, merge_flags, world_size_of
 from .pool import DistributedPool
@@ -75,9 +75,10 @@ def gathered_params(run) -> dict[str, torch.Tensor]:
             key = stored_name(run, name, param)
             if key != name:
                 key += "@copy"
-            full = gather_tensor_parallel(param, p.tp_group).float().clone()
-            expert = getattr(param, "allreduce", True) is False
-            if p.tp_rank == 0 and (p.edp_rank if expert else p.dp_cp_rank) == 0:
+            group, tp_rank, _ = tp_split_of(param, p)  # experts: split over etp
+            full = gather_tensor_parallel(param, group).float().clone()
+            expert = is_expert(param)
+            if tp_rank == 0 and (p.edp_rank if expert else p.dp_cp_rank) == 0:
                 out[key] = full
     return out
 

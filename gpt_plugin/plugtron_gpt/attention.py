@@ -14,7 +14,13 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from plugtron.api import current_forward_context, normal_init, scaled_normal_init
+from plugtron.api import (
+    current_forward_context,
+    normal_init,
+    recompute,
+    recompute_module,
+    scaled_normal_init,
+)
 
 from .rope import apply_rotary
 
@@ -44,6 +50,7 @@ class SelfAttention(torch.nn.Module):
             init_method=scaled_normal_init(m.init_method_std, m.num_layers, seed,
                                            f"{prefix}.linear_proj.weight"),
             input_is_parallel=True)
+        self.recompute_core = recompute_module(config, "core_attn")
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
         qkv, _ = self.linear_qkv(x)
@@ -56,7 +63,11 @@ class SelfAttention(torch.nn.Module):
         inference = current_forward_context().inference
         if inference is not None:  # generation: attend over the cached keys too
             k, v = inference.update(self.cache_key, k, v)
-        out, _ = self.linear_proj(self.core_attention(q, k, v))
+        # Selective recompute (Megatron's default, core_attn): the [s, s] scores and softmax
+        # are the large activations, and cheap to compute again.
+        context = (recompute(self.core_attention, q, k, v) if self.recompute_core
+                   else self.core_attention(q, k, v))
+        out, _ = self.linear_proj(context)
         return out
 
 
@@ -75,9 +86,12 @@ class SelfAttentionLayer(torch.nn.Module):
         self.self_attention = SelfAttention(
             config, backend, parallel, f"decoder.layers.{layer_number - 1}.self_attention", seed)
         self.hidden_dropout = m.hidden_dropout
+        self.recompute_norm = recompute_module(config, "layernorm")
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.self_attention(self.input_layernorm(hidden), rotary)
+        normed = (recompute(self.input_layernorm, hidden) if self.recompute_norm
+                  else self.input_layernorm(hidden))
+        out = self.self_attention(normed, rotary)
         return hidden + dropout(out, self.hidden_dropout, self.training, self.backend)
 
 

@@ -8,18 +8,20 @@ tp/pp/vp layout: a chunk holding layers 4..7 has ``decoder.layers.4`` .. ``decod
 from __future__ import annotations
 
 import torch
+from plugtron.api import run_layers
 
 
 class Decoder(torch.nn.Module):
     def __init__(self, layers: dict[int, torch.nn.Module],
-                 final_layernorm: torch.nn.Module | None = None):
+                 final_layernorm: torch.nn.Module | None = None, config=None):
         super().__init__()
+        self.config = config  # --recompute-granularity full reads it
         self.layers = torch.nn.ModuleDict({str(index): layer for index, layer in layers.items()})
         self.final_layernorm = final_layernorm
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
-        for layer in self.layers.values():
-            hidden = layer(hidden, rotary)
+        hidden = run_layers(self.layers.values(), hidden, rotary, config=self.config,
+                            training=self.training)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)
         return hidden

@@ -11,7 +11,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from plugtron.api import ConfigError, ConfigSection, normal_init, opt, scaled_normal_init
+from plugtron.api import (
+    ConfigError,
+    ConfigSection,
+    normal_init,
+    opt,
+    recompute,
+    recompute_module,
+    scaled_normal_init,
+)
 
 from .attention import dropout
 
@@ -90,7 +98,11 @@ class MLPLayer(torch.nn.Module):
         self.pre_mlp_layernorm = backend.norm(m.hidden_size)
         self.mlp = MLP(config, backend, f"decoder.layers.{layer_number - 1}.mlp", seed)
         self.hidden_dropout = m.hidden_dropout
+        self.recompute_norm = recompute_module(config, "layernorm")
+        self.recompute_mlp = recompute_module(config, "mlp")
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.mlp(self.pre_mlp_layernorm(hidden))
+        normed = (recompute(self.pre_mlp_layernorm, hidden) if self.recompute_norm
+                  else self.pre_mlp_layernorm(hidden))
+        out = recompute(self.mlp, normed) if self.recompute_mlp else self.mlp(normed)
         return hidden + dropout(out, self.hidden_dropout, self.training, self.backend)

@@ -87,7 +87,8 @@ class GPTModel(torch.nn.Module):
             parts = [layer_types[symbol](config, backend, parallel, index + 1, seed)
                      for symbol in symbols]
             layers[index] = ComposedLayer(parts)
-        self.decoder = Decoder(layers, backend.norm(m.hidden_size) if post_process else None)
+        self.decoder = Decoder(layers, backend.norm(m.hidden_size) if post_process else None,
+                               config=config)
         self.use_rotary = m.position_embedding_type == "rope"
         self.head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
         self.output_layer = None

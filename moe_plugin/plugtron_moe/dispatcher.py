@@ -25,15 +25,18 @@ The MoE layer calls, for every microbatch, ``dispatch`` then the experts then ``
   expert (``tokens``, ``[sum(tokens_per_expert), H]``), their count per local expert
   (``tokens_per_expert``, in :attr:`local_experts` order) and whatever combine needs.
 * ``combine(expert_output, dispatched) -> [T, H]``: ``expert_output`` is the experts' output
-  for ``dispatched.tokens``, row for row, and is a *partial sum over tensor parallelism* (each
-  tp rank holds a slice of every expert). Returns, for this rank's tokens, the sum over the
-  token's experts of ``prob x output``, reduced over tp (reduce-scattered back to the sequence
-  shard under SP).
+  for ``dispatched.tokens``, row for row, and is a *partial sum over expert tensor parallelism*
+  (each etp rank holds a slice of every local expert). Returns, for this rank's tokens, the sum
+  over the token's experts of ``prob x output``, reduced over etp (and back to this rank's
+  sequence shard under SP).
 
 Both must be differentiable (use the autograd collectives of ``plugtron.api``: ``all_to_all``,
 ``gather_from_sequence_parallel_region``, ...), and every rank of the expert-parallel group
 calls them the same number of times (they are collectives). :meth:`enter_tp` / :meth:`exit_tp`
-are the tensor-parallel boundary every dispatcher needs.
+are the tensor-parallel boundary every dispatcher needs: after ``enter_tp`` the rows are the
+same on every rank of the etp group (which holds slices of the same experts) and different
+across the ep group, whatever tp, etp and sequence parallelism are; ``exit_tp`` undoes it.
+A dispatcher written with them is correct for any ``--expert-tensor-parallel-size``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from plugtron.api import (
     group_size,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
 )
 
 
@@ -80,6 +84,13 @@ class TokenDispatcher:
         self.num_experts, self.local_experts = num_experts, list(local_experts)
         self.sequence_parallel = bool(config.parallel.sequence_parallel) and parallel.tp_size > 1
         self.tp_group, self.ep_group = parallel.tp_group, parallel.ep_group
+        self.etp_group = parallel.etp_group
+        # Without SP the tp ranks hold the same tokens. With etp = tp they are then already the
+        # same on the etp group; otherwise each tp rank takes its share of them (so no token is
+        # computed twice) and the outputs are gathered back over tp on exit.
+        replicated = parallel.tp_size > 1 and not self.sequence_parallel
+        self.tokens_shared_by_etp = replicated and parallel.etp_size == parallel.tp_size
+        self.split_over_tp = replicated and parallel.etp_size != parallel.tp_size
 
     def dispatch(self, hidden: torch.Tensor, probs: torch.Tensor,
                  routing_map: torch.Tensor) -> Dispatched:
@@ -91,23 +102,33 @@ class TokenDispatcher:
     # ------------------------------------------------------------------ helpers
 
     def enter_tp(self, x: torch.Tensor, differentiable: bool = True) -> torch.Tensor:
-        """Make ``x`` (rows = tokens) the same on every tp rank: gathered over tp under SP,
-        as it is otherwise. Backward sums the tp ranks' partial gradients."""
-        if group_size(self.tp_group) == 1:
+        """Make ``x`` (rows = tokens) the same on every rank of the expert tensor-parallel
+        group: gathered over etp when its ranks hold different tokens (SP, or etp != tp),
+        as it is when they hold the same (etp = tp without SP). Backward sums the etp ranks'
+        partial gradients."""
+        if self.split_over_tp:  # replicated over tp: keep this tp rank's share of the rows
+            x = (scatter_to_sequence_parallel_region(x, self.tp_group, 0) if differentiable
+                 else x.chunk(group_size(self.tp_group))[self.parallel.tp_rank])
+        if group_size(self.etp_group) == 1:
             return x
-        if self.sequence_parallel:
-            if not differentiable:
-                return all_gather_tensor(x, self.tp_group, 0)
-            return gather_from_sequence_parallel_region(x, self.tp_group, 0, True)
-        return copy_to_tensor_parallel_region(x, self.tp_group) if differentiable else x
+        if self.tokens_shared_by_etp:
+            return copy_to_tensor_parallel_region(x, self.etp_group) if differentiable else x
+        if not differentiable:
+            return all_gather_tensor(x, self.etp_group, 0)
+        return gather_from_sequence_parallel_region(x, self.etp_group, 0, True)
 
     def exit_tp(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum partial outputs over tp (back to this rank's sequence shard under SP)."""
-        if group_size(self.tp_group) == 1:
-            return x
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(x, self.tp_group, 0)
-        return reduce_from_tensor_parallel_region(x, self.tp_group)
+        """Sum partial outputs over etp, back to this rank's rows (its sequence shard under SP;
+        all the tp group's tokens without SP)."""
+        if group_size(self.etp_group) > 1:
+            x = (reduce_from_tensor_parallel_region(x, self.etp_group)
+                 if self.tokens_shared_by_etp
+                 else reduce_scatter_to_sequence_parallel_region(x, self.etp_group, 0))
+        if self.split_over_tp:
+            # Every tp rank continues with the same (replicated) gradient: backward keeps this
+            # rank's rows only.
+            x = gather_from_sequence_parallel_region(x, self.tp_group, 0, False)
+        return x
 
     def rows_by_expert(self, routing_map: torch.Tensor, experts) -> tuple[torch.Tensor,
                                                                           torch.Tensor,

@@ -3,16 +3,18 @@ expert under its *global* index, ``mlp.experts.local_experts.{e}.linear_fc1.weig
 ``.linear_fc2.weight`` (and biases). A global index makes a checkpoint independent of the
 expert-parallel size: resharding over ep is only "which experts does this rank hold".
 
-Each expert is split over etp (= tp here) as a column- then row-parallel MLP, but the row
-reduction is *not* done here: the expert outputs are partial sums over tp, which the dispatcher's
-combine reduces (with the reduction it needs anyway). fc2's bias is added as ``bias / tp`` on
-every tp rank so the partial sums add up to one bias, and it is marked ``sequence_parallel``
-so that its gradient is summed over tp by the core.
+Each expert is split over etp (``--expert-tensor-parallel-size``, default tp; the expert grid
+of ParallelContext) as a column- then row-parallel MLP, but the row reduction is *not* done
+here: the expert outputs are partial sums over etp, which the dispatcher's combine reduces
+(with the reduction it needs anyway). fc2's bias is added as ``bias / etp`` on every etp rank
+so the partial sums add up to one bias, and it is marked ``sequence_parallel``, which for an
+expert parameter makes the core sum its gradient over etp.
 
 Expert parameters carry ``allreduce = False``: the core reduces their gradients over the
-expert-data-parallel group. ``--moe-grouped-gemm`` computes all local experts at once
-(torch's grouped mm on CUDA, else a padded batched matmul) on the same parameters, so the two
-paths are interchangeable and give the same numbers.
+expert-data-parallel group. ``--moe-grouped-gemm`` computes all local experts at once on the
+same parameters, so the two paths are interchangeable and give the same numbers: torch's grouped
+mm where it runs (tried once per device and dtype, see :func:`grouped_mm_runs`), else a padded
+batched matmul.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ class ExpertMLP(torch.nn.Module):
         super().__init__()
         m = config.model
         ffn = ffn or expert_ffn_size(config)
-        tp, rank = parallel.tp_size, parallel.tp_rank
+        tp, rank = parallel.etp_size, parallel.etp_rank  # experts split over etp, not tp
         chunks = 2 if m.swiglu else 1
         self.swiglu, self.tp_size = m.swiglu, tp
         w1 = normal_init(m.init_method_std, seed, f"{prefix}.linear_fc1.weight")(
@@ -69,7 +71,7 @@ class ExpertMLP(torch.nn.Module):
         set_tensor_parallel(self.linear_fc2.weight, 1)
         if b1 is not None:
             set_tensor_parallel(self.linear_fc1.bias, 0, chunks)
-            self.linear_fc2.bias.sequence_parallel = True  # partial per tp rank: sum the grads
+            self.linear_fc2.bias.sequence_parallel = True  # partial per etp rank: sum the grads
         for param in self.parameters():
             _expert_param(param)
 
@@ -84,7 +86,7 @@ class ExpertMLP(torch.nn.Module):
         return None if bias is None else bias / self.tp_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Partial output over tp (summed by the dispatcher's combine)."""
+        """Partial output over etp (summed by the dispatcher's combine)."""
         h = self.activation(F.linear(x, self.linear_fc1.weight, self.linear_fc1.bias))
         return F.linear(h, self.linear_fc2.weight, self.fc2_bias())
 
@@ -116,10 +118,38 @@ class SequentialMLP(torch.nn.Module):
         return torch.cat(outputs) if outputs else tokens
 
 
-def _grouped_mm_works(device: torch.device) -> bool:
-    # torch's grouped mm has a backward on CUDA only (on CPU in torch 2.13 it runs forward and
-    # fails in backward), and needs 16-byte aligned strides.
-    return device.type == "cuda" and hasattr(torch, "_grouped_mm")
+#: (device type, device index, dtype) -> whether torch's grouped mm runs forward and backward.
+_GROUPED_MM_RUNS: dict[tuple, bool] = {}
+
+
+def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch._grouped_mm`` works here, found by trying it once per device and dtype
+    (forward and backward on a tiny problem) rather than assumed from a version or a device
+    name: it exists only in recent torch, has kernels for some GPUs and dtypes only (bf16 on
+    recent NVIDIA parts), and on CPU (torch 2.13) runs forward but fails in backward."""
+    key = (device.type, device.index, dtype)
+    if key not in _GROUPED_MM_RUNS:
+        _GROUPED_MM_RUNS[key] = _try_grouped_mm(device, dtype)
+    return _GROUPED_MM_RUNS[key]
+
+
+def _try_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    mm = getattr(torch, "_grouped_mm", None)
+    if mm is None:
+        return False
+    try:
+        a = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+        b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
+        offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
+        mm(a, b, offs=offs).sum().backward()
+        return a.grad is not None and b.grad is not None
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False
+
+
+def _aligned(*sizes: int) -> bool:
+    # The grouped mm wants 16-byte aligned strides: inner dimensions multiple of 8 (bf16).
+    return all(size % 8 == 0 for size in sizes)
 
 
 def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
@@ -129,7 +159,8 @@ def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
     w2 = torch.stack([e.linear_fc2.weight for e in experts])  # [E, H, ffn]
     b1 = [e.linear_fc1.bias for e in experts]
     b2 = [e.fc2_bias() for e in experts]
-    if _grouped_mm_works(tokens.device) and tokens.dtype == torch.bfloat16:
+    if (_aligned(w1.shape[1], w1.shape[2], w2.shape[1])
+            and grouped_mm_runs(tokens.device, tokens.dtype)):
         offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
         h = torch._grouped_mm(tokens, w1.transpose(1, 2), offs=offs)
         if b1[0] is not None:

@@ -16,6 +16,9 @@ def validate(config, world_size: int) -> None:
         if ep > 1:
             raise ConfigError(f"--expert-model-parallel-size {ep} needs --num-experts (there "
                               f"are no experts to split)")
+        if etp != tp:
+            raise ConfigError(f"--expert-tensor-parallel-size {etp} needs --num-experts (there "
+                              f"are no experts to split)")
         return
     if o.num_experts < 1:
         raise ConfigError(f"--num-experts must be at least 1, got {o.num_experts}")
@@ -55,9 +58,14 @@ def validate(config, world_size: int) -> None:
         if size and size % etp:
             raise ConfigError(f"{name} {size} is not divisible by the expert tensor-parallel "
                               f"size {etp}")
-    if etp != tp:
-        raise ConfigError(f"--expert-tensor-parallel-size {etp} differs from --tp {tp}: only "
-                          f"etp = tp is supported (experts are split like the dense layers)")
+    cp = p.context_parallel_size or 1
+    tokens = m.seq_length // cp * config.training.micro_batch_size  # one rank's microbatch
+    if etp != tp and tp > 1 and not p.sequence_parallel and tokens % tp:
+        # Without SP the tp ranks share their tokens; for etp != tp each takes 1/tp of them.
+        raise ConfigError(f"--expert-tensor-parallel-size {etp} with --tp {tp} and no "
+                          f"--sequence-parallel splits a microbatch's {tokens} tokens "
+                          f"(--seq-length / cp x --micro-batch-size) over tp, which needs them "
+                          f"divisible by {tp}")
     moe_layer_pattern(o.moe_layer_freq, m.num_layers)  # raises on a bad expression
     try:
         load_plugin("moe_dispatcher", o.moe_token_dispatcher_type)

@@ -2,12 +2,16 @@
 
 Each rank holds chunks r and 2cp-1-r of the same random q, k, v; its output and the gradients
 of its q, k, v slices must equal the slices of a single-process computation on the full
-tensors (fp32, relative 1e-5): for cp 2 and 4, each comm type, with and without GQA.
+tensors (fp32, relative 1e-5): for cp 2 and 4, each comm type, with and without GQA. The same
+runs count the bytes autograd keeps for backward (the attention activations): per rank within
+1.2x of 1/cp of one process's. With attention dropout, p2p and allgather must equal one process
+applying the same positional mask (attention_blocks.keep_mask) to the full attention.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
+from plugtron.core.attention_blocks import draw_dropout, keep_mask
 from plugtron.core.context_parallel import split_tensor
 from plugtron.core.cp_attention import context_parallel_attention
 from plugtron.core.parallel_context import ParallelContext
@@ -15,6 +19,8 @@ from plugtron.core.parallel_context import ParallelContext
 from tests.distributed.harness import DistributedPool, worker_cache
 
 RTOL, ATOL = 1e-5, 1e-6
+MEMORY_SLACK = 1.2  # the issue's goal: activations per rank within 1.2x of 1/cp
+DROPOUT, DROPOUT_SEED = 0.3, 11
 
 
 @pytest.fixture(scope="module")
@@ -32,36 +38,116 @@ def _inputs(heads, groups, seq=16, batch=2, dim=8):
     return q, k, v, grad
 
 
-def _reference(heads, groups):
+def saved_bytes(fn):
+    """(fn(), bytes autograd saved for backward while it ran, each storage counted once)."""
+    seen = set()
+
+    def pack(t):
+        storage = t.untyped_storage()
+        seen.add((storage.data_ptr(), storage.nbytes()))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(nbytes for _, nbytes in seen)
+
+
+def _reference(heads, groups, dropout_p=0.0):
     q, k, v, grad = _inputs(heads, groups)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=True, enable_gqa=heads != groups)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    if dropout_p:  # the positional mask applied to the full attention, by hand
+        torch.manual_seed(DROPOUT_SEED)
+        dropout = draw_dropout(dropout_p, "cpu")
+        kt, vt = (t.repeat_interleave(heads // groups, dim=1) for t in (kt, vt))
+        seq = q.shape[1]
+        scores = (qt @ kt.transpose(-1, -2)) / q.shape[-1] ** 0.5
+        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), -torch.inf)
+        pos = torch.arange(seq)
+        keep = keep_mask(dropout, q.shape[0], heads, pos, pos)
+        out = (scores.softmax(-1) * keep / (1 - dropout_p)) @ vt
+        memory = 0
+    else:
+        out, memory = saved_bytes(lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, enable_gqa=heads != groups))
     out = out.transpose(1, 2).reshape(q.shape[0], q.shape[1], -1)
     out.backward(grad)
-    return out.detach(), q.grad, k.grad, v.grad
+    return (out.detach(), q.grad, k.grad, v.grad), memory
 
 
-def _rank_attention(rank, world_size, comm_type, heads, groups):
+def _rank_attention(rank, world_size, comm_type, heads, groups, dropout_p=0.0):
     cache = worker_cache()
     parallel = cache.setdefault(("cp", world_size),
                                 ParallelContext.build(world_size, rank, cp=world_size))
     q, k, v, grad = (split_tensor(t, 1, parallel.cp_rank, world_size)
                      for t in _inputs(heads, groups))
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(q, k, v, parallel, comm_type)
+    torch.manual_seed(DROPOUT_SEED)  # cp ranks share the dropout stream, as in training
+    out, memory = saved_bytes(lambda: context_parallel_attention(q, k, v, parallel, comm_type,
+                                                                 dropout_p))
     out.backward(grad)
-    return out.detach(), q.grad, k.grad, v.grad
+    return (out.detach(), q.grad, k.grad, v.grad), memory
+
+
+def _check(results, want, cp, what):
+    for rank, (got, _) in enumerate(results):
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            w = split_tensor(w, 1, rank, cp)
+            torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{what} rank {rank} {name}: {m}")
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("comm_type", ["p2p", "allgather", "a2a"])
 @pytest.mark.parametrize("heads,groups", [(4, 4), (8, 4)])
 def test_cp_attention_equals_one_process(pool, cp, comm_type, heads, groups):
-    want = _reference(heads, groups)
+    want, memory = _reference(heads, groups)
     results = pool.run(_rank_attention, comm_type, heads, groups, world_size=cp)
-    for rank, got in enumerate(results):
-        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
-            w = split_tensor(w, 1, rank, cp)
-            torch.testing.assert_close(g, w, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"cp {cp} {comm_type} rank {rank} {name}: {m}")
+    _check(results, want, cp, f"cp {cp} {comm_type}")
+    for rank, (_, saved) in enumerate(results):
+        ratio = saved / (memory / cp)
+        assert ratio <= MEMORY_SLACK, (f"cp {cp} {comm_type} rank {rank}: saves {saved} bytes "
+                                       f"for backward, {ratio:.2f}x of 1/cp of one process's "
+                                       f"{memory}")
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather"])
+def test_attention_dropout_equals_one_process_with_the_same_mask(pool, cp, comm_type):
+    want, _ = _reference(8, 4, DROPOUT)
+    results = pool.run(_rank_attention, comm_type, 8, 4, DROPOUT, world_size=cp)
+    _check(results, want, cp, f"dropout cp {cp} {comm_type}")
+
+
+def test_the_positional_dropout_mask_is_bernoulli():
+    dropout = draw_dropout(DROPOUT, "cpu")
+    pos = torch.arange(256)
+    keep = keep_mask(dropout, 2, 8, pos, pos).float()
+    assert abs(keep.mean().item() - (1 - DROPOUT)) < 0.005
+    # Neighbouring rows, columns and heads are not copies of each other.
+    for a, b in ((keep[:, :, 1:], keep[:, :, :-1]), (keep[..., 1:], keep[..., :-1]),
+                 (keep[:, 1:], keep[:, :-1])):
+        assert abs((a == b).float().mean().item() - (0.7 ** 2 + 0.3 ** 2)) < 0.01
+    again = keep_mask(dropout, 2, 8, pos[100:110], pos[:50]).float()
+    assert torch.equal(again, keep[:, :, 100:110, :50])
+
+
+def _rank_a2a_dropout_pattern(rank, world_size, seq=16, heads=4):
+    """q = k = 0 (uniform causal probabilities) and v = one-hot key positions: the output of
+    each head is its dropout mask row by row."""
+    cache = worker_cache()
+    parallel = cache.setdefault(("cp", world_size),
+                                ParallelContext.build(world_size, rank, cp=world_size))
+    q = torch.zeros(1, seq, heads, seq)
+    v = torch.eye(seq).expand(1, heads, seq, seq).transpose(1, 2)
+    local = [split_tensor(t, 1, parallel.cp_rank, world_size) for t in (q, q, v)]
+    torch.manual_seed(DROPOUT_SEED)
+    out = context_parallel_attention(*local, parallel, "a2a", 0.5)
+    return out.view(1, seq // world_size, heads, seq) > 0
+
+
+def test_a2a_dropout_masks_differ_between_head_blocks(pool):
+    kept = pool.run(_rank_a2a_dropout_pattern, world_size=2)
+    # Head 0 went through rank 0's attention, head 2 through rank 1's: not the same mask.
+    for rank_kept in kept:
+        assert not torch.equal(rank_kept[..., 0, :], rank_kept[..., 2, :])

@@ -2,7 +2,8 @@
 every iteration's lm loss and grad norm), through the conformance kit's layout check.
 
 cp 2 and cp 4 with each comm type (learned positions and RoPE, MHA and GQA); and cp composed with
-tp + sequence parallelism, pp, dp with the distributed optimizer, and tp x cp x pp on 8 ranks.
+tp + sequence parallelism, pp, dp with the distributed optimizer, and tp x cp x pp on 8 ranks;
+the Hybrid model's attention and MLP layers under cp.
 """
 
 import pytest
@@ -43,3 +44,9 @@ def test_cp_composes_with_tp_sp_pp_dp(pool):
         {"tp": 2, "cp": 2, "pp": 2, "sequence-parallel": True, "cp-comm-type": "allgather"},
     ]
     assert_layouts_match({**GPT, "position-embedding-type": "rope"}, layouts=layouts, pool=pool)
+
+
+def test_hybrid_attention_and_mlp_layers_under_cp(pool):
+    assert_layouts_match({"model": "hybrid", "hybrid-layer-pattern": "*-*-", "num-layers": 4,
+                          "position-embedding-type": "rope"},
+                         layouts=[{"cp": 2}, {"cp": 2, "cp-comm-type": "a2a"}], pool=pool)

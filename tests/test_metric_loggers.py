@@ -1,0 +1,125 @@
+"""The TensorBoard and W&B extensions log every metric of the metrics file: read back with
+tensorboard's own event reader and from W&B's offline run files."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+
+import pytest
+from click.testing import CliRunner
+from plugtron.cli.main import cli
+
+
+def run_cli(args):
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+ARGS = ["--data", "mock", "--num-layers", "1", "--hidden-size", "16",
+        "--num-attention-heads", "2", "--seq-length", "8", "--max-position-embeddings", "8",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--vocab-size", "32",
+        "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--no-progress"]
+
+
+def _metrics(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
+
+
+def test_tensorboard_events_hold_every_metric(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb, metrics = tmp_path / "tb", tmp_path / "m.jsonl"
+    done = run_cli(["train", *ARGS, "--tensorboard-dir", str(tb), "--metrics-file",
+                    str(metrics)])
+    assert done.exit_code == 0, done.output
+    assert f"TensorBoard events go to {tb}" in done.output
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    records = _metrics(metrics)
+    steps = [r for r in records if "lr" in r]
+    evals = [r for r in records if "valid_lm_loss" in r]
+    expected = {k for r in steps + evals for k, v in r.items()
+                if k not in ("iteration", "run_id") and isinstance(v, (int, float))}
+    assert expected <= tags, expected - tags
+    loss = events.Scalars("lm_loss")
+    assert [e.step for e in loss] == [1, 2, 3, 4]
+    assert [e.value for e in loss] == pytest.approx([r["lm_loss"] for r in steps], rel=1e-6)
+    assert [e.step for e in events.Scalars("valid_lm_loss")] == [2, 4]
+    assert "config/text_summary" in events.Tags()["tensors"]
+
+
+def test_wandb_offline_run_holds_every_metric(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    save, metrics = tmp_path / "wb", tmp_path / "m.jsonl"
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc key
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    done = run_cli(["train", *ARGS, "--wandb-project", "plugtron-test", "--wandb-exp-name",
+                    "tiny", "--wandb-save-dir", str(save), "--metrics-file", str(metrics)])
+    assert done.exit_code == 0, done.output
+    assert "offline under" in done.output  # no API key: offline, no network
+    runs = glob.glob(str(save / "wandb" / "offline-run-*"))
+    assert len(runs) == 1, os.listdir(save)
+    records = _metrics(metrics)
+    history = _wandb_history(glob.glob(os.path.join(runs[0], "*.wandb"))[0])
+    steps = [r for r in records if "lr" in r]
+    logged = {h["_step"]: h for h in history}
+    for r in steps:
+        row = logged[r["iteration"]]
+        assert row["lm_loss"] == pytest.approx(r["lm_loss"], rel=1e-6)
+        assert row["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6)
+        assert {"lr", "tokens_per_sec", "step_time_s", "memory_mb"} <= set(row)
+    assert "valid_lm_loss" in logged[4]
+
+
+def _wandb_history(path: str) -> list[dict]:
+    """History rows of an offline run file. The file is W&B's transaction log: a 7-byte header
+    (":W&B", magic 0xBEE1, version) then LevelDB-log records in 32 KiB blocks (crc32c, length,
+    type FULL/FIRST/MIDDLE/LAST), each a protobuf ``Record`` of wandb_internal.proto."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", data[:8]
+    rows, pos, pending, block = [], 7, b"", 32768
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # a block's tail too short for a record header is padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):
+            pending = chunk
+        elif kind in (3, 4):
+            pending += chunk
+        else:
+            break
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tensorboard-dir", "{file}/tb"], "is a file, not a directory"),
+    (["--tensorboard-log-interval", "0", "--tensorboard-dir", "{dir}"], "must be at least 1"),
+    (["--wandb-exp-name", "x"], "needs --wandb-project"),
+    (["--wandb-project", "p", "--wandb-save-dir", "{file}"], "is a file, not a directory"),
+])
+def test_bad_logger_flags_exit_2_before_launch(tmp_path, args, message):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    args = [a.format(file=afile, dir=tmp_path / "tb") for a in args]
+    done = run_cli(["train", *ARGS, *args])
+    assert done.exit_code == 2, done.output
+    assert message in done.output
+    assert "Traceback" not in done.output
