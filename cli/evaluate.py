@@ -24,6 +24,10 @@ from .preflight import preflight
 from .train import HFLoad, check_data_paths, check_plugins, load_argument
 
 
+#: Tells launched ranks to print JSON lines (``--json``).
+JSON_ENV = "PLUGTRON_EVALUATE_JSON"
+
+
 def checkpoint_base(load: str | None, model: str = "gpt") -> TrainConfig:
     """The checkpoint's own settings (model, data, seed, plugin sections), with the layout,
     checkpoint and logging sections reset. A Hugging Face directory is imported (cached) and
@@ -84,12 +88,15 @@ def make_evaluate_command(args: list[str]) -> click.Command:
                   help="YAML or TOML file of settings; flags override it.")
     @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
                   help="Launch this many local ranks (through torch.distributed.run).")
+    @click.option("--json", "as_json", is_flag=True,
+                  help="One JSON line per document set (loss, perplexity) instead of text.")
     @config_options(declared)
     @user_errors
-    def evaluate(config_file, nproc_per_node, **params):
-        """Validation losses (valid_<report key>) of checkpoint --load on the data the data
-        flags give (--data, --data-path, --split, --eval-iters), in the layout the parallel
-        flags give. Model settings come from the checkpoint; flags override them."""
+    def evaluate(config_file, nproc_per_node, as_json, **params):
+        """Validation losses (valid_<report key>) and perplexity of checkpoint --load (or a
+        Hugging Face model directory) on the data the data flags give (--data, --data-path,
+        --split, --eval-iters), in the layout the parallel flags give; several --data-path sets
+        give one line each. Model settings come from the checkpoint; flags override them."""
         config = evaluation_config(params, config_file, declared, hf)
         external = launched_externally()
         world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
@@ -101,10 +108,14 @@ def make_evaluate_command(args: list[str]) -> click.Command:
 
         check_checkpoint_tokenizer(config)  # the checkpoint's own unless flags name another
         if nproc_per_node > 1 and not external:
-            launch_local_ranks(config.to_json(), nproc_per_node, command="evaluate")
+            os.environ[JSON_ENV] = "1" if as_json else ""  # the ranks print
+            try:
+                launch_local_ranks(config.to_json(), nproc_per_node, command="evaluate")
+            finally:
+                os.environ.pop(JSON_ENV, None)
             return
         from plugtron.core.checkpoint.evaluate import evaluate_checkpoint
 
-        evaluate_checkpoint(config)
+        evaluate_checkpoint(config, as_json=as_json)
 
     return evaluate

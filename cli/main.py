@@ -8,6 +8,7 @@ from .checkpoint_cmd import checkpoint
 from .convert import convert
 from .data_cmd import data
 from .evaluate import make_evaluate_command
+from .generate import generate
 from .options import expand_data_paths
 from .plot import plot
 from .plugin_new import plugin
@@ -52,6 +53,7 @@ cli.add_command(convert)
 cli.add_command(schedule)
 cli.add_command(plot)
 cli.add_command(data)
+cli.add_command(generate)
 
 
 def main():

@@ -1,4 +1,4 @@
-"""Entry of one launched rank: ``python -m plugtron.cli.rank {train|evaluate} CONFIG_JSON``."""
+"""Entry of one launched rank: ``python -m plugtron.cli.rank {train|evaluate|generate} CONFIG_JSON``."""
 
 from __future__ import annotations
 
@@ -24,10 +24,18 @@ def _train(config):
 def _evaluate(config):
     from plugtron.core.checkpoint.evaluate import evaluate_checkpoint
 
-    evaluate_checkpoint(config)
+    from .evaluate import JSON_ENV
+
+    evaluate_checkpoint(config, as_json=bool(os.environ.get(JSON_ENV)))
 
 
-COMMANDS = {"train": _train, "evaluate": _evaluate}
+def _generate(config):
+    from .generate import rank_main
+
+    rank_main(config)
+
+
+COMMANDS = {"train": _train, "evaluate": _evaluate, "generate": _generate}
 
 
 def main(argv: list[str]) -> int:

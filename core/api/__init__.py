@@ -40,6 +40,7 @@ from plugtron.core.forward_context import (
     use_forward_context,
 )
 from plugtron.core.hookspecs import hookimpl
+from plugtron.core.generation import InferenceState, generate
 from plugtron.core.inference import load_model
 from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.layer_backend import LayerBackend
@@ -103,7 +104,7 @@ __all__ = [
     "load_plugin",
     "ModelInfo", "model_info_for", "LayerBackend", "load_layer_types", "substitute_symbols", "ComposedLayer", "chunk_layers", "stage_layer_counts",
     "InitMethod", "normal_init", "scaled_normal_init", "check_finite", "add_loss",
-    "share_parameter", "ParallelContext", "load_model",
+    "share_parameter", "ParallelContext", "load_model", "generate", "InferenceState",
     "ForwardContext", "forward_context", "current_forward_context", "use_forward_context",
     "recompute", "recompute_module", "run_layers", "is_recomputing",
     # tensor parallelism

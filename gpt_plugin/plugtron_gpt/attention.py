@@ -20,6 +20,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from plugtron.api import (
+    current_forward_context,
     mark_sequence_parallel,
     normal_init,
     recompute,
@@ -39,6 +40,7 @@ class SelfAttention(torch.nn.Module):
         super().__init__()
         m = config.model
         tp = parallel.tp_size
+        self.cache_key = prefix  # this layer's entry in a generation's KV cache
         self.num_heads = m.num_attention_heads // tp
         self.num_groups = (m.num_query_groups or m.num_attention_heads) // tp
         self.heads_per_group = self.num_heads // self.num_groups
@@ -80,6 +82,9 @@ class SelfAttention(torch.nn.Module):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+        inference = current_forward_context().inference
+        if inference is not None:  # generation: attend over the cached keys too
+            k, v = inference.update(self.cache_key, k, v)
         # Selective recompute (Megatron's default, core_attn): the [s, s] scores and softmax
         # are the large activations, and cheap to compute again.
         context = (recompute(self.core_attention, q, k, v) if self.recompute_core
@@ -93,6 +98,7 @@ class SelfAttentionLayer(torch.nn.Module):
 
     symbol = "*"
     supports_context_parallel = True  # core_attention reaches the keys on other cp ranks
+    supports_kv_cache = True  # generation keeps its k/v (SelfAttention.forward)
 
     @staticmethod
     def plugtron_config_sections():

@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plugtron.api import normal_init, scaled_normal_init, set_tensor_parallel, shard_of
+from plugtron.api import (
+    current_forward_context,
+    normal_init,
+    scaled_normal_init,
+    set_tensor_parallel,
+    shard_of,
+)
 
 from .attention import dropout
 from .hybrid_options import mamba_sizes
 from .mamba_init import a_log_init, conv_init, dt_bias_init
-from .ssd import ssd_scan
+from .ssd import ssd_final_state, ssd_scan, ssd_step
 
 CONV_WIDTH = 4
 
@@ -73,6 +79,7 @@ class MambaMixer(torch.nn.Module):
     def __init__(self, config, backend, parallel, prefix: str, seed: int):
         super().__init__()
         m, tp = config.model, parallel.tp_size
+        self.cache_key = prefix  # this layer's entry in a generation's recurrent state
         size = mamba_sizes(config)
         inner, groups_state, heads = size["inner"], size["groups"] * size["state"], size["heads"]
         self.heads, self.groups = heads // tp, size["groups"] // tp
@@ -100,16 +107,38 @@ class MambaMixer(torch.nn.Module):
         projected, _ = self.in_proj(hidden)
         bc = self.groups * self.state
         z, xbc, dt = projected.split([self.inner, self.inner + 2 * bc, self.heads], dim=-1)
-        x, B, C = F.silu(self.conv1d(xbc)).split([self.inner, bc, bc], dim=-1)
-        batch, length = x.shape[:2]
+        batch, length = xbc.shape[:2]
+        # Generation: left padding becomes a no-op (zero conv input, as the conv's own causal
+        # padding; dt = 0: no decay, no input), and with the cache the conv window and SSM
+        # state of the tokens so far continue instead of starting from zero.
+        inference = current_forward_context().inference
+        cached, valid = None, None
+        if inference is not None:
+            valid = inference.valid(length)
+            xbc = xbc * valid[..., None].to(xbc.dtype)
+            if inference.use_cache:
+                cached = inference.recurrent.get(self.cache_key)
+        conv_in = xbc if cached is None else torch.cat([cached[0], xbc], dim=1)
+        x, B, C = F.silu(self.conv1d(conv_in)[:, -length:]).split([self.inner, bc, bc], dim=-1)
         # The scan runs in fp32 whatever the training dtype: its decays are exponentials of sums.
         x = x.reshape(batch, length, self.heads, self.head_dim)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         if self.dt_limit_min > 0:
             dt = dt.clamp(min=self.dt_limit_min)
+        if valid is not None:
+            dt = dt * valid[..., None]
         A = -torch.exp(self.A_log.float())
-        y = ssd_scan(x.float(), dt, A, B.reshape(batch, length, self.groups, self.state).float(),
-                     C.reshape(batch, length, self.groups, self.state).float(), self.chunk_size)
+        B = B.reshape(batch, length, self.groups, self.state).float()
+        C = C.reshape(batch, length, self.groups, self.state).float()
+        if cached is None:
+            y = ssd_scan(x.float(), dt, A, B, C, self.chunk_size)
+        else:
+            y, ssm = ssd_step(cached[1], x.float(), dt, A, B, C)
+        if inference is not None and inference.use_cache:
+            if cached is None:
+                ssm = ssd_final_state(x.float(), dt, A, B)
+            window = F.pad(conv_in, (0, 0, CONV_WIDTH - 1, 0))[:, -(CONV_WIDTH - 1):]
+            inference.recurrent[self.cache_key] = (window, ssm)
         y = (y + x.float() * self.D.float()[:, None]).to(hidden.dtype)
         out, _ = self.out_proj(self.norm(y.flatten(2), z))
         return out
@@ -119,6 +148,7 @@ class MambaLayer(torch.nn.Module):
     """``hidden + dropout(mixer(norm(hidden)))``."""
 
     symbol = "M"
+    supports_kv_cache = True  # conv window + SSM state in the InferenceState (mixer.forward)
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()

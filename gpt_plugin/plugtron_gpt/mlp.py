@@ -94,6 +94,7 @@ class MLPLayer(torch.nn.Module):
     """``hidden + dropout(mlp(pre_mlp_layernorm(hidden)))``."""
 
     symbol = "-"
+    supports_kv_cache = True  # per token: nothing to keep between generation steps
     supports_context_parallel = True  # per token: nothing crosses the sequence
 
     @staticmethod

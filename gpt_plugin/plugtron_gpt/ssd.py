@@ -99,3 +99,33 @@ def sequential_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch
         state = decay * state + update
         out.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
     return torch.stack(out, dim=1)
+
+
+def ssd_final_state(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+                    B: torch.Tensor) -> torch.Tensor:
+    """The state ``S_L`` after the last token (from a zero state): what generation keeps to
+    continue the recurrence token by token. ``[b, heads, head_dim, state]`` in fp32.
+
+    ``S_L = sum_j exp(sum_{k>j} dt_k A) dt_j x_j B_j^T``; each decay sum is a reversed
+    cumulative sum (no difference of two long sums)."""
+    heads, groups = x.shape[2], B.shape[2]
+    log_decay = dt * A                                              # [b, l, h]
+    after = torch.flip(torch.cumsum(torch.flip(log_decay, [1]), dim=1), [1]) - log_decay
+    weighted = x * (dt * after.exp())[..., None]                    # [b, l, h, p]
+    B = B.repeat_interleave(heads // groups, dim=2)                 # [b, l, h, n]
+    return torch.einsum("blhp,blhn->bhpn", weighted, B)
+
+
+def ssd_step(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+             B: torch.Tensor, C: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Continue the recurrence from ``state`` over the tokens of ``x`` (a few: generation's
+    new ones), one at a time. Returns ``(y, new state)``; shapes as :func:`ssd_scan`."""
+    heads, groups = x.shape[2], B.shape[2]
+    B = B.repeat_interleave(heads // groups, dim=2)
+    C = C.repeat_interleave(heads // groups, dim=2)
+    out = []
+    for t in range(x.shape[1]):
+        decay = torch.exp(dt[:, t] * A)[..., None, None]
+        state = decay * state + (dt[:, t, :, None] * x[:, t])[..., None] * B[:, t, :, None, :]
+        out.append(torch.einsum("bhpn,bhn->bhp", state, C[:, t]))
+    return torch.stack(out, dim=1), state

@@ -60,6 +60,7 @@ class MoE(torch.nn.Module):
 
 class MoELayer(torch.nn.Module):
     symbol = "E"
+    supports_kv_cache = True  # per token: nothing to keep between generation steps
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()

@@ -20,6 +20,7 @@ from plugtron.api import (
     block_sizes,
     context_parallel_attention,
     copy_to_tensor_parallel_region,
+    current_forward_context,
     gather_from_tensor_parallel_region,
     mark_sequence_parallel,
     reduce_from_tensor_parallel_region,
@@ -169,6 +170,10 @@ class CoreAttention(torch.nn.Module):
 
     def forward(self, q, k, v):
         p = self.dropout if self.training else 0.0
+        inference = current_forward_context().inference
+        if inference is not None:  # generation: new queries over cached keys, padding hidden
+            return _masked_attention(q, k, v, inference.attention_mask(q.shape[1], k.shape[1]),
+                                     self.num_query_groups != self.num_heads)
         if self._parallel is not None and self._parallel.cp_size > 1:
             with self._dropout_rng():
                 return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p)
@@ -183,6 +188,13 @@ class CoreAttention(torch.nn.Module):
                 q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=p,
                 enable_gqa=self.num_query_groups != self.num_heads)
         return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def _masked_attention(q, k, v, mask, gqa: bool):
+    b, s = q.shape[0], q.shape[1]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class LocalBackend(LayerBackend):
