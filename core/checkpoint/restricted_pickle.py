@@ -37,6 +37,8 @@ class Record:
     """A stand-in for an admitted class: keeps its constructor arguments and pickled state."""
 
     kind = "record"
+    args: tuple = ()  # NEWOBJ creates instances without calling __init__
+    state = None
 
     def __init__(self, *args):
         self.args = args
@@ -75,7 +77,11 @@ DCP_CLASSES = tuple(f"{_DCP_METADATA}.{name}" for name in (
     "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
     "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")) + (
     "torch.distributed.checkpoint.filesystem._StorageInfo",
-    "torch.distributed.checkpoint.planner.WriteItemType")
+    "torch.distributed.checkpoint.planner.WriteItemType",
+    # Megatron keeps its cached save plans in the metadata (``planner_data`` / ``mcore_data``).
+    "torch.distributed.checkpoint.planner.SavePlan",
+    "torch.distributed.checkpoint.planner.WriteItem",
+    "torch.distributed.checkpoint.planner.TensorWriteData")
 #: Modules of Megatron-Core enums that its saved ``args`` hold (e.g. ``attention_backend``):
 #: every name in them reads as a data-only Record, nothing of Megatron is imported.
 MEGATRON_ENUM_MODULES = ("megatron.core.enums", "megatron.core.transformer.enums",

@@ -4,7 +4,9 @@ Layout (Megatron's ``dist_checkpointing`` with ``torch.distributed.checkpoint`` 
 
     SAVE_DIR/latest_checkpointed_iteration.txt   "5" (or "release")
     SAVE_DIR/iter_0000005/metadata.json          {"sharded_backend": "torch_dist", ...}
-    SAVE_DIR/iter_0000005/common.pt              torch.save of the non-sharded state (args, ...)
+    SAVE_DIR/iter_0000005/common.pt              torch.save of the non-sharded state (args, ...);
+                                                 since Megatron-Core 0.14 the object
+                                                 ``common_state`` in the .distcp files instead
     SAVE_DIR/iter_0000005/.metadata              pickled DCP Metadata: every key's global shape,
                                                  dtype and chunks, and where each chunk is stored
     SAVE_DIR/iter_0000005/__0_0.distcp ...       the chunks: each tensor chunk a torch.save
@@ -79,7 +81,8 @@ class TorchDistCheckpoint:
     config: dict
     common: dict
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
-    objects: list[str] = field(default_factory=list)  # ShardedObject keys (bytes), not read
+    objects: list[str] = field(default_factory=list)  # ShardedObject keys (bytes)
+    object_storage: dict = field(default_factory=dict)
     _sizes: dict[str, int] = field(default_factory=dict)
 
     def read(self, key: str) -> torch.Tensor:
@@ -103,7 +106,24 @@ class TorchDistCheckpoint:
                                   f"its {math.prod(info.shape)} elements")
         return out
 
+    def read_object(self, key: str):
+        """A ShardedObject: Megatron stores ``torch.save([data of each shard])`` as raw bytes;
+        read with the restricted unpickler."""
+        data = self._bytes(key, self.object_storage[key])
+        where = f"{self.directory} ({key!r})"
+        value = rp.load_torch_archive(data, where)
+        if not (isinstance(value, list) and len(value) == 1):
+            raise CheckpointError(f"{where}: a Megatron sharded object holds a one-item list")
+        return value[0]
+
     def _chunk(self, key: str, storage) -> torch.Tensor:
+        data = self._bytes(key, storage)
+        tensor = rp.load_torch_archive(data, f"{self.directory} ({key!r})")
+        if not isinstance(tensor, torch.Tensor):
+            raise CheckpointError(f"{self.directory}: chunk of {key!r} is not a tensor")
+        return tensor
+
+    def _bytes(self, key: str, storage) -> bytes:
         name = check_plain_name(storage.field("relative_path"), self.directory,
                                 f"storage of {key!r}")
         offset, length = storage.field("offset"), storage.field("length")
@@ -121,11 +141,7 @@ class TorchDistCheckpoint:
                                   f"{self._sizes[name]}-byte file")
         with open_regular(os.path.join(self.directory, name)) as f:
             f.seek(offset)
-            data = f.read(length)
-        tensor = rp.load_torch_archive(data, f"{os.path.join(self.directory, name)} ({key!r})")
-        if not isinstance(tensor, torch.Tensor):
-            raise CheckpointError(f"{self.directory}: chunk of {key!r} is not a tensor")
-        return tensor
+            return f.read(length)
 
 
 def _dims(value, where: str) -> tuple[int, ...]:
@@ -174,6 +190,8 @@ def read_torch_dist(path: str) -> TorchDistCheckpoint:
         kind = getattr(entry, "kind", "")
         if kind.endswith(".BytesStorageMetadata"):
             out.objects.append(key)
+            if (key, None) in located:
+                out.object_storage[key] = located[(key, None)]
             continue
         if not kind.endswith(".TensorStorageMetadata") or not isinstance(key, str):
             raise CheckpointError(f"{where}: entry {key!r} is {entry!r}")
@@ -195,7 +213,28 @@ def read_torch_dist(path: str) -> TorchDistCheckpoint:
                 raise CheckpointError(f"{where}: chunk {offsets} of {key!r} has no storage")
             chunks.append((offsets, sizes, info))
         out.tensors[key] = TensorInfo(shape, dtype, chunks)
+    # Megatron-Core >= 0.14 keeps the common state (args, iteration) in the DCP files as the
+    # object ``common_state`` instead of common.pt.
+    shared = [k for k in out.objects if k.startswith("common_state/")]
+    if not common and shared:
+        value = out.read_object(shared[0])
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{where}: {shared[0]!r} does not hold a dict")
+        out.common = value
     return out
+
+
+def _raw_bytes_planner():
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class RawBytes(DefaultSavePlanner):
+        """Writes an io.BytesIO's bytes as they are, as Megatron's planner does (the default
+        one would torch.save the BytesIO object itself)."""
+
+        def transform_object(self, write_item, object):
+            return object
+
+    return RawBytes
 
 
 def write_torch_dist(parent: str, iteration: int, tensors: dict, common: dict) -> str:
@@ -204,13 +243,17 @@ def write_torch_dist(parent: str, iteration: int, tensors: dict, common: dict) -
     ``torch.distributed.checkpoint`` itself in one process."""
     import torch.distributed.checkpoint as dcp
 
+    _RawBytesPlanner = _raw_bytes_planner()
+
     if os.path.exists(parent) and os.listdir(parent):
         raise CheckpointError(f"{parent!r} exists and is not empty; choose a new directory")
     directory = os.path.join(parent, f"iter_{iteration:07d}")
     os.makedirs(directory)
-    state = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    # Tensors, and io.BytesIO for Megatron's ShardedObjects (stored as raw bytes).
+    state = {k: v.detach().cpu().contiguous() if isinstance(v, torch.Tensor) else v
+             for k, v in tensors.items()}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(directory),
-             planner=dcp.DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
+             planner=_RawBytesPlanner(flatten_state_dict=False), no_dist=True)
     torch.save(common, os.path.join(directory, COMMON))
     with open(os.path.join(directory, METADATA_JSON), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1,

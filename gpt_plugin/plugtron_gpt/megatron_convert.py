@@ -8,10 +8,12 @@ What differs in a torch_dist checkpoint:
   ``decoder.layers.<param>`` with a leading axis of ``num_layers``; with it on (or
   ``singleton_local_shards``) keys read ``decoder.layers.<i>.<param>``. Both are read; export
   writes the stacked form, which Megatron loads by default;
-* the **TE spec** fuses each pre-norm into the following linear:
-  ``self_attention.linear_qkv.layer_norm_{weight,bias}`` is plugtron's ``input_layernorm`` and
-  ``mlp.linear_fc1.layer_norm_{weight,bias}`` its ``pre_mlp_layernorm`` (the local spec has
-  separate ``input_layernorm`` / ``pre_mlp_layernorm`` modules, as plugtron);
+* the pre-norms are saved under the **TE spec**'s names, where each is fused into the
+  following linear: ``self_attention.linear_qkv.layer_norm_{weight,bias}`` is plugtron's
+  ``input_layernorm`` and ``mlp.linear_fc1.layer_norm_{weight,bias}`` its
+  ``pre_mlp_layernorm``. The local spec has separate norm modules (as plugtron) but maps them to
+  the same checkpoint keys (its ``sharded_state_dict_keys_map``), so both specs' checkpoints
+  read alike; the module names are accepted too, and export writes the TE names;
 * with ``singleton_local_shards`` SwiGLU's fc1 is saved as two keys ``linear_fc1.weight_w``
   (gate) and ``linear_fc1.weight_v`` (up);
 * TE's ``_extra_state`` (fp8 scaling state) and the optimizer / RNG entries are not weights and
@@ -24,6 +26,7 @@ the tensor shapes plus the flags given on the command line.
 from __future__ import annotations
 
 import argparse
+import io
 import re
 
 import torch
@@ -202,7 +205,8 @@ def _expected_names(s: dict) -> set:
 
 
 def export_megatron(m, tensors: dict, padded_vocab: int) -> tuple[argparse.Namespace, dict]:
-    """-> (Megatron ``args``, {Megatron key: tensor}) for the local spec, layers stacked."""
+    """-> (Megatron ``args``, {Megatron key: tensor}): the keys both specs save (norms under
+    their TE names), layers stacked."""
     groups = m.num_query_groups or m.num_attention_heads
     args = {name: getattr(m, name) for name in MODEL_ARGS}
     args.update(num_query_groups=groups, group_query_attention=groups != m.num_attention_heads,
@@ -215,11 +219,13 @@ def export_megatron(m, tensors: dict, padded_vocab: int) -> tuple[argparse.Names
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     for name, plain in FEATURE_ARGS.items():
         args.setdefault(name, getattr(m, name, plain))
+    fused = {v: k for k, v in _TE_NORMS.items()}
     out, per_layer = {}, {}
     for name, tensor in tensors.items():
         match = _LAYER.match(name)
         if match:
-            per_layer.setdefault(match.group(2), {})[int(match.group(1))] = tensor
+            rest = fused.get(match.group(2), match.group(2))
+            per_layer.setdefault(rest, {})[int(match.group(1))] = tensor
         else:
             out[name] = tensor
     for rest, by_layer in per_layer.items():
@@ -232,6 +238,16 @@ def export_megatron(m, tensors: dict, padded_vocab: int) -> tuple[argparse.Names
             pad = out[name].new_zeros((padded_vocab - out[name].shape[0],
                                        *out[name].shape[1:]))
             out[name] = torch.cat([out[name], pad])
+    # Megatron's linear layers checkpoint an ``_extra_state`` object each (None for the local
+    # spec's, fp8 metadata for TE's) and its loader requires them. Megatron stores each as
+    # torch.save of the list of its shards' data: here ``[None]`` per layer.
+    none = io.BytesIO()
+    torch.save([None], none)
+    for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
+                   "mlp.linear_fc2"):
+        for i in range(m.num_layers):
+            key = f"decoder.layers.{module}._extra_state/shard_{i}_{m.num_layers}"
+            out[key] = io.BytesIO(none.getvalue())
     if f"{FINAL_NORM}.weight" not in out:
         raise ConfigError("the checkpoint has no final layer norm: not a GPT checkpoint")
     return argparse.Namespace(**args), out

@@ -6,8 +6,10 @@ mlp.py, models/gpt/gpt_layer_specs.py), independently of plugtron's importer:
 
 * ``stacked``: ``decoder.layers.<param>`` with a leading ``num_layers`` axis (the default,
   ``non_homogeneous_layers`` off); else ``decoder.layers.<i>.<param>``;
-* ``spec="te"``: the pre-norms live in the following linear as ``layer_norm_weight/bias``, and
-  every TE module has an ``_extra_state`` object;
+* the pre-norms under the names of the TE spec, where they live in the following linear
+  (``linear_qkv.layer_norm_weight``): both specs save these keys (the local spec through its
+  ``sharded_state_dict_keys_map``); ``module_norms`` writes the module names instead;
+* ``spec="te"``: every TE module also has an ``_extra_state`` object;
 * ``split_fc1``: SwiGLU fc1 saved as ``linear_fc1.weight_w`` / ``_v`` (singleton_local_shards);
 * the word embeddings padded to Megatron's padded vocabulary; an optimizer entry and an
   ``rng_state`` object that the importer must skip.
@@ -29,7 +31,8 @@ TE_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm_",
 
 
 def megatron_keys(params: dict, num_layers: int, spec: str = "local", stacked: bool = True,
-                  split_fc1: bool = False, padded_vocab: int | None = None) -> dict:
+                  split_fc1: bool = False, padded_vocab: int | None = None,
+                  module_norms: bool = False) -> dict:
     out, layers = {}, {}
     for name, tensor in params.items():
         match = _LAYER.match(name)
@@ -42,7 +45,7 @@ def megatron_keys(params: dict, num_layers: int, spec: str = "local", stacked: b
             continue
         i, rest = int(match.group(1)), match.group(2)
         module, _, kind = rest.rpartition(".")
-        if spec == "te" and module in TE_NORMS:
+        if not module_norms and module in TE_NORMS:
             rest = TE_NORMS[module] + kind
         if split_fc1 and rest == "mlp.linear_fc1.weight":
             gate, up = tensor.chunk(2)

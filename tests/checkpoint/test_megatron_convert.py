@@ -103,7 +103,7 @@ def _run_for(path: str):
 CASES = {  # name: (model settings, fixture options, saved args?, flags after the directories)
     "llama-te-stacked": (LLAMA, {"spec": "te"}, True, []),
     "llama-local-per-layer-split-fc1": (LLAMA, {"stacked": False, "split_fc1": True}, True, []),
-    "gpt-local-stacked": (GPT, {}, True, []),
+    "gpt-local-stacked-module-norms": (GPT, {"module_norms": True}, True, []),
     "gpt-te-no-args": (GPT, {"spec": "te"}, False, ["--num-attention-heads", "4",
                                                     "--hidden-dropout", "0"]),
 }
