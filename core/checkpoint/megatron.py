@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import types
 
 import torch
 
@@ -39,7 +40,7 @@ def _skipped(key: str) -> bool:
 def _args_dict(args) -> dict | None:
     if args is None:
         return None
-    if isinstance(args, (argparse.Namespace,)) or hasattr(args, "__dict__"):
+    if isinstance(args, (argparse.Namespace, types.SimpleNamespace)):
         args = vars(args)
     if not isinstance(args, dict):
         raise CheckpointError(f"common.pt: 'args' is {type(args).__name__}, not Megatron's "

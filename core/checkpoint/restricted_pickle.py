@@ -224,10 +224,6 @@ def loads(data: bytes, where: str):
                               f"{exc})") from None
 
 
-#: A torch.save archive is stored, not compressed; bound what one entry may expand to.
-MAX_ENTRY_BYTES = 1 << 40
-
-
 def load_torch_archive(data: bytes, where: str):
     """What ``torch.save`` wrote (the zip format of torch >= 1.6), tensors included."""
     try:

@@ -7,6 +7,7 @@ import again keeps every tensor; hostile files are refused without running anyth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import os
 import pickle
@@ -36,19 +37,46 @@ GPT = {"normalization": "LayerNorm", "position_embedding_type": "learned_absolut
        "max_position_embeddings": 32}
 
 
+class _AttnBackend(enum.Enum):
+    """Stands in for Megatron's AttnBackend when megatron-core is absent: the saved args hold
+    an enum, as Megatron's do (pickled under Megatron's module name, see _megatron_names)."""
+
+    auto = 5
+
+
+@contextlib.contextmanager
+def _megatron_names():
+    """Pickling the stand-in needs its module importable: fake Megatron's module path for
+    the duration of the save only (so the megatron-core tests still skip when it is absent)."""
+    try:
+        from megatron.core.transformer.enums import AttnBackend  # noqa: F401
+        yield
+        return
+    except ImportError:
+        pass
+    names = ["megatron", "megatron.core", "megatron.core.transformer",
+             "megatron.core.transformer.enums"]
+    saved = {n: sys.modules.get(n) for n in names}
+    for n in names:
+        sys.modules[n] = types.ModuleType(n)
+    sys.modules[names[-1]].AttnBackend = _AttnBackend
+    _AttnBackend.__module__, _AttnBackend.__qualname__ = names[-1], "AttnBackend"
+    try:
+        yield
+    finally:
+        for n, module in saved.items():
+            if module is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = module
+
+
 def _attn_backend():
-    """Megatron's AttnBackend enum (the real one, else a stand-in under its module name) so
-    the saved args hold an enum, as Megatron's do."""
     try:
         from megatron.core.transformer.enums import AttnBackend
         return AttnBackend.auto
     except ImportError:
-        name = "megatron.core.transformer.enums"
-        module = sys.modules.setdefault(name, types.ModuleType(name))
-        if not hasattr(module, "AttnBackend"):
-            module.AttnBackend = enum.Enum("AttnBackend", "flash fused unfused local auto",
-                                           module=name)
-        return module.AttnBackend.auto
+        return _AttnBackend.auto
 
 
 def _source(settings: dict):
@@ -115,7 +143,9 @@ def test_import_megatron_gives_the_same_logits(case, tmp_path):
     run, params = _source(settings)
     state = megatron_keys(params, run.config.model.num_layers, padded_vocab=MEGATRON_VOCAB,
                           **options)
-    write_torch_dist(str(tmp_path / "mcore"), 7, state, _args(settings) if with_args else None)
+    with _megatron_names():
+        write_torch_dist(str(tmp_path / "mcore"), 7, state,
+                         _args(settings) if with_args else None)
     out = str(tmp_path / "imported")
     result = CliRunner().invoke(cli, ["convert", "import-megatron", str(tmp_path / "mcore"), out,
                                       *flags])
@@ -164,8 +194,10 @@ class _Evil:
 
 def _fixture(tmp_path) -> str:
     run, params = _source(GPT)
-    return write_torch_dist(str(tmp_path / "mcore"), 1,
-                            megatron_keys(params, 2, padded_vocab=MEGATRON_VOCAB), _args(GPT))
+    with _megatron_names():
+        return write_torch_dist(str(tmp_path / "mcore"), 1,
+                                megatron_keys(params, 2, padded_vocab=MEGATRON_VOCAB),
+                                _args(GPT))
 
 
 @pytest.mark.parametrize("target", [".metadata", "common.pt"])
@@ -203,8 +235,9 @@ def test_damaged_files_and_unknown_features_are_clear_errors(tmp_path):
     assert "distcp" in result.output
     # A model feature plugtron's GPT lacks is refused by name, not converted into another model.
     run, params = _source(GPT)
-    write_torch_dist(str(tmp_path / "qk"), 1, megatron_keys(params, 2),
-                     _args(GPT, qk_layernorm=True))
+    with _megatron_names():
+        write_torch_dist(str(tmp_path / "qk"), 1, megatron_keys(params, 2),
+                         _args(GPT, qk_layernorm=True))
     result = runner.invoke(cli, ["convert", "import-megatron", str(tmp_path / "qk"),
                                  str(tmp_path / "o2")])
     assert result.exit_code == 2 and "qk_layernorm" in result.output, result.output
