@@ -1,5 +1,6 @@
 """``plugtron convert import-hf`` / ``export-hf``: Hugging Face (config.json +
-model.safetensors) to and from plugtron checkpoints."""
+model.safetensors) to and from plugtron checkpoints; ``import-megatron`` / ``export-megatron``:
+Megatron-Core torch_dist checkpoints (core/checkpoint/megatron.py)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,14 @@ def import_hf(hf_dir, out_dir, model, dtype):
     """Write a weights-only plugtron checkpoint (iteration 0) from HF_DIR into OUT_DIR, and
     print the model flags to train or evaluate it with (--load OUT_DIR)."""
     from plugtron.core.checkpoint.hf import import_hf as run_import
-    from plugtron.core.config import flag_fields, section_flag_fields
 
     path, config = run_import(hf_dir, out_dir, model, _dtype(dtype))
+    _print_flags(path, config)
+
+
+def _print_flags(path, config):
+    from plugtron.core.config import flag_fields, section_flag_fields
+
     # The model's flags, then those of plugin sections the converter set (e.g. --num-experts).
     fields = [f for f in flag_fields() if f.section == "model"]
     for name, cls in config.plugin_sections.items():
@@ -69,3 +75,68 @@ def export_hf(checkpoint, out_dir, dtype, max_shard_size):
     from plugtron.core.checkpoint.hf import export_hf as run_export
 
     click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype), max_shard_size)}")
+
+
+
+def _model_flags(extra: tuple) -> dict:
+    """``--flag value`` / ``--flag`` pairs after ``--`` (model flags for a checkpoint that saved
+    no args)."""
+    from plugtron.core.config import flag_fields
+    from plugtron.core.errors import ConfigError
+
+    fields = [f for f in flag_fields() if f.section == "model"]
+    known = {f.flag: f for f in fields}
+    negative = {f.negative: f for f in fields if f.negative}
+    out, items = {}, list(extra)
+    while items:
+        flag = items.pop(0)
+        name, _, value = flag.partition("=")
+        if name in negative:
+            out[negative[name].name] = False
+            continue
+        field = known.get(name)
+        if field is None:
+            raise ConfigError(f"{flag!r} is not a model flag; after the directories only model "
+                              f"flags are accepted (e.g. --num-attention-heads 4)")
+        if field.is_flag:
+            out[field.name] = True
+        elif value or (items and not items[0].startswith("--")):
+            out[field.name] = value or items.pop(0)
+        else:
+            raise ConfigError(f"{name} needs a value")
+    return out
+
+
+@convert.command("import-megatron",
+                 context_settings={"ignore_unknown_options": True})
+@click.argument("megatron_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("out_dir", type=click.Path())
+@click.argument("model_flags", nargs=-1, type=click.UNPROCESSED)
+@click.option("--model", default="gpt", show_default=True,
+              help="Model plugin whose converter reads it (plugtron.converters).")
+@click.option("--dtype", type=click.Choice(DTYPES), help="Cast the weights (default: keep).")
+@user_errors
+def import_megatron(megatron_dir, out_dir, model_flags, model, dtype):
+    """Write a weights-only plugtron checkpoint from a Megatron-Core torch_dist checkpoint
+    (MEGATRON_DIR: the --save directory or one iter_XXXXXXX in it). The model flags come from
+    the checkpoint's saved args; model flags given after the directories override them (needed
+    only for a checkpoint saved without args)."""
+    from plugtron.core.checkpoint.megatron import import_megatron as run_import
+
+    path, config = run_import(megatron_dir, out_dir, model, _model_flags(model_flags),
+                              _dtype(dtype))
+    _print_flags(path, config)
+
+
+@convert.command("export-megatron")
+@click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
+@click.argument("out_dir", type=click.Path())
+@click.option("--dtype", type=click.Choice(DTYPES), help="Cast the weights (default: keep).")
+@user_errors
+def export_megatron(checkpoint, out_dir, dtype):
+    """Write the model of CHECKPOINT as a Megatron-Core torch_dist save directory OUT_DIR
+    (local layer spec names, layers stacked; load it with --ckpt-format torch_dist
+    --no-load-optim --no-load-rng)."""
+    from plugtron.core.checkpoint.megatron import export_megatron as run_export
+
+    click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype))}")

@@ -336,3 +336,14 @@ class GPTConverter:
         if hf_layout_of(config) == "gpt2":
             return gpt2_to_hf(config, tensors)
         return llama_to_hf(config, tensors)
+
+    # Megatron-Core torch_dist checkpoints (core/checkpoint/megatron.py calls these).
+    def import_megatron(self, args, given, tensors, flag_names):
+        from .megatron_convert import import_megatron
+
+        return import_megatron(args, given, tensors, flag_names)
+
+    def export_megatron(self, model_config, tensors, padded_vocab):
+        from .megatron_convert import export_megatron
+
+        return export_megatron(model_config, tensors, padded_vocab)
