@@ -23,7 +23,6 @@ from .options import (
 from .preflight import preflight
 from .train import HFLoad, check_data_paths, check_plugins, load_argument
 
-
 #: Tells launched ranks to print JSON lines (``--json``).
 JSON_ENV = "PLUGTRON_EVALUATE_JSON"
 

@@ -39,8 +39,8 @@ from plugtron.core.forward_context import (
     forward_context,
     use_forward_context,
 )
-from plugtron.core.hookspecs import hookimpl
 from plugtron.core.generation import InferenceState, generate
+from plugtron.core.hookspecs import hookimpl
 from plugtron.core.inference import load_model
 from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.layer_backend import LayerBackend

@@ -28,7 +28,6 @@ from plugtron.api import (
     scatter_to_tensor_parallel_region,
     sequence_parallel_linear,
     set_tensor_parallel,
-    current_forward_context,
     shard_of,
 )
 
