@@ -8,6 +8,9 @@
   ``helpers_cpp.build_sample_idx`` + ``_build_shuffle_index``: seconds and peak memory, each in a
   fresh process (peak = VmHWM - VmRSS before the call);
 * blending indices against ``helpers_cpp.build_blending_indices``;
+* the index build at 10M tokens and both blends again in one process, alternating after a warm-up
+  call of each (the steady state; a fresh process also pays first touches of new memory, which
+  depend on what each side imported before);
 * random sample access (one sample's tokens from a memory-mapped corpus, and plugtron's whole
   sample with labels and masks) against Megatron-Core's ``IndexedDataset.get``.
 
@@ -139,6 +142,16 @@ def rounds(impls, rounds_n, run) -> dict:
     return results
 
 
+def warm(impls, rounds_n, run) -> dict:
+    """The same work in this process, after one untimed call of each side: the steady state,
+    without the fresh process's first touch of new memory and lazy imports, which differ with
+    what each side imported before (Megatron-Core's import leaves a large warm heap)."""
+    for impl in impls:
+        run(impl)
+    got = rounds(impls, rounds_n, run)
+    return {impl: median([r["seconds"] for r in rs]) for impl, rs in got.items()}
+
+
 def median(values):
     return statistics.median(values)
 
@@ -244,6 +257,11 @@ def main() -> None:
                 entry["same_arrays"] = digests["plugtron"] == digests["megatron"]
                 entry["ratio_plugtron_over_megatron"] = (entry["plugtron"]["seconds"]
                                                          / entry["megatron"]["seconds"])
+            if real and mcore:
+                entry["warm"] = warm(impls, max(args.rounds, 5),
+                                     lambda impl: child_index(impl, prefix, 1234))
+                entry["warm"]["ratio_plugtron_over_megatron"] = (entry["warm"]["plugtron"]
+                                                                 / entry["warm"]["megatron"])
             report[f"index_{name}"] = entry
             print(json.dumps({f"index_{name}": entry}), flush=True)
             if real:
@@ -257,6 +275,11 @@ def main() -> None:
             if mcore:
                 entry["same_arrays"] = got["plugtron"][0]["digest"] == got["megatron"][0]["digest"]
                 entry["ratio_plugtron_over_megatron"] = entry["plugtron"] / entry["megatron"]
+            if mcore:
+                entry["warm"] = warm(impls, max(args.rounds, 5),
+                                     lambda impl: child_blend(impl, size))
+                entry["warm"]["ratio_plugtron_over_megatron"] = (entry["warm"]["plugtron"]
+                                                                 / entry["warm"]["megatron"])
             report[f"blend_{size}"] = entry
             print(json.dumps({f"blend_{size}": entry}), flush=True)
     finally:

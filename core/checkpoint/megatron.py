@@ -23,8 +23,11 @@ from ..config import TrainConfig, flag_fields, padded_vocab_size
 from ..errors import CheckpointError, ConfigError
 from ..plugin_options import config_from_flags
 from . import state, writer
-from .hf import checkpoint_tensors, converter_for_config, load_converter
+from .hf import converter_for_config, load_converter
+from .hf_export import CheckpointTensors
+from .loader import malformed
 from .pieces import Box
+from .reader import CheckpointReader
 from .torch_dist import read_torch_dist, write_torch_dist
 
 #: Megatron keys that are not model weights: optimizer state, RNG and rerun state (objects),
@@ -107,6 +110,19 @@ def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
         return tensor[:rows]
     pad = tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))
     return torch.cat([tensor, pad])
+
+
+def checkpoint_tensors(path: str):
+    """(config, {name: full tensor, vocabulary padding removed}, reader) of a checkpoint of
+    any layout."""
+    from ..plugin_options import config_from_dict
+
+    reader = CheckpointReader(path)
+    with malformed(reader, "config"):
+        config = config_from_dict(reader.config)
+    lazy = CheckpointTensors(reader, config, converter_for_config(config).vocab_tensors,
+                             master=False)
+    return config, {name: lazy[name] for name in lazy}, reader
 
 
 def export_megatron(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
