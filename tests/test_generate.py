@@ -203,3 +203,18 @@ def test_hybrid_cache_carries_the_mamba_state(tmp_path, monkeypatch):
     assert generate(model, PROMPTS, 5, greedy=True).tokens == cached.tokens
     with pytest.raises(ValueError, match="use_cache=False"):
         generate(model, PROMPTS, 2, use_cache=True)
+
+
+def test_sliding_window_holds_in_the_cache(tmp_path):
+    """--window-size 2 (each token sees itself and 2 before): cached generation past the window
+    equals the windowed full-sequence forward, row by row, with left padding."""
+    path = str(tmp_path / "win")
+    config = tiny_config(train_iters=1, save=path, position_embedding_type="rope",
+                         window_size="2,0", init_method_std=0.2)
+    run = training.setup(config, world=single_process())
+    checkpoint.load_if_requested(run)
+    training.train(run, MetricsLogger(config, rank=1))
+    model = load_model(path)
+    cached = generate(model, PROMPTS, 6, greedy=True)
+    assert cached.tokens == [_reference(model, prompt, 6) for prompt in PROMPTS]
+    assert cached.tokens == generate(model, PROMPTS, 6, greedy=True, use_cache=False).tokens

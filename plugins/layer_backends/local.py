@@ -171,8 +171,12 @@ class CoreAttention(torch.nn.Module):
         p = self.dropout if self.training else 0.0
         inference = current_forward_context().inference
         if inference is not None:  # generation: new queries over cached keys, padding hidden
-            return _masked_attention(q, k, v, inference.attention_mask(q.shape[1], k.shape[1]),
-                                     self.num_query_groups != self.num_heads)
+            mask = inference.attention_mask(q.shape[1], k.shape[1])
+            window = attention_mask(q.shape[1], k.shape[1], window=self.window_size,
+                                    device=mask.device)
+            if window is not None:  # left padding shifts whole rows: index distance = distance
+                mask = mask & window
+            return _masked_attention(q, k, v, mask, self.num_query_groups != self.num_heads)
         if self._parallel is not None and self._parallel.cp_size > 1:
             with self._dropout_rng():
                 return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p)
