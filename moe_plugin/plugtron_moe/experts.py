@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from plugtron.api import (
     EXPERT_PARALLEL_RNG,
     normal_init,
+    recompute,
+    recompute_module,
     scaled_normal_init,
     set_tensor_parallel,
     shard_of,
@@ -60,6 +62,7 @@ class ExpertMLP(torch.nn.Module):
         chunks = 2 if m.swiglu else 1
         self.swiglu, self.tp_size = m.swiglu, tp
         self.gelu_approximation = gelu_approximation(config)
+        self.recompute_act = recompute_module(config, "moe_act")
         w1 = normal_init(m.init_method_std, seed, f"{prefix}.linear_fc1.weight")(
             (ffn * chunks, m.hidden_size))
         w2 = scaled_normal_init(m.init_method_std, m.num_layers, seed,
@@ -77,6 +80,10 @@ class ExpertMLP(torch.nn.Module):
             _expert_param(param)
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
+        # --recompute-modules moe_act: keep only the fc1 output, not the activation's inputs
+        return recompute(self._activation, x) if self.recompute_act else self._activation(x)
+
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             gate, up = x.chunk(2, dim=-1)
             return F.silu(gate) * up

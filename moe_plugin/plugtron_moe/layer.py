@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
-from plugtron.api import ConfigError, ConfigSection, add_loss
+from plugtron.api import ConfigError, ConfigSection, add_loss, recompute, recompute_module
 
 from .dispatcher import load_dispatcher
 from .experts import SequentialMLP, local_expert_ids
@@ -43,6 +43,7 @@ class MoE(torch.nn.Module):
         dispatcher_cls = load_dispatcher(o.moe_token_dispatcher_type)
         # Not a module: it holds no parameters, only the recipe for moving tokens.
         self.dispatcher = dispatcher_cls(config, parallel, o.num_experts, ids)
+        self.recompute_shared = recompute_module(config, "shared_experts")
 
     def forward(self, x: torch.Tensor):
         """``x`` ``[b, s, h]`` -> ``(output [b, s, h], aux losses)``."""
@@ -54,7 +55,8 @@ class MoE(torch.nn.Module):
         expert_output = self.experts(dispatched.tokens, dispatched.tokens_per_expert)
         out = self.dispatcher.combine(expert_output, dispatched).view(b, s, h)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + (recompute(self.shared_experts, x) if self.recompute_shared
+                         else self.shared_experts(x))
         return out, aux
 
 
@@ -71,9 +73,15 @@ class MoELayer(torch.nn.Module):
         self.mlp = MoE(config, backend, parallel, layer_number, seed)
         self.hidden_dropout = m.hidden_dropout
         self.backend = backend
+        self.recompute_norm = recompute_module(config, "layernorm")
+        self.recompute_moe = recompute_module(config, "moe")
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
-        out, aux = self.mlp(self.pre_mlp_layernorm(hidden))
+        normed = (recompute(self.pre_mlp_layernorm, hidden) if self.recompute_norm
+                  else self.pre_mlp_layernorm(hidden))
+        # --recompute-modules moe: the whole MoE (router, dispatch, experts) runs again in
+        # backward; the router counts nothing twice there (is_recomputing)
+        out, aux = recompute(self.mlp, normed) if self.recompute_moe else self.mlp(normed)
         if self.hidden_dropout and self.training:
             # Under SP each tp rank holds other tokens: draw from the tp-rank-specific stream.
             sp = self.backend.sequence_parallel
