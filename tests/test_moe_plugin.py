@@ -54,6 +54,7 @@ def test_help_lists_the_moe_flags():
       "--micro-batch-size", "1"], "needs them divisible by 2"),
     (["--num-experts", "4", "--etp", "2", "--moe-ffn-hidden-size", "15"],
      "--moe-ffn-hidden-size 15 is not divisible by the expert tensor-parallel size 2"),
+    (["--num-experts", "4", "--squared-relu"], "--squared-relu is not supported for MoE"),
 ])
 def test_bad_combinations_exit_2_before_launch(extra, message):
     result = invoke(["train", *ARGS, "--nproc-per-node", "2", *extra])

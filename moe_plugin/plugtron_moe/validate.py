@@ -22,6 +22,12 @@ def validate(config, world_size: int) -> None:
         return
     if o.num_experts < 1:
         raise ConfigError(f"--num-experts must be at least 1, got {o.num_experts}")
+    mlp = getattr(config, "mlp", None)  # the MLP layer's section, when installed
+    if mlp is not None and mlp.squared_relu:
+        # The experts implement SwiGLU and GeLU only: accepting the flag would train GeLU
+        # experts beside relu^2 dense MLPs.
+        raise ConfigError("--squared-relu is not supported for MoE experts (they are SwiGLU "
+                          "or GeLU); drop it or --num-experts")
     if o.num_experts % ep:
         raise ConfigError(f"--num-experts {o.num_experts} is not divisible by "
                           f"--expert-model-parallel-size {ep} (each ep rank holds whole experts)")
