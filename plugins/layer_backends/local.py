@@ -169,7 +169,8 @@ class CoreAttention(torch.nn.Module):
 
     def forward(self, q, k, v):
         p = self.dropout if self.training else 0.0
-        inference = current_forward_context().inference
+        context = current_forward_context()
+        inference = context.inference
         if inference is not None:  # generation: new queries over cached keys, padding hidden
             mask = inference.attention_mask(q.shape[1], k.shape[1])
             window = attention_mask(q.shape[1], k.shape[1], window=self.window_size,
@@ -181,7 +182,7 @@ class CoreAttention(torch.nn.Module):
             with self._dropout_rng():
                 return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p)
         b, s = q.shape[0], q.shape[1]
-        document_ids = current_forward_context().document_ids
+        document_ids = context.document_ids
         mask = attention_mask(s, k.shape[1], window=self.window_size, device=q.device,
                               document_ids=None if document_ids is None
                               else document_ids.to(q.device))
