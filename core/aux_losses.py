@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from .recompute import is_recomputing
+
 # ``tokens`` stays a tensor (on the batch's device): reading it as a number here would be a
 # host sync per microbatch on CUDA; it becomes a number only in the step's report.
 _state = {"tokens": 0.0, "loss_scale": 1.0}
@@ -68,8 +70,6 @@ def add_loss(hidden: torch.Tensor, name: str, loss: torch.Tensor) -> torch.Tenso
     if loss.dim() != 0:
         raise ValueError(f"add_loss({name!r}): the loss must be a scalar, got shape "
                          f"{tuple(loss.shape)}")
-    from .recompute import is_recomputing
-
     tokens = _state["tokens"]
     if not is_recomputing():  # a recomputed forward must not report the term a second time
         value = loss.detach().float() * tokens

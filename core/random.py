@@ -22,6 +22,8 @@ import random
 import numpy as np
 import torch
 
+from .recompute import register_tracker
+
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 EXPERT_PARALLEL_RNG = "expert-parallel-rng"
 
@@ -50,8 +52,6 @@ class RNGStatesTracker:
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
         self._states: dict[str, torch.Tensor] = {}
-        from .recompute import register_tracker
-
         register_tracker(self)  # a recomputed forward replays these streams too
 
     # The default generator of the device, read and written as a state tensor.
