@@ -68,14 +68,60 @@ def test_wandb_offline_run_holds_every_metric(tmp_path, monkeypatch):
     assert len(runs) == 1, os.listdir(save)
     records = _metrics(metrics)
     history = _wandb_history(glob.glob(os.path.join(runs[0], "*.wandb"))[0])
-    steps = [r for r in records if "lr" in r]
-    logged = {h["_step"]: h for h in history}
-    for r in steps:
-        row = logged[r["iteration"]]
-        assert row["lm_loss"] == pytest.approx(r["lm_loss"], rel=1e-6)
-        assert row["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6)
-        assert {"lr", "tokens_per_sec", "step_time_s", "memory_mb"} <= set(row)
-    assert "valid_lm_loss" in logged[4]
+    logged = {h["_step"]: h for h in history if "_step" in h}
+    # W&B's own service writes this file: hold it to what it kept (it has dropped a row on a
+    # loaded machine), the exact calls are the next test's job.
+    assert any("lm_loss" in row for row in logged.values()), history
+    by_iteration = {r["iteration"]: r for r in records if "lr" in r}
+    for step, row in logged.items():
+        if "lm_loss" in row:
+            assert row["lm_loss"] == pytest.approx(by_iteration[step]["lm_loss"], rel=1e-6)
+
+
+class _FakeRun:
+    def __init__(self, calls, **kwargs):
+        self.calls, self.name, self.id, self.summary = calls, kwargs.get("name"), "x", {}
+        calls.append(("init", kwargs))
+
+    def log(self, values, step):
+        self.calls.append(("log", step, dict(values)))
+
+    def finish(self):
+        self.calls.append(("finish", dict(self.summary)))
+
+
+def test_wandb_gets_every_step_and_evaluation(tmp_path, monkeypatch):
+    """The exact calls the extension makes, through a stand-in ``wandb`` module: one run with
+    the config, each step's metrics and each evaluation's at the iteration, then the summary."""
+    import importlib.machinery
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.init = lambda **kwargs: _FakeRun(calls, **kwargs)
+    fake.Settings = lambda **kwargs: kwargs
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    metrics = tmp_path / "m.jsonl"
+    done = run_cli(["train", *ARGS, "--wandb-project", "proj", "--wandb-exp-name", "tiny",
+                    "--wandb-save-dir", str(tmp_path / "wb"), "--metrics-file", str(metrics)])
+    assert done.exit_code == 0, done.output
+    init = calls[0][1]
+    assert (init["project"], init["name"], init["mode"]) == ("proj", "tiny", "offline")
+    assert init["config"]["wandb"]["wandb_project"] == "proj"
+    records = _metrics(metrics)
+    logs = [c for c in calls if c[0] == "log"]
+    train_logs = [c for c in logs if "lm_loss" in c[2]]
+    assert [c[1] for c in train_logs] == [r["iteration"] for r in records if "lr" in r] \
+        == [1, 2, 3, 4]
+    for (_, _, values), r in zip(train_logs, [r for r in records if "lr" in r]):
+        assert values["lm_loss"] == pytest.approx(r["lm_loss"], rel=1e-6)
+        assert values["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-6)
+        assert {"lr", "tokens_per_sec", "step_time_s", "memory_mb"} <= set(values)
+    assert [c[1] for c in logs if "valid_lm_loss" in c[2]] == [2, 4]
+    assert calls[-1][0] == "finish" and calls[-1][1], calls[-1]
 
 
 def _wandb_history(path: str) -> list[dict]:
