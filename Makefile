@@ -31,7 +31,7 @@ train: $(STAMP) $(BLEND)
 
 ## Run the whole test suite.
 test: $(STAMP) $(BLEND)
-	$(PY) -m pytest -q $(ARGS)
+	$(PY) -m pytest -q --durations=30 $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(BLEND) build *.egg-info gpt_plugin/*.egg-info moe_plugin/*.egg-info

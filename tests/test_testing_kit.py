@@ -72,6 +72,28 @@ def test_pool_runs_every_world_up_to_its_size(rank_pool):
     assert rank_pool.run(_world) == [8] * 8
 
 
+def _mark_cache(rank, world_size):
+    from plugtron.testing.pool import worker_cache
+
+    worker_cache()["mark"] = rank
+
+
+def _cache_marked(rank, world_size):
+    from plugtron.testing.pool import worker_cache
+
+    return worker_cache().get("mark") == rank
+
+
+def test_the_next_module_gets_a_new_world_and_an_empty_cache(rank_pool):
+    """The session's ranks serve every module: what one module cached must not reach the
+    next (the fixture refreshes the pool when a module first asks for it)."""
+    rank_pool.run(_mark_cache)
+    assert rank_pool.run(_cache_marked) == [True] * 8
+    rank_pool.session.get(8).refresh()
+    assert rank_pool.run(_cache_marked) == [False] * 8
+    assert rank_pool.run(_world) == [8] * 8
+
+
 @pytest.mark.parametrize("flags", [GPT, UNTIED], ids=["tied", "untied"])
 def test_gpt_matches_one_process_under_every_default_layout(rank_pool, flags):
     assert_layouts_match(flags, pool=rank_pool)

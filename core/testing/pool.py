@@ -83,10 +83,10 @@ class _World:
         self.size = None
         self.generation = 0
 
-    def join(self, size: int) -> None:
+    def join(self, size: int, fresh: bool = False) -> None:
         import torch.distributed as dist
 
-        if size == self.size:
+        if size == self.size and not fresh:
             return
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -117,9 +117,9 @@ def _worker(rank, world_size, store_dir, backend, timeout_s, tasks, results):
         task = tasks.get()
         if task is None:
             break
-        task_id, size, payload = task
+        task_id, size, fresh, payload = task
         try:
-            world.join(size)
+            world.join(size, fresh)
             if rank < size:
                 fn, args, kwargs = pickle.loads(payload)
                 out = (task_id, rank, True, pickle.dumps(fn(rank, size, *args, **kwargs)))
@@ -148,6 +148,7 @@ class DistributedPool:
         self._procs: list = []
         self._task_id = 0
         self._tmpdir: str | None = None
+        self._fresh = False
 
     def __enter__(self):
         self.start()
@@ -182,10 +183,17 @@ class DistributedPool:
         self.start()
         payload = pickle.dumps((fn, args, kwargs))
         self._task_id += 1
+        fresh, self._fresh = self._fresh, False
         for q in self._tasks:
-            q.put((self._task_id, size, payload))
+            q.put((self._task_id, size, fresh, payload))
         results = self._collect(self._task_id, getattr(fn, "__name__", repr(fn)), timeout)
         return results[:size]
+
+    def refresh(self) -> None:
+        """The next ``run`` re-forms the world and empties :func:`worker_cache` in every rank,
+        as a new pool would, but keeps the processes (and their imports): how one pool serves
+        several test modules without one module's groups or cache reaching the next."""
+        self._fresh = True
 
     def _collect(self, task_id, what: str, timeout: float | None = None) -> list:
         deadline = time.monotonic() + (timeout or self.timeout)

@@ -11,15 +11,14 @@ import torch
 from plugtron.core import checkpoint, training
 from plugtron.core.checkpoint.layout import iteration_dirname
 from plugtron.core.checkpoint.reader import CheckpointReader
-from plugtron.testing import DistributedPool, assert_checkpoint_reshards, make_config, train_run
+from plugtron.testing import assert_checkpoint_reshards, make_config, train_run
 
 GPT = {"model": "gpt", "position-embedding-type": "rope"}
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(4, timeout=300) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(4, timeout=300)
 
 
 @pytest.mark.parametrize("save,load", [({"cp": 2}, {}), ({}, {"cp": 2}),

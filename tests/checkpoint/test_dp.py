@@ -9,8 +9,6 @@ import pytest
 from plugtron.core import registry
 from plugtron.core.distributed import single_process
 
-from tests.distributed.harness import DistributedPool
-
 from .helpers import ckpt_config, train_resumable
 
 LATER = range(6, 11)
@@ -22,9 +20,8 @@ def has_optimizer(name: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(2) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(2)
 
 
 def _train(rank, world_size, stop_at=None, single=False, **settings):

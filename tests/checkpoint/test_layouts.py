@@ -18,8 +18,6 @@ from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.parallel_context import ParallelContext
 from plugtron.core.plugin_manager import resolve_schedule
 
-from tests.distributed.harness import DistributedPool
-
 from .helpers import ckpt_config, train_resumable
 
 WORLD = 4
@@ -51,9 +49,8 @@ def missing(layout: dict) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(WORLD) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(WORLD)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from plugtron.core.context_parallel import split_tensor
 from plugtron.core.cp_attention import context_parallel_attention
 from plugtron.core.parallel_context import ParallelContext
 
-from tests.distributed.harness import DistributedPool, worker_cache
+from tests.distributed.harness import worker_cache
 
 RTOL, ATOL = 1e-5, 1e-6
 MEMORY_SLACK = 1.2  # the goal: activations per rank within 1.2x of 1/cp
@@ -24,9 +24,8 @@ DROPOUT, DROPOUT_SEED = 0.3, 11
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(4, timeout=240) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(4, timeout=240)
 
 
 def _inputs(heads, groups, seq=16, batch=2, dim=8):

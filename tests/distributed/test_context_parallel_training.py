@@ -7,16 +7,15 @@ the Hybrid model's attention and MLP layers under cp.
 """
 
 import pytest
-from plugtron.testing import DistributedPool, assert_layouts_match
+from plugtron.testing import assert_layouts_match
 
 COMM_TYPES = ("p2p", "allgather", "a2a")
 GPT = {"model": "gpt"}
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(8, timeout=300) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(8, timeout=300)
 
 
 def _cp_layouts(*sizes):

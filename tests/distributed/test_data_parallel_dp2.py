@@ -19,7 +19,6 @@ from tests.distributed.dp_helpers import (
     state_after,
     train_run,
 )
-from tests.distributed.harness import DistributedPool
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
@@ -31,9 +30,8 @@ BF16_REL_TOL = 5e-3
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(2, timeout=300) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(2, timeout=300)
 
 
 @pytest.fixture(scope="module")

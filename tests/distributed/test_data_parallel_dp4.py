@@ -14,7 +14,6 @@ from tests.distributed.dp_helpers import (
     pool_train,
     train_run,
 )
-from tests.distributed.harness import DistributedPool
 
 _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
@@ -23,9 +22,8 @@ TOL = 1e-5  # fp32
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(4, timeout=300) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(4, timeout=300)
 
 
 @pytest.fixture(scope="module")

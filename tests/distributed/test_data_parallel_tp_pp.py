@@ -36,11 +36,8 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 
 @pytest.fixture(scope="module")
-def pool():
-    from tests.distributed.harness import DistributedPool
-
-    with DistributedPool(8, timeout=600) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(8, timeout=600)
 
 
 @pytest.fixture(scope="module")

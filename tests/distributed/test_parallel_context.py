@@ -5,16 +5,15 @@ import torch
 from plugtron.core import comm
 from plugtron.core.parallel_context import ParallelContext, rank_groups
 
-from tests.distributed.harness import DistributedPool, RankFailure, worker_cache
+from tests.distributed.harness import RankFailure, worker_cache
 
 WORLD = 8
 LAYOUT = {"tp": 2, "pp": 2}  # dp 2
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(WORLD, timeout=120) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(WORLD, timeout=120)
 
 
 def _ctx(rank, world_size) -> ParallelContext:

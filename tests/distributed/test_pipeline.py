@@ -19,7 +19,7 @@ from plugtron.core.distributed import single_process
 from plugtron.core.p2p import P2PCommunicator
 from plugtron.core.parallel_context import ParallelContext
 
-from tests.distributed.harness import DistributedPool, worker_cache
+from tests.distributed.harness import worker_cache
 from tests.schedule_helpers import RandomOrderSchedule
 from tests.utils import tiny_config, train_in_process
 
@@ -102,9 +102,8 @@ def outputs_alive_at_forwards(run) -> int:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(WORLD, timeout=300) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(WORLD, timeout=300)
 
 
 @pytest.fixture(scope="module")

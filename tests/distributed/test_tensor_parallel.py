@@ -23,7 +23,7 @@ from plugtron.core.random import model_parallel_rng_tracker
 from plugtron.core.sharding import full_named_tensors, is_tensor_parallel, shard_of
 from plugtron.core.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
 
-from tests.distributed.harness import DistributedPool, worker_cache
+from tests.distributed.harness import worker_cache
 from tests.utils import tiny_config, train_in_process
 
 WORLD = 4
@@ -33,9 +33,8 @@ PARAM_ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with DistributedPool(WORLD, timeout=240) as p:
-        yield p
+def pool(rank_pool_factory):
+    return rank_pool_factory(WORLD, timeout=240)
 
 
 def _ctx(rank, world_size, tp) -> ParallelContext:
