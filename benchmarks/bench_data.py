@@ -9,12 +9,19 @@
   fresh process (peak = VmHWM - VmRSS before the call);
 * blending indices against ``helpers_cpp.build_blending_indices``;
 * the index build at 10M tokens and both blends again in one process, alternating after a warm-up
-  call of each (the steady state; a fresh process also pays first touches of new memory, which
-  depend on what each side imported before);
+  call of each (the steady state);
 * random sample access (one sample's tokens from a memory-mapped corpus, and plugtron's whole
   sample with labels and masks) against Megatron-Core's ``IndexedDataset.get``.
 
     flock /tmp/plugtron-tests.lock .venv/bin/python benchmarks/bench_data.py [--big-tokens 1e9]
+
+Fresh processes are compared like with like: both sides' children import the same modules
+(plugtron's index builder and, when installed, Megatron-Core's) before the timer, and before every
+timed child an identical primer child touches and frees 256 MB. Why the primer: numpy asks for
+transparent huge pages for large arrays, and on this VM a huge-page fault costs ~1 ms when the
+kernel hands back 2 MB pages a previous process just freed, but ~7 ms when it needs fresh ones, so
+without it the first child after a light one paid ~0.3 s more whichever side it was (measured,
+RESULTS.md). Each fresh row also reports the timed call's minor faults and huge-page faults.
 
 Corpora go to a temporary folder deleted at the end. Megatron-Core is optional (its columns
 are skipped without it).
@@ -74,6 +81,39 @@ def _rss(field: str) -> float:
     return float("nan")
 
 
+def faults() -> tuple[int, int]:
+    """(minor page faults of this process, huge-page faults of the whole machine so far)."""
+    import resource
+
+    thp = 0
+    with open("/proc/vmstat") as f:
+        for line in f:
+            if line.startswith("thp_fault_alloc "):
+                thp = int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt, thp
+
+
+def import_both() -> None:
+    """Both sides' children import the same modules before their timers, so neither pays for
+    an import the other had already paid, and both start from the same heap."""
+    from plugtron.plugins.datasets import gpt_indices
+
+    gpt_indices._helpers()  # the compiled helper loaded once, as megatron's is at import
+    if have_megatron():
+        from megatron.core.datasets import (  # noqa: F401
+            gpt_dataset,  # noqa: F401
+            helpers,
+            helpers_cpp,
+        )
+
+
+def child_prime(megabytes: int) -> dict:
+    """Touch and free new memory, so that the next child finds the same supply of free
+    (huge) pages whichever child ran before it."""
+    np.ones(megabytes << 17, dtype=np.float64).sum()
+    return {}
+
+
 def child_index(impl: str, prefix: str, seed: int) -> dict:
     """One split's indices for one epoch of the whole corpus (in this fresh process)."""
     from plugtron.plugins.datasets.indexed_format import IndexedCorpus
@@ -82,13 +122,14 @@ def child_index(impl: str, prefix: str, seed: int) -> dict:
     documents = np.arange(len(sizes), dtype=np.int32)
     tokens = int(sizes.sum(dtype=np.int64))
     num_samples = (tokens - 1) // SEQ
+    import_both()
     if impl == "megatron":
         from megatron.core.datasets import helpers
         from megatron.core.datasets.gpt_dataset import _build_document_index, _build_shuffle_index
     from plugtron.plugins.datasets import gpt_indices
 
-    gpt_indices._helpers()  # load the compiled helper before timing, as megatron's import is
     before = _rss("VmRSS")
+    faults_before = faults()
     start = time.perf_counter()
     if impl == "plugtron":
         arrays = gpt_indices.build_gpt_indices(sizes, documents, SEQ, num_samples, seed)
@@ -100,22 +141,23 @@ def child_index(impl: str, prefix: str, seed: int) -> dict:
                                              sample_index.shape[0] - 1, rng)
         arrays = (document_index, sample_index, shuffle_index)
     seconds = time.perf_counter() - start
+    minor, thp = (b - a for a, b in zip(faults_before, faults()))
     peak = _rss("VmHWM") - before
     digest = [int(np.asarray(a, dtype=np.int64).sum()) for a in arrays]
     return {"seconds": seconds, "peak_mb": peak, "digest": digest, "samples": num_samples,
-            "documents": len(sizes)}
+            "documents": len(sizes), "minor_faults": minor, "thp_faults": thp}
 
 
 def child_blend(impl: str, size: int) -> dict:
     weights = [0.2, 0.5, 0.3]
+    if impl == "plugtron-python":
+        os.environ["PLUGTRON_NO_INDEX_HELPERS"] = "1"
+    import_both()
     if impl == "megatron":
         from megatron.core.datasets import helpers_cpp
     else:
-        if impl == "plugtron-python":
-            os.environ["PLUGTRON_NO_INDEX_HELPERS"] = "1"
         from plugtron.plugins.datasets import gpt_indices
-
-        gpt_indices._helpers()
+    faults_before = faults()
     start = time.perf_counter()  # imports done: the build alone
     if impl == "megatron":
         d = np.zeros(size, dtype=np.int16)
@@ -123,10 +165,19 @@ def child_blend(impl: str, size: int) -> dict:
         helpers_cpp.build_blending_indices(d, s, np.array(weights), len(weights), size, False)
     else:
         d, s = gpt_indices.build_blending_indices(weights, size)
-    return {"seconds": time.perf_counter() - start, "digest": [int(d.sum()), int(s.sum())]}
+    seconds = time.perf_counter() - start
+    minor, thp = (b - a for a, b in zip(faults_before, faults()))
+    return {"seconds": seconds, "digest": [int(d.sum()), int(s.sum())], "minor_faults": minor,
+            "thp_faults": thp}
 
 
 def in_child(*args) -> dict:
+    """One timed fresh process, after the same primer process (see the module docstring)."""
+    _run_child("prime", "-", 256)
+    return _run_child(*args)
+
+
+def _run_child(*args) -> dict:
     out = subprocess.run([sys.executable, __file__, "--child", *map(str, args)], check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -232,6 +283,7 @@ def main() -> None:
     if args.child:
         kind, impl, *rest = args.child
         result = (child_index(impl, rest[0], int(rest[1])) if kind == "index"
+                  else child_prime(int(rest[0])) if kind == "prime"
                   else child_blend(impl, int(rest[0])))
         print(json.dumps(result))
         return
@@ -249,7 +301,9 @@ def main() -> None:
             got = rounds(impls, args.rounds, lambda impl: in_child("index", impl, prefix, 1234))
             digests = {impl: rs[0]["digest"] for impl, rs in got.items()}
             entry = {impl: {"seconds": median([r["seconds"] for r in rs]),
-                            "peak_mb": median([r["peak_mb"] for r in rs])}
+                            "peak_mb": median([r["peak_mb"] for r in rs]),
+                            "minor_faults": median([r["minor_faults"] for r in rs]),
+                            "thp_faults": median([r["thp_faults"] for r in rs])}
                      for impl, rs in got.items()}
             entry["documents"], entry["samples"] = got["plugtron"][0]["documents"], \
                 got["plugtron"][0]["samples"]
@@ -272,6 +326,11 @@ def main() -> None:
             blend_impls = impls + (["plugtron-python"] if size <= 1_000_000 else [])
             got = rounds(blend_impls, args.rounds, lambda impl: in_child("blend", impl, size))
             entry = {impl: median([r["seconds"] for r in rs]) for impl, rs in got.items()}
+            entry["faults"] = {impl: [median([r["minor_faults"] for r in rs]),
+                                      median([r["thp_faults"] for r in rs])]
+                               for impl, rs in got.items()}
+            entry["all_seconds"] = {impl: [round(r["seconds"], 4) for r in rs]
+                                    for impl, rs in got.items()}
             if mcore:
                 entry["same_arrays"] = got["plugtron"][0]["digest"] == got["megatron"][0]["digest"]
                 entry["ratio_plugtron_over_megatron"] = entry["plugtron"] / entry["megatron"]

@@ -14,11 +14,18 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core.checkpoint import CheckpointReader, load_checkpoint
-from plugtron.core.config import apply_values
 from plugtron.core.distributed import single_process
 from plugtron.core.plugin_options import config_from_dict
 from plugtron.core.training import setup
+
+from .hf_models import (
+    assert_exports_back,
+    assert_same_checkpoint_tensors,
+    convert,
+    logits_of,
+    save_random,
+    tokens,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -53,57 +60,28 @@ CASES = {
 
 def make_hf(kind: str, directory: str):
     config_cls, model_cls, arguments, _ = CASES[kind]
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**arguments))
-    with torch.no_grad():  # norms and biases away from 1 and 0, so mix-ups show
-        for name, p in model.named_parameters():
-            if "norm" in name or "ln_" in name or name.endswith("bias"):
-                p.add_(torch.randn_like(p) * 0.2)
-    model.eval()
-    model.save_pretrained(directory)
-    return model
-
-
-def logits_of(path: str, tokens: torch.Tensor) -> torch.Tensor:
-    config = config_from_dict(CheckpointReader(path).config)
-    apply_values(config, {"data": "mock", "seq_length": SEQ, "micro_batch_size": 2,
-                          "global_batch_size": 2, "train_iters": 1, "progress": False,
-                          "hidden_dropout": 0.0, "attention_dropout": 0.0}, "test")
-    config.model.padded_vocab_size = None
-    run = setup(config, world=single_process())
-    load_checkpoint(run, path, model_only=True)
-    chunk = run.model_chunks[0]
-    chunk.eval()
-    with torch.no_grad():
-        return chunk(tokens)[..., :VOCAB].float()
+    return save_random(getattr(transformers, model_cls),
+                       getattr(transformers, config_cls)(**arguments), directory)
 
 
 @pytest.mark.parametrize("kind", list(CASES))
 def test_import_gives_transformers_logits_and_exports_back(kind, tmp_path):
     hf_dir, ckpt, back = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
     model = make_hf(kind, hf_dir)
-    runner = CliRunner()
-    result = runner.invoke(cli, ["convert", "import-hf", hf_dir, ckpt])
-    assert result.exit_code == 0, result.output
+    result = convert("import-hf", hf_dir, ckpt)
     assert CASES[kind][3] in result.output
 
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    ours = logits_of(ckpt, tokens)
+    batch = tokens(VOCAB, (2, SEQ))
+    ours = logits_of(ckpt, batch, VOCAB)
     with torch.no_grad():
-        theirs = model(tokens).logits.float()
+        theirs = model(batch).logits.float()
     assert theirs.std() > 0.1
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
 
-    result = runner.invoke(cli, ["convert", "export-hf", ckpt, back])
-    assert result.exit_code == 0, result.output
-    reloaded = type(model).from_pretrained(back)
-    original, again = model.state_dict(), reloaded.state_dict()
-    assert set(again) == set(original)
-    for name, value in original.items():
-        assert torch.equal(again[name], value), name
+    reloaded = assert_exports_back(model, ckpt, back)
     reloaded.eval()
     with torch.no_grad():  # the exported config.json describes the same function
-        assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+        assert torch.equal(reloaded(batch).logits, model(batch).logits)
 
 
 def test_window_shorter_than_sequence_changes_the_output(tmp_path):
@@ -111,11 +89,11 @@ def test_window_shorter_than_sequence_changes_the_output(tmp_path):
     hf_dir, ckpt = str(tmp_path / "hf"), str(tmp_path / "ckpt")
     model = make_hf("mistral-window", hf_dir)
     model.config.sliding_window = None
-    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
-    assert CliRunner().invoke(cli, ["convert", "import-hf", hf_dir, ckpt]).exit_code == 0
+    batch = tokens(VOCAB, (2, SEQ))
+    convert("import-hf", hf_dir, ckpt)
     with torch.no_grad():
-        full = model(tokens).logits.float()
-    assert (logits_of(ckpt, tokens) - full).abs().max() > 1e-3
+        full = model(batch).logits.float()
+    assert (logits_of(ckpt, batch, VOCAB) - full).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
@@ -153,21 +131,11 @@ def test_plugtron_model_exports_to_its_family_and_back_unchanged(flags, model_ty
              "untie-embeddings-and-output-weights": True, "save": saved}
     run = setup(make_config({**llama, **flags}), world=single_process())
     checkpointer(run).save(0)
-    runner = CliRunner()
-    result = runner.invoke(cli, ["convert", "export-hf", saved, hf_dir])
-    assert result.exit_code == 0, result.output
+    convert("export-hf", saved, hf_dir)
     with open(os.path.join(hf_dir, "config.json")) as f:
         assert json.load(f)["model_type"] == model_type
-    result = runner.invoke(cli, ["convert", "import-hf", hf_dir, again])
-    assert result.exit_code == 0, result.output
-    before, after = CheckpointReader(saved), CheckpointReader(again)
-    names = sorted(n for n in before.tensors if n.startswith("model/"))
-    assert names == sorted(after.tensors)
-    for name in names:
-        a, b = before.read_full(name), after.read_full(name)
-        if "word_embeddings" in name or "output_layer" in name:
-            a, b = a[:128], b[:128]  # padding rows are not part of the model
-        assert torch.equal(a, b), name
+    convert("import-hf", hf_dir, again)
+    before, after = assert_same_checkpoint_tensors(saved, again, 128)
     from plugtron_gpt.sizes import architecture
 
     assert (architecture(config_from_dict(after.config))
