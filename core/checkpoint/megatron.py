@@ -7,8 +7,10 @@ found as for Hugging Face, hf.py) implements
 * ``import_megatron(args, given, tensors, flag_names) -> (flag values, {name: tensor})``:
   ``args`` the checkpoint's saved Megatron args as a dict (None when common.pt has none),
   ``given`` the settings from the command line, ``tensors`` the model's global tensors by
-  Megatron key; every tensor must be used (the core refuses leftovers);
-* ``export_megatron(model_config, tensors, padded_vocab) -> (argparse.Namespace, {key: tensor})``.
+  Megatron key (assembled from the chunks of whatever tp/pp layout saved them), ``flag_names``
+  the field names of the model's options (the core's model section and the model plugin's
+  sections); every tensor must be used (the core refuses leftovers);
+* ``export_megatron(config, tensors, padded_vocab) -> (argparse.Namespace, {key: tensor})``.
 """
 
 from __future__ import annotations
@@ -66,11 +68,13 @@ def import_megatron(src: str, out_dir: str, model: str = "gpt", given: dict | No
     ckpt = read_torch_dist(src)
     args = _args_dict(ckpt.common.get("args"))
     given = {k.lstrip("-").replace("-", "_"): v for k, v in (given or {}).items()}
-    typed = config_from_flags(given, "the model flags given").model  # checks and coerces
-    given = {k: getattr(typed, k) for k in given}
+    typed = config_from_flags({**given, "model": model}, "the model flags given")  # coerces
+    sections = model_option_sections(typed)
+    fields = {f.name: f.section for f in flag_fields(typed) if f.section in sections}
+    given = {k: getattr(sections[fields[k]], k) if k in fields else v for k, v in given.items()}
     converter = _converter(model, "import_megatron")
     tensors = {k: ckpt.read(k) for k in sorted(ckpt.tensors) if not _skipped(k)}
-    names = {f.name for f in flag_fields() if f.section == "model"}
+    names = set(fields)
     flags, out = converter.import_megatron(args, given, tensors, names)
     config = config_from_flags({**flags, "model": model}, f"converted {ckpt.directory!r}")
     m = config.model
@@ -105,6 +109,17 @@ def import_megatron(src: str, out_dir: str, model: str = "gpt", given: dict | No
     return writer.write_single(out_dir, entries, metadata), config
 
 
+def model_option_sections(config: TrainConfig) -> dict:
+    """{section name: section} of the options that define a model: the core's ``model`` and
+    the sections the model plugin and its layer types declare (``attention``, ``mlp``...)."""
+    from ..plugin_options import collect_sections
+
+    declared = {d.section.name for d in collect_sections(config)
+                if d.plugin.role in ("model", "layer")}
+    return {"model": config.model, **{name: section for name, section
+                                      in config.plugin_sections.items() if name in declared}}
+
+
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     if tensor.shape[0] >= rows:
         return tensor[:rows]
@@ -137,7 +152,7 @@ def export_megatron(path: str, out_dir: str, dtype: torch.dtype | None = None) -
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     m = config.model
     padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
-    args, out = converter.export_megatron(m, tensors, padded)
+    args, out = converter.export_megatron(config, tensors, padded)
     iteration = int(reader.metadata.get("iteration") or 0)
     args.iteration = iteration
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
