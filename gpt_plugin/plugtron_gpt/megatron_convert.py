@@ -115,9 +115,12 @@ _FROM_MEGATRON = {"add_qkv_bias": _qkv_bias, "openai_gelu": _openai_gelu, "windo
 
 
 def _unstack(tensors: dict, num_layers: int | None) -> dict:
-    """Megatron's keys -> plugtron's: layers unstacked, TE norms unfused, fc1 w/v joined."""
+    """Megatron's keys -> plugtron's: layers unstacked, TE norms unfused, fc1 w/v joined.
+    Empties ``tensors`` as it goes (each stacked tensor is freed once its layers are copied
+    out, so the model is not held twice)."""
     out = {}
-    for key, tensor in tensors.items():
+    for key in list(tensors):
+        tensor = tensors.pop(key)
         match = _LAYER.match(key)
         if match:
             pieces = [(int(match.group(1)), match.group(2), tensor)]
@@ -134,7 +137,8 @@ def _unstack(tensors: dict, num_layers: int | None) -> dict:
             name = f"decoder.layers.{i}.{_TE_NORMS.get(rest, rest)}"
             if name in out:
                 raise ConfigError(f"{key!r} gives layer {i} a second {name!r}")
-            out[name] = t.clone()
+            out[name] = t.clone() if len(pieces) > 1 else t
+        del pieces, tensor
     for name in [n for n in out if n.endswith("linear_fc1.weight_w")]:
         up = out.pop(name[:-1] + "v", None)
         if up is None:
@@ -285,6 +289,18 @@ def _expected_names(s: dict) -> set:
     return names
 
 
+def _stacked(names: list, tensors) -> torch.Tensor:
+    """The layers' tensors on a leading axis, read one at a time into the stacked tensor (never
+    all of them besides it)."""
+    first = tensors[names[0]]
+    out = first.new_empty((len(names), *first.shape))
+    out[0] = first
+    del first
+    for i, name in enumerate(names[1:], 1):
+        out[i] = tensors[name]
+    return out
+
+
 def _feature_args(config) -> dict:
     """Megatron's feature args for a plugtron config: its attention and MLP options in
     Megatron's forms; ConfigError where Megatron-Core cannot compute the model."""
@@ -320,25 +336,26 @@ def export_megatron(config, tensors: dict, padded_vocab: int) -> tuple[argparse.
                 max_position_embeddings=m.max_position_embeddings or m.seq_length,
                 padded_vocab_size=padded_vocab, transformer_impl="local",
                 ckpt_format="torch_dist", use_legacy_models=False,
-                params_dtype=next(iter(tensors.values())).dtype,
+                params_dtype=tensors[next(iter(tensors))].dtype,
                 tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     args.update(_feature_args(config))
     for name, plain in FEATURE_ARGS.items():
         args.setdefault(name, plain)
     fused = {v: k for k, v in _TE_NORMS.items()}
     out, per_layer = {}, {}
-    for name, tensor in tensors.items():
+    for name in tensors:  # names only: ``tensors`` may read each tensor when it is looked up
         match = _LAYER.match(name)
         if match:
             rest = fused.get(match.group(2), match.group(2))
-            per_layer.setdefault(rest, {})[int(match.group(1))] = tensor
+            per_layer.setdefault(rest, {})[int(match.group(1))] = name
         else:
-            out[name] = tensor
+            out[name] = tensors[name]
     for rest, by_layer in per_layer.items():
         if sorted(by_layer) != list(range(m.num_layers)):
             raise ConfigError(f"decoder.layers.*.{rest} is present for layers {sorted(by_layer)}"
                               f", not for each of {m.num_layers}: cannot stack")
-        out[f"decoder.layers.{rest}"] = torch.stack([by_layer[i] for i in range(m.num_layers)])
+        out[f"decoder.layers.{rest}"] = _stacked([by_layer[i] for i in range(m.num_layers)],
+                                                 tensors)
     for name in (EMBEDDING, OUTPUT):
         if name in out and out[name].shape[0] < padded_vocab:
             pad = out[name].new_zeros((padded_vocab - out[name].shape[0],
