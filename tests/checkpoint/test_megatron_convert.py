@@ -130,7 +130,7 @@ def _run_for(path: str):
     return run
 
 
-QWEN2 = {**LLAMA, "add_qkv_bias": True}
+QWEN2 = {**LLAMA, "add_qkv_bias": True, "rotary_seq_len_interpolation_factor": 2.0}
 QWEN3_WINDOW = {**LLAMA, "qk_layernorm": True, "window_size": "5,0", "use_rope_scaling": True,
                 "rope_scaling_factor": 4.0}
 #: What Megatron saves for a GPT-2 (arguments.py): add_qkv_bias follows add_bias_linear, and
@@ -143,7 +143,9 @@ CASES = {  # name: (model settings, fixture options, saved args (None: none), fl
     "gpt-te-no-args": (GPT, {"spec": "te"}, None, ["--num-attention-heads", "4",
                                                    "--hidden-dropout", "0"]),
     "gpt2-args-openai-gelu": (GPT, {}, GPT2_ARGS, []),
-    "qwen2-args": (QWEN2, {"spec": "te"}, {"add_qkv_bias": True}, []),
+    "qwen2-args": (QWEN2, {"spec": "te"}, {"add_qkv_bias": True,
+                                           "rotary_seq_len_interpolation_factor": 2}, []),
+    "gpt-args-squared-relu": ({**GPT, "squared_relu": True}, {}, {"squared_relu": True}, []),
     # Without args: q/k/v biases and q/k norms are seen in the tensors; the window and the rope
     # scaling leave none, so they are given (layer options are accepted after the directories).
     "qwen2-qwen3-no-args": ({**QWEN3_WINDOW, "add_qkv_bias": True}, {"stacked": False}, None,
