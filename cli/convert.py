@@ -78,13 +78,17 @@ def export_hf(checkpoint, out_dir, dtype, max_shard_size):
 
 
 
-def _model_flags(extra: tuple) -> dict:
+def _model_flags(extra: tuple, model: str) -> dict:
     """``--flag value`` / ``--flag`` pairs after ``--`` (model flags for a checkpoint that saved
-    no args)."""
+    no args): the core's model section and the options of ``model``'s layers."""
+    from plugtron.core.checkpoint.megatron import model_option_sections
     from plugtron.core.config import flag_fields
     from plugtron.core.errors import ConfigError
+    from plugtron.core.plugin_options import config_from_flags
 
-    fields = [f for f in flag_fields() if f.section == "model"]
+    config = config_from_flags({"model": model}, "--model")
+    sections = model_option_sections(config)
+    fields = [f for f in flag_fields(config) if f.section in sections]
     known = {f.flag: f for f in fields}
     negative = {f.negative: f for f in fields if f.negative}
     out, items = {}, list(extra)
@@ -123,7 +127,7 @@ def import_megatron(megatron_dir, out_dir, model_flags, model, dtype):
     only for a checkpoint saved without args)."""
     from plugtron.core.checkpoint.megatron import import_megatron as run_import
 
-    path, config = run_import(megatron_dir, out_dir, model, _model_flags(model_flags),
+    path, config = run_import(megatron_dir, out_dir, model, _model_flags(model_flags, model),
                               _dtype(dtype))
     _print_flags(path, config)
 

@@ -7,8 +7,10 @@ found as for Hugging Face, hf.py) implements
 * ``import_megatron(args, given, tensors, flag_names) -> (flag values, {name: tensor})``:
   ``args`` the checkpoint's saved Megatron args as a dict (None when common.pt has none),
   ``given`` the settings from the command line, ``tensors`` the model's global tensors by
-  Megatron key; every tensor must be used (the core refuses leftovers);
-* ``export_megatron(model_config, tensors, padded_vocab) -> (argparse.Namespace, {key: tensor})``.
+  Megatron key (assembled from the chunks of whatever tp/pp layout saved them), ``flag_names``
+  the field names of the model's options (the core's model section and the model plugin's
+  sections); every tensor must be used (the core refuses leftovers);
+* ``export_megatron(config, tensors, padded_vocab) -> (argparse.Namespace, {key: tensor})``.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import types
+from collections.abc import Mapping
 
 import torch
 
@@ -66,11 +69,13 @@ def import_megatron(src: str, out_dir: str, model: str = "gpt", given: dict | No
     ckpt = read_torch_dist(src)
     args = _args_dict(ckpt.common.get("args"))
     given = {k.lstrip("-").replace("-", "_"): v for k, v in (given or {}).items()}
-    typed = config_from_flags(given, "the model flags given").model  # checks and coerces
-    given = {k: getattr(typed, k) for k in given}
+    typed = config_from_flags({**given, "model": model}, "the model flags given")  # coerces
+    sections = model_option_sections(typed)
+    fields = {f.name: f.section for f in flag_fields(typed) if f.section in sections}
+    given = {k: getattr(sections[fields[k]], k) if k in fields else v for k, v in given.items()}
     converter = _converter(model, "import_megatron")
     tensors = {k: ckpt.read(k) for k in sorted(ckpt.tensors) if not _skipped(k)}
-    names = {f.name for f in flag_fields() if f.section == "model"}
+    names = set(fields)
     flags, out = converter.import_megatron(args, given, tensors, names)
     config = config_from_flags({**flags, "model": model}, f"converted {ckpt.directory!r}")
     m = config.model
@@ -84,11 +89,13 @@ def import_megatron(src: str, out_dir: str, model: str = "gpt", given: dict | No
                               f"saved word embeddings")
     m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
     entries = []
-    for name, tensor in sorted(out.items()):
+    for name in sorted(out):
+        tensor = out.pop(name)  # handed over one at a time: the model is held once
         tensor = tensor.to(dtype) if dtype is not None else tensor
         if name in converter.vocab_tensors:
             tensor = _rows(tensor[:m.vocab_size], m.padded_vocab_size)
-        tensor = tensor.contiguous().clone()
+        if not _owns_storage(tensor):  # a view keeps its whole base alive; copy it out
+            tensor = tensor.contiguous().clone()
         shape = tuple(tensor.shape)
         zeros = (0,) * len(shape)
         entries.append(writer.TensorEntry(f"model/{name}", shape,
@@ -105,6 +112,22 @@ def import_megatron(src: str, out_dir: str, model: str = "gpt", given: dict | No
     return writer.write_single(out_dir, entries, metadata), config
 
 
+def model_option_sections(config: TrainConfig) -> dict:
+    """{section name: section} of the options that define a model: the core's ``model`` and
+    the sections the model plugin and its layer types declare (``attention``, ``mlp``...)."""
+    from ..plugin_options import collect_sections
+
+    declared = {d.section.name for d in collect_sections(config)
+                if d.plugin.role in ("model", "layer")}
+    return {"model": config.model, **{name: section for name, section
+                                      in config.plugin_sections.items() if name in declared}}
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    return tensor.is_contiguous() and tensor.storage_offset() == 0 and \
+        tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
 def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     if tensor.shape[0] >= rows:
         return tensor[:rows]
@@ -112,9 +135,26 @@ def _rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, pad])
 
 
+class _Cast(Mapping):
+    """A lazy tensor mapping whose tensors come out in ``dtype`` (cast as each is read)."""
+
+    def __init__(self, tensors: Mapping, dtype: torch.dtype):
+        self.tensors, self.dtype = tensors, dtype
+
+    def __getitem__(self, name):
+        return self.tensors[name].to(self.dtype)
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self):
+        return len(self.tensors)
+
+
 def checkpoint_tensors(path: str):
-    """(config, {name: full tensor, vocabulary padding removed}, reader) of a checkpoint of
-    any layout."""
+    """(config, lazy {name: full tensor, vocabulary padding removed}, reader) of a checkpoint
+    of any layout: each tensor is read when it is looked up, so a converter that builds its
+    output one key at a time never holds the model twice."""
     from ..plugin_options import config_from_dict
 
     reader = CheckpointReader(path)
@@ -122,22 +162,25 @@ def checkpoint_tensors(path: str):
         config = config_from_dict(reader.config)
     lazy = CheckpointTensors(reader, config, converter_for_config(config).vocab_tensors,
                              master=False)
-    return config, {name: lazy[name] for name in lazy}, reader
+    return config, lazy, reader
 
 
 def export_megatron(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
     """Write the model of plugtron checkpoint ``path`` as a Megatron-Core torch_dist save
-    directory ``out_dir`` (``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX``)."""
+    directory ``out_dir`` (``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX``). The
+    converter gets the tensors lazily (read and cast on lookup) and builds the saved state one
+    key at a time, so the peak is about one model (the state dict torch.distributed.checkpoint
+    writes), not two."""
     config, tensors, reader = checkpoint_tensors(path)
     converter = converter_for_config(config)
     if not hasattr(converter, "export_megatron"):
         raise ConfigError(f"the converter of model {config.plugins.model!r} cannot export to "
                           f"Megatron (no export_megatron method)")
     if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        tensors = _Cast(tensors, dtype)
     m = config.model
     padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
-    args, out = converter.export_megatron(m, tensors, padded)
+    args, out = converter.export_megatron(config, tensors, padded)
     iteration = int(reader.metadata.get("iteration") or 0)
     args.iteration = iteration
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}

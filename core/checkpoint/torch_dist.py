@@ -88,6 +88,7 @@ class TorchDistCheckpoint:
     def read(self, key: str) -> torch.Tensor:
         """The global tensor ``key``, assembled from its chunks (each checked)."""
         info = self.tensors[key]
+        _check_disjoint(self.directory, key, info)
         out = torch.empty(info.shape, dtype=info.dtype)
         covered = 0
         for offsets, sizes, storage in info.chunks:
@@ -142,6 +143,22 @@ class TorchDistCheckpoint:
         with open_regular(os.path.join(self.directory, name)) as f:
             f.seek(offset)
             return f.read(length)
+
+
+def _check_disjoint(directory: str, key: str, info: TensorInfo) -> None:
+    """No two chunks overlap; with their sizes adding up to the tensor's (checked after the
+    copy) they then tile it exactly, so no element is left as uninitialised memory. A tp x pp
+    save gives a stacked key one chunk per layer and tp rank: compared all at once."""
+    if len(info.chunks) < 2 or not info.shape:
+        return
+    start = torch.tensor([c[0] for c in info.chunks], dtype=torch.int64)
+    end = start + torch.tensor([c[1] for c in info.chunks], dtype=torch.int64)
+    overlap = ((start[:, None] < end[None]) & (start[None] < end[:, None])).all(-1)
+    overlap.fill_diagonal_(False)
+    if overlap.any():
+        i, j = (int(v) for v in overlap.nonzero()[0])
+        raise CheckpointError(f"{directory}: chunks of {key!r} at {info.chunks[i][0]} and "
+                              f"{info.chunks[j][0]} overlap")
 
 
 def _dims(value, where: str) -> tuple[int, ...]:

@@ -343,7 +343,7 @@ class GPTConverter:
 
         return import_megatron(args, given, tensors, flag_names)
 
-    def export_megatron(self, model_config, tensors, padded_vocab):
+    def export_megatron(self, config, tensors, padded_vocab):
         from .megatron_convert import export_megatron
 
-        return export_megatron(model_config, tensors, padded_vocab)
+        return export_megatron(config, tensors, padded_vocab)

@@ -1,7 +1,8 @@
 """Run by test_megatron_core.py in a subprocess of its own (a gloo group of one, Megatron's
-global parallel state): for each model kind, build a tiny Megatron-Core GPTModel (local spec, tp
-1, CPU), save it with ``dist_checkpointing.save`` and its logits; then load the checkpoint that
-plugtron exported into a fresh GPTModel with ``dist_checkpointing.load`` and save those logits.
+global parallel state; or ``tp`` such processes, one per rank, for a tensor-parallel job): for
+each model kind, build a tiny Megatron-Core GPTModel (local spec, tp 1 or tp, CPU), save it
+with ``dist_checkpointing.save`` and its logits; then load the checkpoint that plugtron exported
+(at tp 1) into a fresh GPTModel with ``dist_checkpointing.load`` and save those logits.
 
 Megatron-Core 0.19 assumes CUDA in three places of this path even with
 ``use_cpu_initialization``; the shims below are for this CPU test only, each noted where set.
@@ -50,20 +51,30 @@ def build(kind: str, vocab: int, seq: int):
 
 
 def logits(model, tokens):
+    """The full-vocabulary logits (at tp > 1 each rank computes its vocabulary shard: gathered
+    over the tp group, which is the whole world here)."""
+    import torch.distributed as dist
+
     seq = tokens.shape[1]
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), 1)  # True: masked out
     with torch.no_grad():
-        return model(tokens, torch.arange(seq).expand_as(tokens), mask)
+        local = model(tokens, torch.arange(seq).expand_as(tokens), mask).contiguous()
+    if dist.get_world_size() == 1:
+        return local
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local)
+    return torch.cat(parts, dim=-1)
 
 
 def main(job: dict) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["port"]))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    rank, tp = job.get("rank", 0), job.get("tp", 1)
+    dist.init_process_group("gloo", rank=rank, world_size=tp)
     from megatron.core import dist_checkpointing, parallel_state
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(tp, 1)
     _cpu_shims()
     tokens = torch.tensor(job["tokens"])
     out = {}
@@ -79,7 +90,9 @@ def main(job: dict) -> None:
             import argparse
 
             state["args"] = argparse.Namespace(**spec["args"])
-        os.makedirs(spec["save"])
+        if rank == 0:
+            os.makedirs(spec["save"])
+        dist.barrier()
         dist_checkpointing.save(state, spec["save"])
         out[f"{kind}_saved"] = logits(model, tokens)
         if spec.get("exported"):
@@ -89,10 +102,14 @@ def main(job: dict) -> None:
                 loaded.pop(common, None)
             fresh.load_state_dict(loaded)
             out[f"{kind}_exported"] = logits(fresh, tokens)
-    torch.save(out, job["out"])
+    if rank == 0:
+        torch.save(out, job["out"])
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
-        main(json.load(f))
+        job = json.load(f)
+    if len(sys.argv) > 2:  # rank of a tp > 1 job
+        job["rank"] = int(sys.argv[2])
+    main(job)

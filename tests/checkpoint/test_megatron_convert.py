@@ -20,10 +20,12 @@ from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.checkpoint import CheckpointReader, checkpointer, load_checkpoint
 from plugtron.core.checkpoint.torch_dist import read_torch_dist
-from plugtron.core.config import TrainConfig, apply_values
+from plugtron.core.config import apply_values
 from plugtron.core.distributed import single_process
 from plugtron.core.errors import CheckpointError
+from plugtron.core.plugin_options import config_from_dict
 from plugtron.core.training import setup
+from plugtron_gpt.attention_options import AttentionOptions
 
 from .helpers import ckpt_config, params_of
 from .megatron_fixtures import megatron_keys, write_torch_dist
@@ -118,7 +120,7 @@ def _logits(run, tokens):
 
 
 def _run_for(path: str):
-    config = TrainConfig.from_dict(CheckpointReader(path).config)
+    config = config_from_dict(CheckpointReader(path).config)  # with the layers' options
     apply_values(config, {"data": "mock", "seq_length": SEQ, "hidden_dropout": 0.0,
                           "attention_dropout": 0.0, "micro_batch_size": 2,
                           "global_batch_size": 2, "train_iters": 1, "progress": False}, "test")
@@ -128,24 +130,42 @@ def _run_for(path: str):
     return run
 
 
-CASES = {  # name: (model settings, fixture options, saved args?, flags after the directories)
-    "llama-te-stacked": (LLAMA, {"spec": "te"}, True, []),
-    "llama-local-per-layer-split-fc1": (LLAMA, {"stacked": False, "split_fc1": True}, True, []),
-    "gpt-local-stacked-module-norms": (GPT, {"module_norms": True}, True, []),
-    "gpt-te-no-args": (GPT, {"spec": "te"}, False, ["--num-attention-heads", "4",
-                                                    "--hidden-dropout", "0"]),
+QWEN2 = {**LLAMA, "add_qkv_bias": True, "rotary_seq_len_interpolation_factor": 2.0}
+QWEN3_WINDOW = {**LLAMA, "qk_layernorm": True, "window_size": "5,0", "use_rope_scaling": True,
+                "rope_scaling_factor": 4.0}
+#: What Megatron saves for a GPT-2 (arguments.py): add_qkv_bias follows add_bias_linear, and
+#: --openai-gelu is saved although Megatron-Core's GPTModel computes exact GeLU regardless.
+GPT2_ARGS = {"add_qkv_bias": True, "openai_gelu": True}
+CASES = {  # name: (model settings, fixture options, saved args (None: none), flags given)
+    "llama-te-stacked": (LLAMA, {"spec": "te"}, {}, []),
+    "llama-local-per-layer-split-fc1": (LLAMA, {"stacked": False, "split_fc1": True}, {}, []),
+    "gpt-local-stacked-module-norms": (GPT, {"module_norms": True}, {}, []),
+    "gpt-te-no-args": (GPT, {"spec": "te"}, None, ["--num-attention-heads", "4",
+                                                   "--hidden-dropout", "0"]),
+    "gpt2-args-openai-gelu": (GPT, {}, GPT2_ARGS, []),
+    "qwen2-args": (QWEN2, {"spec": "te"}, {"add_qkv_bias": True,
+                                           "rotary_seq_len_interpolation_factor": 2}, []),
+    "gpt-args-squared-relu": ({**GPT, "squared_relu": True}, {}, {"squared_relu": True}, []),
+    # Without args: q/k/v biases and q/k norms are seen in the tensors; the window and the rope
+    # scaling leave none, so they are given (layer options are accepted after the directories).
+    "qwen2-qwen3-no-args": ({**QWEN3_WINDOW, "add_qkv_bias": True}, {"stacked": False}, None,
+                            ["--num-attention-heads", "4", "--num-query-groups", "2",
+                             "--rotary-base", "5000", "--hidden-dropout", "0",
+                             "--window-size", "5,0", "--use-rope-scaling",
+                             "--rope-scaling-factor", "4"]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_import_megatron_gives_the_same_logits(case, tmp_path):
-    settings, options, with_args, flags = CASES[case]
+    settings, options, extra_args, flags = CASES[case]
+    with_args = extra_args is not None
     run, params = _source(settings)
     state = megatron_keys(params, run.config.model.num_layers, padded_vocab=MEGATRON_VOCAB,
                           **options)
     with _megatron_names():
         write_torch_dist(str(tmp_path / "mcore"), 7, state,
-                         _args(settings) if with_args else None)
+                         _args(settings, **extra_args) if with_args else None)
     out = str(tmp_path / "imported")
     result = CliRunner().invoke(cli, ["convert", "import-megatron", str(tmp_path / "mcore"), out,
                                       *flags])
@@ -159,13 +179,20 @@ def test_import_megatron_gives_the_same_logits(case, tmp_path):
     saved = CheckpointReader(out).config["model"]
     # The saved args win over plugtron's defaults; flags given win over the saved args.
     assert saved["hidden_dropout"] == (0.2 if with_args else 0.0)
+    sections = CheckpointReader(out).config
+    for name in ("add_qkv_bias", "qk_layernorm", "window_size", "use_rope_scaling",
+                 "rope_scaling_factor", "openai_gelu"):
+        assert sections["attention" if name != "openai_gelu" else "mlp"][name] == \
+            settings.get(name, AttentionOptions().__dict__.get(name, False)), name
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(imported, tokens), _logits(run, tokens), rtol=0,
                                atol=1e-6)
 
 
-def test_export_megatron_then_import_keeps_every_tensor(tmp_path):
-    run = setup(ckpt_config(save=str(tmp_path / "save"), **LLAMA), world=ONE)
+@pytest.mark.parametrize("settings", [LLAMA, {**QWEN3_WINDOW, "add_qkv_bias": True}],
+                         ids=["llama", "qwen3-window-rope-scaling"])
+def test_export_megatron_then_import_keeps_every_tensor(settings, tmp_path):
+    run = setup(ckpt_config(save=str(tmp_path / "save"), **settings), world=ONE)
     checkpointer(run).save(0)
     runner = CliRunner()
     result = runner.invoke(cli, ["convert", "export-megatron", str(tmp_path / "save"),
@@ -179,12 +206,30 @@ def test_export_megatron_then_import_keeps_every_tensor(tmp_path):
     assert result.exit_code == 0, result.output
     before, after = CheckpointReader(str(tmp_path / "save")), CheckpointReader(
         str(tmp_path / "again"))
+    assert before.config["attention"] == after.config["attention"]
+    if "window_size" in settings:  # in Megatron's own forms
+        args = ckpt.common["args"]
+        assert (args.window_size, args.qk_layernorm, args.add_qkv_bias, args.use_rope_scaling,
+                args.rope_scaling_factor) == ((5, 0), True, True, True, 4.0)
     assert before.names("model/") == after.names("model/")
     for name in before.names("model/"):
         a, b = before.read_full(f"model/{name}"), after.read_full(f"model/{name}")
         if "word_embeddings" in name or "output_layer" in name:
             a, b = a[:VOCAB], b[:VOCAB]
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"openai_gelu": True}, "computes exact GeLU whatever --openai-gelu says"),
+    ({"position_embedding_type": "rope", "use_rope_scaling": True,
+      "rope_scaling_high_freq_factor": 2.0}, "fixes it at 4.0"),
+])
+def test_export_megatron_refuses_what_megatron_core_cannot_compute(flags, message, tmp_path):
+    run = setup(ckpt_config(save=str(tmp_path / "save"), **flags), world=ONE)
+    checkpointer(run).save(0)
+    result = CliRunner().invoke(cli, ["convert", "export-megatron", str(tmp_path / "save"),
+                                      str(tmp_path / "mcore")])
+    assert result.exit_code == 2 and message in result.output, result.output
 
 
 class _Evil:
@@ -237,7 +282,18 @@ def test_damaged_files_and_unknown_features_are_clear_errors(tmp_path):
     run, params = _source(GPT)
     with _megatron_names():
         write_torch_dist(str(tmp_path / "qk"), 1, megatron_keys(params, 2),
-                         _args(GPT, qk_layernorm=True))
+                         _args(GPT, qk_l2_norm=True))
     result = runner.invoke(cli, ["convert", "import-megatron", str(tmp_path / "qk"),
                                  str(tmp_path / "o2")])
-    assert result.exit_code == 2 and "qk_layernorm" in result.output, result.output
+    assert result.exit_code == 2 and "qk_l2_norm" in result.output, result.output
+    for i, (extra, message) in enumerate([
+            ({"window_size": (5, 2)}, "window_size=(5, 2)"),
+            ({"window_size": (5, 0), "window_attn_skip_freq": 2}, "window_attn_skip_freq=2"),
+            ({"rotary_percent": 0.5}, "rotary_percent=0.5"),
+            ({"num_experts": 4}, "num_experts=4")]):
+        with _megatron_names():
+            write_torch_dist(str(tmp_path / f"f{i}"), 1, megatron_keys(params, 2),
+                             _args(GPT, **extra))
+        result = runner.invoke(cli, ["convert", "import-megatron", str(tmp_path / f"f{i}"),
+                                     str(tmp_path / f"o{i}")])
+        assert result.exit_code == 2 and message in result.output, result.output

@@ -1,5 +1,5 @@
 """Against Megatron-Core itself (skipped when megatron-core is not installed): tiny GPTModels
-(local spec, tp 1, CPU, one gloo process in a subprocess: megatron_core_worker.py) saved with
+(local spec, CPU, tp 1 in one gloo process or tp 2 in two: megatron_core_worker.py) saved with
 ``dist_checkpointing.save`` import into plugtron with the same logits within 1e-5 (fp32); plugtron
 models exported with ``convert export-megatron`` load with ``dist_checkpointing.load`` into a
 Megatron GPTModel with plugtron's logits within 1e-5. Two kinds: Llama-like (RMSNorm, SwiGLU,
@@ -48,10 +48,13 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def test_megatron_core_round_trip(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_core_round_trip(tp, tmp_path):
+    """At tp 2 Megatron saves each tensor as the chunks of two ranks (the import assembles
+    them) and loads plugtron's tp 1 export resharded to tp 2."""
     runner = CliRunner()
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
-    job = {"port": _port(), "seq": SEQ, "tokens": tokens.tolist(),
+    job = {"port": _port(), "seq": SEQ, "tokens": tokens.tolist(), "tp": tp,
            "out": str(tmp_path / "logits.pt"), "kinds": {}}
     expected = {}
     for kind, settings in (("llama", LLAMA), ("gpt", GPT)):
@@ -72,9 +75,12 @@ def test_megatron_core_round_trip(tmp_path):
     with open(tmp_path / "job.json", "w") as f:
         json.dump(job, f)
     worker = os.path.join(os.path.dirname(__file__), "megatron_core_worker.py")
-    done = subprocess.run([sys.executable, worker, str(tmp_path / "job.json")],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
+    ranks = [subprocess.Popen([sys.executable, worker, str(tmp_path / "job.json"), str(r)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(tp)]
+    for r, proc in enumerate(ranks):
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"rank {r}: {err[-4000:]}"
     megatron = torch.load(job["out"])
     for kind in ("llama", "gpt"):
         # Megatron -> plugtron: same logits (the saved ones, padded vocabulary included).
