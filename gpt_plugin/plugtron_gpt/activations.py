@@ -54,8 +54,8 @@ def attention_layer_bytes(layer, shape) -> int:
         total += fused_attention(shape, heads, groups, d)
     if attn.q_layernorm is not None:  # per-head norms of q and k: their inputs and stats
         total += shape.tensor((heads + groups) * d) + shape.tensor(2 * (heads + groups), 4)
-    if layer.rotary:  # rotary keeps q and k (and they are new tensors after it)
-        total += shape.tensor((heads + groups) * d)
+    if layer.rotary:  # rotation keeps q, its rotate-half and k's; attention gets new q, k
+        total += shape.tensor((3 * heads + 2 * groups) * d)
     return total + shape.dropout_mask(h, layer.hidden_dropout)
 
 
