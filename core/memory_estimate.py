@@ -35,7 +35,7 @@ GIB = 2**30
 #: the autograd temporaries, as a share of that microbatch-chunk's saved activations. Measured
 #: once (tests/test_memory_estimate.py, default model, one rank, CPU): the peak RSS minus
 #: parameters, gradients, optimizer state and held activations was about this share.
-WORKSPACE_FRACTION = 0.6
+WORKSPACE_FRACTION = 0.75
 
 
 @dataclass

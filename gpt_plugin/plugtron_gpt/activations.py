@@ -76,3 +76,27 @@ def mlp_layer_bytes(layer, shape) -> int:
         else:  # gelu input, fc2 input
             total += shape.tensor(2 * f)
     return total + shape.dropout_mask(h, layer.hidden_dropout)
+
+
+def mamba_layer_bytes(layer, shape) -> int:
+    """``M``: norm, in_proj input and output, conv output and its SiLU, the chunked SSD scan
+    (fp32, over the sequence padded to whole chunks: the ``[chunk, chunk]`` score and decay
+    matrices per head, the per-chunk states, the token-sized terms), gated norm, out_proj
+    input, residual dropout. Approximate: the scan's intermediates are counted by kind, not
+    one by one (tests/test_memory_estimate.py holds it within 30% of autograd's)."""
+    mixer = layer.mixer
+    h = mixer.in_proj.weight.shape[1]
+    heads, groups, p, n, q = (mixer.heads, mixer.groups, mixer.head_dim, mixer.state,
+                              mixer.chunk_size)
+    inner, bc = mixer.inner, mixer.groups * mixer.state
+    total = norm_bytes(shape, h, layer.normalization) + shape.residual(h)
+    total += shape.tensor(2 * inner + 2 * bc + heads)  # in_proj output (conv reads a view)
+    total += 2 * shape.tensor(inner + 2 * bc)  # conv output, SiLU output
+    b, s = shape.micro_batch_size, shape.seq_length
+    padded = -(-s // q) * q
+    chunks = padded // q
+    total += 4 * 3 * b * heads * padded * q  # scores, decay, their product
+    total += 4 * 3 * b * chunks * heads * p * n  # chunk states, entering states
+    total += 4 * 2 * b * padded * (heads * p + 2 * bc + heads)  # x dt and weighted; B, C, dt
+    total += 3 * shape.tensor(inner, 4) + shape.tensor(inner)  # gated norm, out_proj input
+    return total + shape.dropout_mask(h, layer.hidden_dropout)
