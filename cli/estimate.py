@@ -59,7 +59,10 @@ def make_estimate_command(args: list[str]) -> click.Command:
         validate(config, world)
         cuda = None if device == "auto" else device == "cuda"
         result = estimate_memory(config, world, cuda=cuda)
-        have = available_memory_per_rank(min(nproc_per_node, world), cuda)
+        import torch
+
+        here = cuda is None or cuda == torch.cuda.is_available()  # this machine is the target
+        have = available_memory_per_rank(min(nproc_per_node, world), cuda) if here else None
         if as_json:
             click.echo(json.dumps({
                 "world_size": world, "schedule": result.schedule,
@@ -71,8 +74,11 @@ def make_estimate_command(args: list[str]) -> click.Command:
                    f"microbatches per step; MiB per rank")
         click.echo(result.table())
         click.echo(result.header_line())
-        fits = "fits" if result.peak.total <= have else "does NOT fit"
-        click.echo(f"available per rank: {have / 2**20:,.0f} MiB ({fits})")
+        if have is None:
+            click.echo("available per rank: unknown here (--device is not this machine's)")
+        else:
+            fits = "fits" if result.peak.total <= have else "does NOT fit"
+            click.echo(f"available per rank: {have / 2**20:,.0f} MiB ({fits})")
         for note in result.notes:
             click.echo(f"note: {note}")
 

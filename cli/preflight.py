@@ -7,7 +7,6 @@ import math
 import os
 
 import click
-
 from plugtron.core.errors import ConfigError
 
 

@@ -13,9 +13,8 @@ them (``shards_state``).
 Counted per rank: parameters (model dtype), gradient buffers (fp32 under
 ``--accumulate-allreduce-grads-in-fp32`` with bf16/fp16, else the model dtype), optimizer state
 (plus an fp32 master copy under bf16/fp16), activations in flight, the rebuilt activations of a
-recomputed group, and a backward workspace (the gradient flowing through the largest
-microbatch-chunk while its saved tensors are still held: :data:`WORKSPACE_FRACTION` of one
-microbatch-chunk's activations, measured once on CPU, docs/performance.md). Not counted: the
+recomputed group, and a backward workspace (:data:`WORKSPACE_FRACTION`, measured on CPU,
+docs/performance.md). Not counted: the
 runtime itself (CUDA context, torch's own libraries), data loader buffers, communication buffers.
 """
 
@@ -31,11 +30,13 @@ from .errors import ConfigError
 
 GIB = 2**30
 
-#: Backward's transient: gradients of the activations of the microbatch being run backward and
-#: the autograd temporaries, as a share of that microbatch-chunk's saved activations. Measured
-#: once (tests/test_memory_estimate.py, default model, one rank, CPU): the peak RSS minus
-#: parameters, gradients, optimizer state and held activations was about this share.
-WORKSPACE_FRACTION = 0.75
+#: Backward's transient and the heap's slack: gradients of the activations of the microbatch
+#: being run backward, autograd's temporaries, and freed activation memory the allocator keeps
+#: resident (glibc on CPU), as a share of tp x the largest microbatch-chunk's activations (about
+#: the microbatch's activations before the tp split: the transient did not shrink with tp).
+#: Measured on CPU (tests/test_memory_estimate.py, default model): 0.47-0.56 at 1 rank, dp 2
+#: and tp 2. Not measured on GPUs.
+WORKSPACE_FRACTION = 0.45
 
 
 @dataclass
@@ -230,7 +231,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
     if cuda is None:
         cuda = torch.cuda.is_available()
     config = _finalized(config, world_size)
-    p, t = config.parallel, config.training
+    p = config.parallel
     tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                   p.context_parallel_size)
     dp = max(1, world_size // (tp * pp * cp))
@@ -269,7 +270,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
             optimizer_bytes_distributed=-(-optimizer // (dp * cp)),
             activations_per_microbatch=stored, in_flight=in_flight, activation_bytes=held,
             recompute_bytes=max(c.recompute_peak for c in per_chunk),
-            workspace_bytes=int(WORKSPACE_FRACTION * max(stored)),
+            workspace_bytes=int(WORKSPACE_FRACTION * tp * max(stored)),
             distributed_optimizer=distributed))
     return result
 
@@ -298,8 +299,8 @@ def check_fits(estimate: MemoryEstimate, ranks_on_node: int, cuda: bool | None =
     where = "device" if (cuda if cuda is not None else _has_cuda()) else \
         f"host memory / {ranks_on_node} ranks"
     raise ConfigError(
-        f"this run needs about {worst.total / GIB:,.2f} GiB on rank {worst.ranks[0]} "
-        f"(pp stage {worst.pp_rank}, tp rank {worst.tp_rank}): "
+        f"this run needs about {worst.total / GIB:,.2f} GiB per rank at its largest (rank "
+        f"{worst.ranks[0]}: pp stage {worst.pp_rank}, tp rank {worst.tp_rank}): "
         f"{worst.param_bytes / GIB:,.2f} GiB parameters, {worst.grad_bytes / GIB:,.2f} GiB "
         f"gradients, {worst.optimizer_selected / GIB:,.2f} GiB optimizer state, "
         f"{worst.activation_bytes / GIB:,.2f} GiB activations ({worst.in_flight} "

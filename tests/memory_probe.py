@@ -43,11 +43,11 @@ class RssBaseline:
 
 def measure_training(config, world=None) -> dict:
     """Train ``config`` on this process's world; the measured peak and the estimate."""
+    import copy
+
     from plugtron.core.memory_estimate import estimate_memory
     from plugtron.core.metrics import MetricsLogger
     from plugtron.core.training import setup, train
-
-    import copy
 
     warm = copy.deepcopy(config)
     warm.model.num_layers, warm.training.train_iters = 1, 1

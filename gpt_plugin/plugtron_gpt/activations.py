@@ -83,11 +83,10 @@ def mamba_layer_bytes(layer, shape) -> int:
     (fp32, over the sequence padded to whole chunks: the ``[chunk, chunk]`` score and decay
     matrices per head, the per-chunk states, the token-sized terms), gated norm, out_proj
     input, residual dropout. Approximate: the scan's intermediates are counted by kind, not
-    one by one (tests/test_memory_estimate.py holds it within 30% of autograd's)."""
+    one by one (tests/test_memory_estimate.py holds it within 10% of autograd's)."""
     mixer = layer.mixer
     h = mixer.in_proj.weight.shape[1]
-    heads, groups, p, n, q = (mixer.heads, mixer.groups, mixer.head_dim, mixer.state,
-                              mixer.chunk_size)
+    heads, p, n, q = mixer.heads, mixer.head_dim, mixer.state, mixer.chunk_size
     inner, bc = mixer.inner, mixer.groups * mixer.state
     total = norm_bytes(shape, h, layer.normalization) + shape.residual(h)
     total += shape.tensor(2 * inner + 2 * bc + heads)  # in_proj output (conv reads a view)
