@@ -20,8 +20,8 @@ from .options import (
     headings,
     prescan,
 )
-from .preflight import preflight
-from .train import HFLoad, check_data_paths, check_plugins, load_argument
+from .preflight import check_memory, preflight
+from .train import HFLoad, check_data_paths, check_plugins, load_argument, ranks_on_node
 
 #: Tells launched ranks to print JSON lines (``--json``).
 JSON_ENV = "PLUGTRON_EVALUATE_JSON"
@@ -89,9 +89,12 @@ def make_evaluate_command(args: list[str]) -> click.Command:
                   help="Launch this many local ranks (through torch.distributed.run).")
     @click.option("--json", "as_json", is_flag=True,
                   help="One JSON line per document set (loss, perplexity) instead of text.")
+    @click.option("--no-memory-check", "no_memory_check", is_flag=True,
+                  help="Launch even when the memory estimate (plugtron estimate) exceeds the "
+                  "memory of a rank.")
     @config_options(declared)
     @user_errors
-    def evaluate(config_file, nproc_per_node, as_json, **params):
+    def evaluate(config_file, nproc_per_node, as_json, no_memory_check, **params):
         """Validation losses (valid_<report key>) and perplexity of checkpoint --load (or a
         Hugging Face model directory) on the data the data flags give (--data, --data-path,
         --split, --eval-iters), in the layout the parallel flags give; several --data-path sets
@@ -100,9 +103,11 @@ def make_evaluate_command(args: list[str]) -> click.Command:
         external = launched_externally()
         world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
         check_plugins(config)
-        preflight(config, world_size)
+        preflight(config, world_size, memory_check=False)
         validate(config, world_size)
         check_data_paths(config)
+        if not no_memory_check:
+            check_memory(config, world_size, ranks_on_node(external, nproc_per_node))
         from plugtron.core.tokenizers import check_checkpoint_tokenizer
 
         check_checkpoint_tokenizer(config)  # the checkpoint's own unless flags name another

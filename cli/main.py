@@ -7,6 +7,7 @@ import click
 from .checkpoint_cmd import checkpoint
 from .convert import convert
 from .data_cmd import data
+from .estimate import make_estimate_command
 from .evaluate import make_evaluate_command
 from .generate import generate
 from .options import expand_data_paths
@@ -18,7 +19,8 @@ from .topology import topology
 from .train import make_train_command
 
 #: Commands whose options depend on the plugins their arguments select: built per invocation.
-PLUGIN_AWARE = {"train": make_train_command, "evaluate": make_evaluate_command}
+PLUGIN_AWARE = {"train": make_train_command, "evaluate": make_evaluate_command,
+                "estimate": make_estimate_command}
 
 
 class PlugtronGroup(click.Group):

@@ -23,7 +23,7 @@ from .options import (
     model_presets,
     prescan,
 )
-from .preflight import preflight
+from .preflight import check_memory, preflight
 
 
 def check_plugins(config) -> None:
@@ -61,6 +61,13 @@ def check_load(config) -> None:
     from plugtron.core.tokenizers import check_checkpoint_tokenizer
 
     check_checkpoint_tokenizer(config)
+
+
+def ranks_on_node(external: bool, nproc_per_node: int) -> int:
+    """Ranks sharing this node's host memory: torchrun's LOCAL_WORLD_SIZE, or ours."""
+    if external:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    return nproc_per_node
 
 
 def load_argument(args: list[str]) -> str | None:
@@ -123,9 +130,12 @@ def make_train_command(args: list[str]) -> click.Command:
                   + (", ".join(sorted(presets)) or "none"))
     @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
                   help="Launch this many local ranks (through torch.distributed.run).")
+    @click.option("--no-memory-check", "no_memory_check", is_flag=True,
+                  help="Launch even when the memory estimate (plugtron estimate) exceeds the "
+                  "memory of a rank.")
     @config_options(declared)
     @user_errors
-    def train(config_file, preset, nproc_per_node, **params):
+    def train(config_file, preset, nproc_per_node, no_memory_check, **params):
         """Train a model. Under torchrun (or any launcher setting RANK/WORLD_SIZE) each rank
         joins that world; otherwise --nproc-per-node local ranks are started."""
         config = build_config(params, config_file, preset, base=hf.config_base(),
@@ -137,9 +147,11 @@ def make_train_command(args: list[str]) -> click.Command:
                               "already started the ranks")
         world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
         check_plugins(config)
-        preflight(config, world_size)
+        preflight(config, world_size, memory_check=False)
         validate(config, world_size)
         check_data_paths(config)
+        if not no_memory_check:
+            check_memory(config, world_size, ranks_on_node(external, nproc_per_node))
         if config.checkpoint.save and int(os.environ.get("RANK", 0)) == 0:
             from plugtron.core.checkpoint import dir_lock
 

@@ -25,7 +25,10 @@ def normal_init(std: float, seed: int, key: str) -> InitMethod:
     """Normal(0, std) for the full tensor named ``key``."""
 
     def init(shape: tuple) -> torch.Tensor:
-        return torch.empty(shape).normal_(0.0, std, generator=generator_for(seed, key))
+        out = torch.empty(shape)
+        if out.is_meta:  # a meta build (the memory estimate) has no values to draw
+            return out
+        return out.normal_(0.0, std, generator=generator_for(seed, key))
 
     return init
 

@@ -68,6 +68,12 @@ class ComposedLayer(torch.nn.Module):
         """The layer-type modules, in the order they run."""
         return self._parts
 
+    def activation_bytes(self, shape) -> int:
+        """What the parts keep for backward together (core/activations.py)."""
+        from .activations import module_activation_bytes
+
+        return sum(module_activation_bytes(part, shape) for part in self._parts)
+
     def train(self, mode: bool = True) -> ComposedLayer:
         super().train(mode)
         for part in self._parts:

@@ -78,6 +78,10 @@ def shard_of(full: torch.Tensor, dim: int, rank: int, size: int,
     for block in blocks:
         if block.shape[dim] % size:
             raise ValueError(f"a block of {block.shape[dim]} does not split over {size} ranks")
+    if full.is_meta:  # a meta build (memory estimate): only the shape (torch.cat on meta
+        shape = list(full.shape)  # would import torch's compiler, seconds)
+        shape[dim] //= size
+        return torch.empty(shape, dtype=full.dtype, device="meta")
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
 
 

@@ -7,6 +7,7 @@ version; *provisional* ones may still change in a minor version, with a note in
 docs/migration.md.
 """
 
+from plugtron.core.activations import ActivationShape, ChunkActivations, decoder_activations
 from plugtron.core.aux_losses import add_loss
 from plugtron.core.checkpoint.saved_config import saved_config
 from plugtron.core.comm import (
@@ -46,6 +47,7 @@ from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.layer_backend import LayerBackend
 from plugtron.core.layer_stack import ComposedLayer
 from plugtron.core.layers import load_layer_types, substitute_symbols
+from plugtron.core.memory_estimate import estimate_memory
 from plugtron.core.model_info import ModelInfo, model_info_for
 from plugtron.core.optimizer import (
     OPTIMIZER_STATE_KEY,
@@ -107,6 +109,7 @@ __all__ = [
     "share_parameter", "ParallelContext", "load_model", "generate", "InferenceState",
     "ForwardContext", "forward_context", "current_forward_context", "use_forward_context",
     "recompute", "recompute_module", "run_layers", "is_recomputing",
+    "ActivationShape", "ChunkActivations", "decoder_activations", "estimate_memory",
     # tensor parallelism
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",

@@ -28,6 +28,7 @@ from plugtron.api import (
     scaled_normal_init,
 )
 
+from .activations import attention_layer_bytes
 from .attention_options import SECTION, attention_options, parse_window, validate_attention
 from .rope import apply_rotary
 
@@ -117,6 +118,12 @@ class SelfAttentionLayer(torch.nn.Module):
             config, backend, parallel, f"decoder.layers.{layer_number - 1}.self_attention", seed)
         self.hidden_dropout = m.hidden_dropout
         self.recompute_norm = recompute_module(config, "layernorm")
+        self.normalization = m.normalization
+        self.rotary = m.position_embedding_type == "rope"
+
+    def activation_bytes(self, shape) -> int:
+        """Bytes kept for backward per microbatch (``plugtron estimate``)."""
+        return attention_layer_bytes(self, shape)
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
         normed = (recompute(self.input_layernorm, hidden) if self.recompute_norm

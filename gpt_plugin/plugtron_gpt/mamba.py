@@ -23,6 +23,7 @@ from plugtron.api import (
     shard_of,
 )
 
+from .activations import mamba_layer_bytes
 from .attention import dropout
 from .hybrid_options import mamba_sizes
 from .mamba_init import a_log_init, conv_init, dt_bias_init
@@ -157,6 +158,11 @@ class MambaLayer(torch.nn.Module):
         self.mixer = MambaMixer(config, backend, parallel,
                                 f"decoder.layers.{layer_number - 1}.mixer", seed)
         self.hidden_dropout = config.model.hidden_dropout
+        self.normalization = config.model.normalization
+
+    def activation_bytes(self, shape) -> int:
+        """Bytes kept for backward per microbatch (``plugtron estimate``)."""
+        return mamba_layer_bytes(self, shape)
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
         out = self.mixer(self.norm(hidden))

@@ -21,6 +21,7 @@ from plugtron.api import (
     scaled_normal_init,
 )
 
+from .activations import mlp_layer_bytes
 from .attention import dropout
 
 
@@ -118,6 +119,11 @@ class MLPLayer(torch.nn.Module):
         self.hidden_dropout = m.hidden_dropout
         self.recompute_norm = recompute_module(config, "layernorm")
         self.recompute_mlp = recompute_module(config, "mlp")
+        self.normalization = m.normalization
+
+    def activation_bytes(self, shape) -> int:
+        """Bytes kept for backward per microbatch (``plugtron estimate``)."""
+        return mlp_layer_bytes(self, shape)
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
         normed = (recompute(self.pre_mlp_layernorm, hidden) if self.recompute_norm

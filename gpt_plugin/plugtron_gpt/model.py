@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from plugtron.api import (
+    ChunkActivations,
     ComposedLayer,
     chunk_layers,
+    decoder_activations,
     forward_context,
     load_layer_types,
     normal_init,
@@ -116,6 +118,24 @@ class GPTModel(torch.nn.Module):
         # `E` replaces `-` where --num-experts and --moe-layer-freq say); the registry answers.
         symbols_at = substitute_symbols(layer_symbols, config, [index + 1 for index in indices])
         return {index: symbols_at[index + 1] for index in indices}
+
+    def activation_bytes(self, shape) -> ChunkActivations:
+        """What one microbatch keeps on this chunk for backward (``plugtron estimate``): token
+        and position ids and the embedding's dropout mask (first stage), the decoder layers
+        (full recompute applied), and the final norm, output layer input and the loss's fp32
+        softmax over this rank's vocabulary share (last stage)."""
+        m = self.config.model
+        h = m.hidden_size
+        decoder = decoder_activations(self.decoder.layers.values(), shape, h, self.config)
+        stored = decoder.stored
+        if self.pre_process:
+            stored += shape.tensor(2, 8) + shape.dropout_mask(h, m.hidden_dropout)
+        if self.post_process:
+            vocab = self.output_weight().shape[0]
+            stored += shape.residual(h) + shape.residual(2, 4)  # final norm input and stats
+            stored += shape.tensor(h)  # output layer input (gathered under sp)
+            stored += shape.tensor(vocab, 4) + shape.tensor(1, 8)  # softmax, labels
+        return ChunkActivations(stored, decoder.recompute_peak)
 
     def shared_embedding_weights(self) -> list[torch.nn.Parameter]:
         out = []

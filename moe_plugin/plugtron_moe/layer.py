@@ -75,6 +75,32 @@ class MoELayer(torch.nn.Module):
         self.backend = backend
         self.recompute_norm = recompute_module(config, "layernorm")
         self.recompute_moe = recompute_module(config, "moe")
+        self.topk, self.num_experts = config.moe.moe_router_topk, config.moe.num_experts
+        self.swiglu = m.swiglu
+
+    def activation_bytes(self, shape) -> int:
+        """Bytes kept for backward per microbatch (``plugtron estimate``), approximately: the
+        norm, the router's input and fp32 logits and probabilities, the top-k routed copies of
+        the tokens through an expert MLP (fc1 input, activation, fc2 input), the weighted
+        combine, a shared expert like an MLP, the residual dropout mask. Routed tokens are
+        counted as k x this rank's tokens (even routing; tests/test_memory_estimate.py holds it
+        within 30% of autograd's saved tensors)."""
+        h = self.pre_mlp_layernorm.weight.shape[0]
+        tokens, e = shape.tokens, shape.dtype_bytes
+        total = 2 * shape.residual(h) + shape.residual(2, 4)  # norm input and stats, router
+        total += 3 * tokens * self.num_experts * 4  # router logits, scores, probabilities
+        if self.recompute_moe:
+            return total + shape.dropout_mask(h, self.hidden_dropout)
+        expert = next(iter(self.mlp.experts.local_experts.values()), None)
+        if expert is not None:
+            ffn = expert.linear_fc2.weight.shape[-1]
+            routed = tokens * self.topk
+            total += routed * (2 * h + (4 if self.swiglu else 2) * ffn) * e + routed * 8
+        shared = self.mlp.shared_experts
+        if shared is not None:
+            ffn = shared.linear_fc2.weight.shape[1]
+            total += shape.residual(h) + shape.tensor((4 if self.swiglu else 2) * ffn)
+        return total + shape.dropout_mask(h, self.hidden_dropout)
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
         normed = (recompute(self.pre_mlp_layernorm, hidden) if self.recompute_norm

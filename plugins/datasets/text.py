@@ -111,6 +111,8 @@ class TextDataset:
 
     #: The last run's tokenizer (``plugtron data inspect`` shows text with it).
     tokenizer = None
+    #: Without --tokenizer-type (``plugtron estimate`` reads it for the vocabulary).
+    default_tokenizer = "ByteTokenizer"
 
     @hookimpl
     def plugtron_validate(self, config):
@@ -129,7 +131,7 @@ class TextDataset:
         tokenizer (``--tokenizer-type``, default ``ByteTokenizer``) fixes
         ``config.model.vocab_size``; a different ``--vocab-size`` is an error.
         """
-        tokenizer = self.tokenizer = tokenizer_for(config, default="ByteTokenizer")
+        tokenizer = self.tokenizer = tokenizer_for(config, default=self.default_tokenizer)
         weights = parse_split(config.data.split)
         data_path = config.data.data_path or []
         data_path = [data_path] if isinstance(data_path, (str, os.PathLike)) else list(data_path)

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from plugtron.api import hookimpl, model_info_for, selected_drivers
+from plugtron.api import estimate_memory, hookimpl, model_info_for, selected_drivers
 
 
 class ConsoleLog:
     def __init__(self):
         self.rank = 0
+        self.world_size = 1
 
     @hookimpl
     def plugtron_process_groups_ready(self, parallel):
         self.rank = parallel.rank
+        self.world_size = parallel.world_size
 
     @hookimpl
     def plugtron_train_start(self, config, state):
@@ -30,3 +32,12 @@ class ConsoleLog:
               f"{m.padded_vocab_size}); tp {p.tensor_model_parallel_size} pp "
               f"{p.pipeline_model_parallel_size} {cp}; starting at "
               f"iteration {state.iteration}", flush=True)
+        print(f"plugtron: {memory_line(config, self.world_size)}", flush=True)
+
+
+def memory_line(config, world_size: int) -> str:
+    """The largest rank's memory estimate (``plugtron estimate`` has the table)."""
+    try:
+        return estimate_memory(config, world_size).header_line()
+    except Exception as exc:  # noqa: BLE001 - the header must never stop a run
+        return f"memory estimate unavailable ({type(exc).__name__}: {exc})"

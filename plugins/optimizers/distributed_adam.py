@@ -11,6 +11,11 @@ from .distributed_optimizer import DistributedOptimizer
 
 
 class DistributedAdam:
+    #: fp32 values kept per parameter (the two moments), sharded over dp x cp, for
+    #: ``plugtron estimate``.
+    state_per_param = 2
+    shards_state = True
+
     @hookimpl
     def optimizer_shards_gradients(self, config):
         # The core's data-parallel wrapper then lays gradients out in padded, sharded buckets.

@@ -7,6 +7,9 @@ from plugtron.api import TorchOptimizer, hookimpl
 
 
 class SGD:
+    #: fp32 values kept per parameter (the momentum buffer), for ``plugtron estimate``.
+    state_per_param = 1
+
     @hookimpl
     def build_optimizer(self, config, model_chunks, parallel):
         t = config.training

@@ -1,0 +1,101 @@
+"""Bytes the GPT plugin's layers keep for backward for one microbatch (the ``activation_bytes``
+contract of ``plugtron.api.ActivationShape``), written from what the local backend's kernels
+save; tests/test_memory_estimate.py holds them to autograd's saved tensors.
+
+Notation: ``shape.residual(w)`` a residual-stream tensor (split over tp under sequence
+parallelism), ``shape.tensor(w)`` a tensor of this rank's tp share ``w``.
+"""
+
+from __future__ import annotations
+
+#: LayerNorm keeps mean and 1/std per token, RMSNorm 1/rms (fp32).
+_NORM_STATS = {"LayerNorm": 2, "RMSNorm": 1}
+
+
+def norm_bytes(shape, width: int, normalization: str, recomputed: bool = False) -> int:
+    """A norm's input (kept either way: a recomputed norm keeps it as the recompute's input)
+    and, unless recomputed, its per-token statistics."""
+    stats = 0 if recomputed else shape.residual(_NORM_STATS.get(normalization, 2), 4)
+    return shape.residual(width) + stats
+
+
+def math_attention(shape, heads: int, head_dim: int, dropout: float) -> int:
+    """torch's math kernel (CPU with dropout or a mask): q, k, v (keys repeated per query head),
+    the probabilities, and with dropout the mask and the dropped probabilities."""
+    scores = shape.micro_batch_size * heads * shape.seq_length * shape.context_length
+    kept = 3 * shape.tensor(heads * head_dim) + scores * shape.dtype_bytes
+    if dropout > 0:
+        kept += scores * (shape.mask_bytes + shape.dtype_bytes)
+    return kept
+
+
+def fused_attention(shape, heads: int, groups: int, head_dim: int) -> int:
+    """Flash/fused kernels: q, k, v, the output (the output projection's input, the same
+    tensor) and the fp32 log-sum-exp per query."""
+    return (shape.tensor((heads + 2 * groups) * head_dim) + shape.tensor(heads * head_dim)
+            + shape.tensor(heads, 4))
+
+
+def attention_layer_bytes(layer, shape) -> int:
+    """``*``: norm, QKV input, core attention, output projection input, residual dropout."""
+    attn = layer.self_attention
+    core = attn.core_attention
+    h = attn.linear_qkv.weight.shape[1]
+    heads, groups, d = attn.num_heads, attn.num_groups, attn.head_dim
+    total = norm_bytes(shape, h, layer.normalization, layer.recompute_norm)
+    total += shape.residual(h)  # linear_qkv's input (sequence shard under sp)
+    dropout = getattr(core, "dropout", 0.0)
+    math_kernel = (not shape.cuda and dropout > 0) or getattr(core, "window_size", None)
+    if attn.recompute_core:  # keeps its inputs (views of the QKV output) and its output
+        total += shape.tensor((heads + 2 * groups) * d) + shape.tensor(heads * d)
+    elif math_kernel:
+        total += math_attention(shape, heads, d, dropout) + shape.tensor(heads * d)
+    else:
+        total += fused_attention(shape, heads, groups, d)
+    if attn.q_layernorm is not None:  # per-head norms of q and k: their inputs and stats
+        total += shape.tensor((heads + groups) * d) + shape.tensor(2 * (heads + groups), 4)
+    if layer.rotary:  # rotation keeps q, its rotate-half and k's; attention gets new q, k
+        total += shape.tensor((3 * heads + 2 * groups) * d)
+    return total + shape.dropout_mask(h, layer.hidden_dropout)
+
+
+def mlp_layer_bytes(layer, shape) -> int:
+    """``-``: norm, fc1 input, the activation's inputs, fc2 input, residual dropout."""
+    mlp = layer.mlp
+    h = mlp.linear_fc1.weight.shape[1]
+    f = mlp.linear_fc2.weight.shape[1]  # this rank's ffn share
+    total = norm_bytes(shape, h, layer.normalization, layer.recompute_norm)
+    if layer.recompute_mlp:
+        total += shape.residual(h)  # the recompute's input
+    else:
+        total += shape.residual(h)  # fc1 input
+        if mlp.swiglu:  # fc1 output (gate and up), silu(gate), fc2 input
+            total += shape.tensor(4 * f)
+        elif mlp.squared_relu:  # relu output, fc2 input
+            total += shape.tensor(2 * f)
+        else:  # gelu input, fc2 input
+            total += shape.tensor(2 * f)
+    return total + shape.dropout_mask(h, layer.hidden_dropout)
+
+
+def mamba_layer_bytes(layer, shape) -> int:
+    """``M``: norm, in_proj input and output, conv output and its SiLU, the chunked SSD scan
+    (fp32, over the sequence padded to whole chunks: the ``[chunk, chunk]`` score and decay
+    matrices per head, the per-chunk states, the token-sized terms), gated norm, out_proj
+    input, residual dropout. Approximate: the scan's intermediates are counted by kind, not
+    one by one (tests/test_memory_estimate.py holds it within 10% of autograd's)."""
+    mixer = layer.mixer
+    h = mixer.in_proj.weight.shape[1]
+    heads, p, n, q = mixer.heads, mixer.head_dim, mixer.state, mixer.chunk_size
+    inner, bc = mixer.inner, mixer.groups * mixer.state
+    total = norm_bytes(shape, h, layer.normalization) + shape.residual(h)
+    total += shape.tensor(2 * inner + 2 * bc + heads)  # in_proj output (conv reads a view)
+    total += 2 * shape.tensor(inner + 2 * bc)  # conv output, SiLU output
+    b, s = shape.micro_batch_size, shape.seq_length
+    padded = -(-s // q) * q
+    chunks = padded // q
+    total += 4 * 3 * b * heads * padded * q  # scores, decay, their product
+    total += 4 * 3 * b * chunks * heads * p * n  # chunk states, entering states
+    total += 4 * 2 * b * padded * (heads * p + 2 * bc + heads)  # x dt and weighted; B, C, dt
+    total += 3 * shape.tensor(inner, 4) + shape.tensor(inner)  # gated norm, out_proj input
+    return total + shape.dropout_mask(h, layer.hidden_dropout)

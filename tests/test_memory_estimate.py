@@ -1,0 +1,218 @@
+"""``plugtron estimate`` (core/memory_estimate.py): exact parameter counts, activation bytes
+equal to what autograd saves, the schedule's in-flight count, and the total within 15% of the
+measured peak on CPU for the default model at three layouts (tests/memory_probe.py says what
+"measured peak" is)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+from plugtron.core.activations import ActivationShape, module_activation_bytes
+from plugtron.core.memory_estimate import estimate_memory
+from plugtron.core.plugin_options import config_from_flags
+
+from tests.memory_probe import measure_training
+from tests.utils import tiny_config
+
+#: README's `make train` model (4 layers, hidden 128, 4 heads, seq 128, micro batch 8, dropout
+#: 0.1, fp32) on mock data with the byte tokenizer's vocabulary; 2 microbatches per step.
+DEFAULT_RUN = {"data": "mock", "vocab-size": 257, "progress": False, "log-interval": 0,
+               "eval-interval": 0, "train-iters": 2, "global-batch-size": 16,
+               "num-workers": 0}
+
+
+# --------------------------------------------------------------------------- formulas
+
+
+def _saved_bytes(module, *args) -> int:
+    """Bytes of the distinct storages autograd saves in ``module(*args)``, parameters
+    excluded (the input counts: a layer's norm is what keeps it)."""
+    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(*args)
+    return sum(seen.values())
+
+
+def _tiny_gpt(**flags):
+    from plugtron.core import registry
+    from plugtron.core.config import padded_vocab_size
+    from plugtron.core.parallel_context import ParallelContext
+
+    config = tiny_config(**flags)
+    m = config.model
+    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    parallel = ParallelContext.build(1, 0, create_groups=False)
+    backend = registry.load("layer_backend", "local")(config, parallel)
+    model = registry.instantiate(registry.load("model", config.plugins.model)).model_provider(
+        config=config, pre_process=True, post_process=True, vp_stage=None,
+        layer_backend=backend, parallel=parallel)
+    shape = ActivationShape(config.training.micro_batch_size, m.seq_length, m.seq_length)
+    return config, model.train(), shape
+
+
+@pytest.mark.parametrize("flags", [
+    {}, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, {"swiglu": True},
+    {"position_embedding_type": "rope", "normalization": "RMSNorm"},
+    {"recompute_granularity": "selective"},
+    {"recompute_granularity": "selective", "recompute_modules": ["mlp,core_attn"],
+     "hidden_dropout": 0.1, "attention_dropout": 0.1},
+], ids=["plain", "dropout", "swiglu", "rope-rms", "sel-core", "sel-mlp-dropout"])
+def test_layer_bytes_are_what_autograd_saves(flags):
+    config, model, shape = _tiny_gpt(**flags)
+    layer = model.decoder.layers["0"]
+    hidden = torch.randn(shape.micro_batch_size, shape.seq_length, config.model.hidden_size,
+                         requires_grad=True)
+    rotary = None
+    if model.use_rotary:
+        from plugtron_gpt.rope import rotary_freqs_at
+
+        positions = torch.arange(shape.seq_length).expand(shape.micro_batch_size, -1)
+        rotary = rotary_freqs_at(positions, model.head_dim, config.model.rotary_base, None)
+    saved = _saved_bytes(layer, hidden, rotary)
+    said = module_activation_bytes(layer, shape)
+    assert said == pytest.approx(saved, rel=0.05), (said, saved)
+
+
+@pytest.mark.parametrize("flags,rel", [
+    ({"model": "hybrid", "hybrid_layer_pattern": "M*-"}, 0.1),
+    ({"num_experts": 4, "moe_shared_expert_intermediate_size": 64}, 0.3),
+    ({"num_experts": 4, "swiglu": True, "moe_router_topk": 1}, 0.3),
+], ids=["mamba", "moe-shared", "moe-swiglu"])
+def test_mamba_and_moe_layer_bytes_near_what_autograd_saves(flags, rel):
+    config, model, shape = _tiny_gpt(**flags)
+    hidden = torch.randn(shape.micro_batch_size, shape.seq_length, config.model.hidden_size,
+                         requires_grad=True)
+    for layer in model.decoder.layers.values():
+        saved = _saved_bytes(layer, hidden, None)
+        said = module_activation_bytes(layer, shape)
+        assert said == pytest.approx(saved, rel=rel), (type(layer).__name__, said, saved)
+
+
+def test_whole_chunk_bytes_are_what_autograd_saves():
+    config, model, shape = _tiny_gpt(hidden_dropout=0.1, attention_dropout=0.1)
+    tokens = torch.randint(0, config.model.vocab_size, (shape.micro_batch_size,
+                                                        shape.seq_length))
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, labels=tokens)
+    saved = sum(seen.values())
+    assert model.activation_bytes(shape).stored == pytest.approx(saved, rel=0.05)
+
+
+def _rows(flags, world_size):
+    return estimate_memory(config_from_flags({**DEFAULT_RUN, **flags}, "test"), world_size,
+                           cuda=False).ranks
+
+
+def test_recompute_sp_cp_pp_change_activations_as_they_must():
+    base = _rows({}, 1)[0]
+    full = _rows({"recompute_granularity": "full"}, 1)[0]
+    selective = _rows({"recompute_granularity": "selective"}, 1)[0]
+    block = _rows({"recompute_granularity": "full", "recompute_method": "block",
+                   "recompute_num_layers": 2}, 1)[0]
+    # full recompute keeps one residual tensor per layer and rebuilds one layer at a time
+    assert full.activation_bytes < block.activation_bytes < base.activation_bytes
+    assert 0 < full.recompute_bytes == block.recompute_bytes
+    assert selective.activation_bytes < base.activation_bytes and selective.recompute_bytes == 0
+    tp2 = _rows({"tp": 2}, 2)[0]
+    sp = _rows({"tp": 2, "sequence_parallel": True}, 2)[0]
+    assert sp.activation_bytes < tp2.activation_bytes < base.activation_bytes
+    cp2 = _rows({"cp": 2}, 2)[0]
+    assert cp2.activation_bytes < base.activation_bytes / 1.9  # tokens and scores halve
+    # 1F1B with 4 microbatches: stage 0 holds pp - 0 = 2, stage 1 holds 1
+    stages = _rows({"pp": 2, "global_batch_size": 32}, 2)
+    assert [r.in_flight for r in stages] == [2, 1]
+    assert stages[0].activation_bytes == 2 * stages[0].activations_per_microbatch[0]
+    # interleaved, pp 2 x vp 2, 8 microbatches: Megatron's warmup (pp - r - 1) x 2 + (vp - 1)
+    # x pp, plus the one being run
+    inter = _rows({"pp": 2, "vp": 2, "global_batch_size": 64}, 2)
+    assert [r.in_flight for r in inter] == [5, 3]
+
+
+def test_parameter_counts_and_optimizer_columns():
+    rows = _rows({"tp": 2, "use_distributed_optimizer": True}, 4)  # tp 2 x dp 2
+    assert len(rows) == 2 and all(len(r.ranks) == 2 for r in rows)
+    r = rows[0]
+    assert r.optimizer_bytes_distributed * 2 == r.optimizer_bytes
+    assert r.optimizer_selected == r.optimizer_bytes_distributed
+    bf16 = _rows({"bf16": True}, 1)[0]
+    # bf16 weights, fp32 grads (accumulated in fp32), fp32 master + 2 moments
+    assert bf16.param_bytes == 2 * bf16.parameters and bf16.grad_bytes == 4 * bf16.parameters
+    assert bf16.optimizer_bytes == 12 * bf16.parameters
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_estimate_command_and_the_refusal(monkeypatch):
+    from plugtron.cli.main import cli
+    from plugtron.core import memory_estimate
+
+    runner = CliRunner()
+    out = runner.invoke(cli, ["estimate", "--data", "mock", "--vocab-size", "257",
+                              "--nproc-per-node", "2", "--tp", "2"])
+    assert out.exit_code == 0, out.output
+    assert "optim(dist)" in out.output and "activations" in out.output
+    monkeypatch.setattr(memory_estimate, "available_memory_per_rank",
+                        lambda ranks, cuda=None: 2**10)
+    args = ["train", *tiny_flags(), "--train-iters", "1"]
+    refused = runner.invoke(cli, args)
+    assert refused.exit_code == 2, refused.output
+    assert "GiB" in refused.output and "--no-memory-check" in refused.output
+    allowed = runner.invoke(cli, [*args, "--no-memory-check"])
+    assert allowed.exit_code == 0, allowed.output
+
+
+def tiny_flags() -> list[str]:
+    from tests.utils import TINY
+
+    out = []
+    for key, value in TINY.items():
+        if value is False:
+            out.append(f"--no-{key}")
+        else:
+            out += [f"--{key}", str(value)]
+    return out
+
+
+# --------------------------------------------------------------------------- measured
+
+
+def _measure_on_rank(rank, world_size, flags):
+    return measure_training(config_from_flags({**DEFAULT_RUN, **flags}, "test"))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from tests.distributed.harness import DistributedPool
+
+    with DistributedPool(2) as p:
+        yield p
+
+
+@pytest.mark.parametrize("flags,world_size", [
+    ({}, 1), ({"tp": 2}, 2), ({"use_distributed_optimizer": True}, 2)],
+    ids=["1-rank", "tp2", "dp2-distopt"])
+def test_estimate_within_15_percent_of_measured_peak(pool, flags, world_size):
+    for result in pool.run(_measure_on_rank, flags, world_size=world_size):
+        print(f"measured {result['measured'] / 2**20:.1f} MiB, estimated "
+              f"{result['estimated'] / 2**20:.1f} MiB")
+        assert result["estimated_numel"] == result["numel"]
+        ratio = result["estimated"] / result["measured"]
+        assert 0.85 <= ratio <= 1.15, (ratio, result)
