@@ -24,6 +24,7 @@ from plugtron.api import (
 )
 
 from .attention import dropout
+from .causal_conv import causal_conv_silu
 from .hybrid_options import mamba_sizes
 from .mamba_init import a_log_init, conv_init, dt_bias_init
 from .ssd import ssd_final_state, ssd_scan, ssd_step
@@ -56,7 +57,8 @@ class GatedRMSNorm(torch.nn.Module):
 
 
 class DepthwiseCausalConv(torch.nn.Conv1d):
-    """Depthwise conv of width 4 over this rank's x, B, C channels; causal (left padding)."""
+    """Depthwise conv of width 4 over this rank's x, B, C channels; causal (left padding),
+    followed by SiLU. A ``Conv1d`` for its parameters only."""
 
     def __init__(self, blocks: tuple[int, ...], parallel, seed: int, prefix: str):
         local = sum(blocks) // parallel.tp_size
@@ -68,8 +70,8 @@ class DepthwiseCausalConv(torch.nn.Conv1d):
                              blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[b, s, channels]``."""
-        return super().forward(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        """``silu(conv(x))``, ``x``: ``[b, s, channels]`` (the SiLU fused, see causal_conv)."""
+        return causal_conv_silu(x, self.weight, self.bias)
 
 
 class MambaMixer(torch.nn.Module):
@@ -119,7 +121,7 @@ class MambaMixer(torch.nn.Module):
             if inference.use_cache:
                 cached = inference.recurrent.get(self.cache_key)
         conv_in = xbc if cached is None else torch.cat([cached[0], xbc], dim=1)
-        x, B, C = F.silu(self.conv1d(conv_in)[:, -length:]).split([self.inner, bc, bc], dim=-1)
+        x, B, C = self.conv1d(conv_in)[:, -length:].split([self.inner, bc, bc], dim=-1)
         # The scan runs in fp32 whatever the training dtype: its decays are exponentials of sums.
         x = x.reshape(batch, length, self.heads, self.head_dim)
         dt = F.softplus(dt.float() + self.dt_bias.float())
