@@ -1,12 +1,13 @@
-"""The Mamba-2 mixer's hand-written autograd functions: gradcheck in float64 (their backwards are
-written by hand, so autograd's numerical check is the reference), and the fused conv + SiLU
-equals torch's own depthwise Conv1d followed by SiLU."""
+"""The Mamba-2 mixer's hand-written autograd functions (conv + SiLU, intra-chunk scan, gated
+norm): gradcheck in float64 (their backwards are written by hand, so autograd's numerical check
+is the reference), and each equals the plain torch ops it replaces."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from plugtron_gpt.causal_conv import causal_conv_silu
+from plugtron_gpt.gated_norm import gated_rms_norm
 from plugtron_gpt.ssd_intra import intra_chunk
 
 
@@ -38,3 +39,15 @@ def test_intra_chunk_gradcheck():
     log_decay = -torch.rand(1, 2, 2, 2, 5, dtype=torch.float64, generator=g)
     args = [t.requires_grad_() for t in (C, B, X, log_decay)]
     assert torch.autograd.gradcheck(intra_chunk, args)
+
+
+def test_gated_rms_norm_gradcheck_and_value():
+    g = torch.Generator().manual_seed(3)
+    y = torch.randn(2, 3, 8, dtype=torch.float64, generator=g)
+    z = torch.randn(2, 3, 8, dtype=torch.float64, generator=g)
+    w = torch.randn(8, dtype=torch.float64, generator=g)
+    args = [t.requires_grad_() for t in (y, z, w)]
+    assert torch.autograd.gradcheck(lambda *a: gated_rms_norm(*a, 4, 1e-5), args)
+    u = (y * F.silu(z)).unflatten(-1, (2, 4))
+    want = w * (u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + 1e-5)).flatten(-2)
+    torch.testing.assert_close(gated_rms_norm(y, z, w, 4, 1e-5), want)

@@ -25,6 +25,7 @@ from plugtron.api import (
 
 from .attention import dropout
 from .causal_conv import causal_conv_silu
+from .gated_norm import gated_rms_norm
 from .hybrid_options import mamba_sizes
 from .mamba_init import a_log_init, conv_init, dt_bias_init
 from .ssd import ssd_final_state, ssd_scan, ssd_step
@@ -49,11 +50,7 @@ class GatedRMSNorm(torch.nn.Module):
         self.group_size, self.eps = group_size, eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = y.dtype
-        y = y.float() * F.silu(z.float())
-        grouped = y.unflatten(-1, (-1, self.group_size))
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.flatten(-2).to(dtype)
+        return gated_rms_norm(y, z, self.weight, self.group_size, self.eps)
 
 
 class DepthwiseCausalConv(torch.nn.Conv1d):
