@@ -25,6 +25,8 @@ from plugtron.api import (
 
 from .activations import mamba_layer_bytes
 from .attention import dropout
+from .causal_conv import causal_conv_silu
+from .gated_norm import gated_rms_norm
 from .hybrid_options import mamba_sizes
 from .mamba_init import a_log_init, conv_init, dt_bias_init
 from .ssd import ssd_final_state, ssd_scan, ssd_step
@@ -49,15 +51,12 @@ class GatedRMSNorm(torch.nn.Module):
         self.group_size, self.eps = group_size, eps
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = y.dtype
-        y = y.float() * F.silu(z.float())
-        grouped = y.unflatten(-1, (-1, self.group_size))
-        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.flatten(-2).to(dtype)
+        return gated_rms_norm(y, z, self.weight, self.group_size, self.eps)
 
 
 class DepthwiseCausalConv(torch.nn.Conv1d):
-    """Depthwise conv of width 4 over this rank's x, B, C channels; causal (left padding)."""
+    """Depthwise conv of width 4 over this rank's x, B, C channels; causal (left padding),
+    followed by SiLU. A ``Conv1d`` for its parameters only."""
 
     def __init__(self, blocks: tuple[int, ...], parallel, seed: int, prefix: str):
         local = sum(blocks) // parallel.tp_size
@@ -69,8 +68,8 @@ class DepthwiseCausalConv(torch.nn.Conv1d):
                              blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[b, s, channels]``."""
-        return super().forward(x.transpose(1, 2))[..., :x.shape[1]].transpose(1, 2)
+        """``silu(conv(x))``, ``x``: ``[b, s, channels]`` (the SiLU fused, see causal_conv)."""
+        return causal_conv_silu(x, self.weight, self.bias)
 
 
 class MambaMixer(torch.nn.Module):
@@ -120,7 +119,7 @@ class MambaMixer(torch.nn.Module):
             if inference.use_cache:
                 cached = inference.recurrent.get(self.cache_key)
         conv_in = xbc if cached is None else torch.cat([cached[0], xbc], dim=1)
-        x, B, C = F.silu(self.conv1d(conv_in)[:, -length:]).split([self.inner, bc, bc], dim=-1)
+        x, B, C = self.conv1d(conv_in)[:, -length:].split([self.inner, bc, bc], dim=-1)
         # The scan runs in fp32 whatever the training dtype: its decays are exponentials of sums.
         x = x.reshape(batch, length, self.heads, self.head_dim)
         dt = F.softplus(dt.float() + self.dt_bias.float())

@@ -17,19 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _decay_matrix(log_decay: torch.Tensor) -> torch.Tensor:
-    """``exp(sum_{k=j+1..i} a_k)`` for ``i >= j``, 0 above the diagonal: ``[..., T, T]`` from
-    ``a`` of ``[..., T]``. Each sum is its own cumulative sum down a column (not a difference
-    of two long cumulative sums, which loses digits once they grow large), and the upper
-    triangle is masked to -inf *before* the exp, so it can never become inf x 0 = nan."""
-    length = log_decay.shape[-1]
-    strictly_below = torch.ones(length, length, dtype=torch.bool,
-                                device=log_decay.device).tril(-1)
-    terms = log_decay[..., :, None].expand(*log_decay.shape, length)   # [..., k, j] = a_k
-    sums = torch.cumsum(terms.masked_fill(~strictly_below, 0.0), dim=-2)
-    causal = torch.ones(length, length, dtype=torch.bool, device=log_decay.device).tril()
-    return sums.masked_fill(~causal, float("-inf")).exp()
+from .ssd_intra import decay_matrix, intra_chunk
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
@@ -40,9 +28,10 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     ``[heads]`` (negative); ``B``, ``C``: ``[b, l, groups, state]``, head h reading group
     ``h // (heads / groups)``. Returns ``[b, l, heads, head_dim]`` in ``x``'s dtype.
 
-    Heads stay grouped (``g`` groups of ``r`` heads) so that ``C . B`` is computed once per
-    group, not once per head, and every product is a two-operand einsum (no large
-    intermediates from a three-way contraction order).
+    Everything runs in one layout, ``[b, c, g, r, Q, ...]`` (batch, chunk, group, head in the
+    group, token in the chunk): the heads stay grouped so that ``C . B`` is computed once per
+    group, not once per head, and each product is a batched matmul over matrices that are
+    already contiguous (one permuting copy of ``x`` in, one of ``y`` out).
     """
     batch, length, heads, head_dim = x.shape
     groups, state = B.shape[2], B.shape[3]
@@ -53,34 +42,38 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         dt = F.pad(dt, (0, 0, 0, pad))
     chunks, q = x.shape[1] // chunk_size, chunk_size
 
-    x = x.reshape(batch, chunks, q, groups, per_group, head_dim)
-    dt = dt.reshape(batch, chunks, q, groups, per_group)
-    B = B.reshape(batch, chunks, q, groups, state)
-    C = C.reshape(batch, chunks, q, groups, state)
-    x_dt = x * dt[..., None]                                      # the input term dt_j x_j
-    log_decay = (dt * A.reshape(groups, per_group)).permute(0, 3, 4, 1, 2)  # [b, g, r, c, Q]
+    # [b, c, Q, g, r, p] -> [b, c, g, r, Q, p]; B, C: [b, c, Q, g, n] -> [b, c, g, Q, n].
+    dt = dt.reshape(batch, chunks, q, groups, per_group).permute(0, 1, 3, 4, 2)
+    x_dt = (x.reshape(batch, chunks, q, groups, per_group, head_dim).permute(0, 1, 3, 4, 2, 5)
+            * dt[..., None]).contiguous()                         # the input term dt_j x_j
+    B = B.reshape(batch, chunks, q, groups, state).transpose(2, 3).contiguous()
+    C = C.reshape(batch, chunks, q, groups, state).transpose(2, 3).contiguous()
+    log_decay = dt * A.reshape(groups, per_group, 1)               # [b, c, g, r, Q]
     cumulative = torch.cumsum(log_decay, dim=-1)
 
     # 1. Within each chunk: y_i = sum_{j<=i} (C_i . B_j) decay(j -> i) dt_j x_j.
-    scores = torch.einsum("bclgn,bcsgn->bgcls", C, B)             # once per group
-    scores = scores[:, :, None] * _decay_matrix(log_decay)         # [b, g, r, c, Q, Q]
-    y = torch.einsum("bgrcls,bcsgrp->bclgrp", scores, x_dt)
+    y = intra_chunk(C, B, x_dt, log_decay)
 
     # 2. Each chunk's final state from its own tokens: sum_j decay(j -> end) dt_j x_j B_j^T.
-    to_end = torch.exp(cumulative[..., -1:] - cumulative)          # [b, g, r, c, Q]
-    weighted = x_dt * to_end.permute(0, 3, 4, 1, 2)[..., None]
-    states = torch.einsum("bclgn,bclgrp->bcgrpn", B, weighted)
+    to_end = torch.exp(cumulative[..., -1:] - cumulative)          # [b, c, g, r, Q]
+    states = torch.matmul((x_dt * to_end[..., None]).transpose(-1, -2),
+                          B.unsqueeze(3))                          # [b, c, g, r, p, n]
 
     # 3. Pass states between chunks: the state entering chunk c sums the earlier chunks' states,
-    #    each decayed over the chunks in between (a chunks x chunks decay matrix).
-    chunk_decay = _decay_matrix(F.pad(cumulative[..., -1], (1, 0)))  # [b, g, r, c+1, c+1]
-    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
-    entering = torch.einsum("bgrzc,bcgrpn->bzgrpn", chunk_decay, states)[:, :-1]
+    #    each decayed over the chunks in between (a chunks x chunks decay matrix; the chunks are
+    #    few, so this is one small batched matmul rather than a loop).
+    totals = cumulative[..., -1].permute(0, 2, 3, 1)               # [b, g, r, c]
+    chunk_decay = decay_matrix(F.pad(totals, (1, 0)))[..., :-1, 1:]  # [b, g, r, c, c]
+    flat = states.permute(0, 2, 3, 1, 4, 5).reshape(batch, groups, per_group, chunks, -1)
+    entering = torch.matmul(chunk_decay, flat)                     # [b, g, r, c, p*n]
+    entering = entering.reshape(batch, groups, per_group, chunks, head_dim, state)
+    entering = entering.permute(0, 3, 1, 2, 4, 5)                  # [b, c, g, r, p, n]
 
     # 4. The entering state's contribution inside each chunk: C_i . S decayed to token i.
-    from_start = torch.exp(cumulative).permute(0, 3, 4, 1, 2)      # [b, c, Q, g, r]
-    y = y + torch.einsum("bclgn,bcgrpn->bclgrp", C, entering) * from_start[..., None]
-    return y.reshape(batch, chunks * q, heads, head_dim)[:, :length]
+    y = y + torch.matmul(C.unsqueeze(3), entering.transpose(-1, -2)) \
+        * torch.exp(cumulative)[..., None]
+    y = y.permute(0, 1, 4, 2, 3, 5).reshape(batch, chunks * q, heads, head_dim)
+    return y[:, :length]
 
 
 def sequential_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
