@@ -112,23 +112,26 @@ def plain_stepper(config, dtype):
 def compare(config, rounds, warmup, dtype):
     """Time plugtron's and the plain loop's steps alternately on the same batches, so that
     whatever else the machine does weighs on both alike; returns per-step times after the
-    warm-up steps."""
+    warm-up steps, and plugtron's data time within each of its steps (the plain loop's
+    batches are drawn before its clock starts)."""
     run = setup(config, world=single_process())
     MetricsLogger(config, rank=1)
-    ours_iter = data_iterators(run, run.datasets[0], 0)
+    timers: list = []
+    ours_iter = data_iterators(run, run.datasets[0], 0, timers)
     batches_iter = data_iterators(run, run.datasets[0], 0)[0]
     plain = plain_stepper(config, dtype)
-    ours, theirs = [], []
+    ours, theirs, data_s = [], [], []
     for iteration in range(1, warmup + rounds + 1):
         batch = [next(batches_iter) for _ in range(run.num_microbatches)]
         run.scheduler.prepare(iteration)
         start = time.perf_counter()
         train_step(run, ours_iter)
         ours.append(time.perf_counter() - start)
+        data_s.append(sum(timer.take_wait() for timer in timers))
         start = time.perf_counter()
         plain(batch)
         theirs.append(time.perf_counter() - start)
-    return run, ours[warmup:], theirs[warmup:]
+    return run, ours[warmup:], theirs[warmup:], data_s[warmup:]
 
 
 def median(values):
@@ -199,20 +202,23 @@ def main():
         config = TrainConfig()
         apply_values(config, {**SIZES, **sizes, "bf16": precision == "bf16",
                               "train-iters": rounds + args.warmup}, "bench")
-        run, ours, theirs = compare(config, rounds, args.warmup, dtype)
+        run, ours, theirs, data_s = compare(config, rounds, args.warmup, dtype)
         tokens = config.training.global_batch_size * config.model.seq_length
         ours_tps, theirs_tps = tokens / median(ours), tokens / median(theirs)
         ratios = [b / a for a, b in zip(ours, theirs)]
         num_params = sum(p.numel() for c in run.model_chunks for p in c.parameters())
         mfu = ours_tps * flops_per_token(config, num_params) / peaks[precision][0]
+        # The same ratio without plugtron's data loading (the plain side's is outside its clock).
+        compute = median([b / (a - d) for a, b, d in zip(ours, theirs, data_s)])
         rows.append((precision, rounds, ours_tps, theirs_tps, median(ratios), min(ratios),
-                     max(ratios), mfu))
+                     max(ratios), median(data_s) * 1e3, compute, mfu))
         print(rows[-1], flush=True)
-    lines = [f"| {p} | {n} | {a:,.0f} | {b:,.0f} | {r:.3f} | {lo:.3f}-{hi:.3f} | "
-             f"{m * 100:.1f}% |" for p, n, a, b, r, lo, hi, m in rows]
+    lines = [f"| {p} | {n} | {a:,.0f} | {b:,.0f} | {r:.3f} | {lo:.3f}-{hi:.3f} | {d:.1f} | "
+             f"{c:.3f} | {m * 100:.1f}% |" for p, n, a, b, r, lo, hi, d, c, m in rows]
     table = "\n".join(["| precision | rounds | plugtron tokens/s | plain loop tokens/s | "
-                       "median ratio | ratio range | plugtron MFU |",
-                       "|---|---|---|---|---|---|---|", *lines])
+                       "median ratio | ratio range | plugtron data ms/step | "
+                       "ratio without data time | plugtron MFU |",
+                       "|---|---|---|---|---|---|---|---|---|", *lines])
     peak_text = ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s ({n}x{n})" for p, (v, n) in peaks.items())
     command = " ".join(["python benchmarks/bench_foundation.py", *sys.argv[1:]])
     report = (f"## Foundation: plugtron vs a plain PyTorch loop, {args.model} model "
