@@ -1,10 +1,16 @@
 """plugtron's training step against a plain PyTorch loop: same GPT, data and threads.
 
-Usage: python benchmarks/bench_foundation.py [--iters 30] [--threads 2] [--write]
+Usage: python benchmarks/bench_foundation.py [--model issue|small] [--rounds 10]
+       [--bf16-rounds 3] [--precisions fp32,bf16] [--threads 2] [--write]
 
-Both sides train the default GPT sizes on the same standard-library text batches, fp32 and bf16
-(bf16 parameters with fp32 main parameters on both sides). Reports tokens/s, their ratio, and
-model FLOP utilisation against the measured fp32 matmul peak of this machine.
+Both sides train the same GPT (nn.Linear, F.scaled_dot_product_attention, AdamW, tied
+embeddings, clip_grad_norm_ 1.0 on the plain side) on the same batches, fp32 and bf16 (bf16
+parameters with fp32 main parameters on both sides). ``--model issue`` is issue 16's model
+(GPT-2 layout, 4 layers, hidden 256, 4 heads, seq 256, micro batch 8, vocab 256, dropout 0, mock
+data); ``--model small`` the default GPT sizes on stdlib text (the earlier sections of
+RESULTS.md). The two sides alternate step by step; the report gives the median tokens/s of each,
+the median of the per-round ratios, and MFU against the measured matmul peak of this machine in
+the same precision.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
+import sys
 import time
 
 import torch
@@ -23,6 +30,15 @@ from plugtron.core.training import data_iterators, setup, train_step
 
 SIZES = {"progress": False, "log-interval": 0, "eval-interval": 0, "hidden-dropout": 0.0,
          "attention-dropout": 0.0}
+MODELS = {
+    "issue": ({"num-layers": 4, "hidden-size": 256, "num-attention-heads": 4, "seq-length": 256,
+               "micro-batch-size": 8, "global-batch-size": 32, "data": "mock",
+               "vocab-size": 256},
+              "issue 16's GPT (4 layers, hidden 256, 4 heads, seq 256, vocab 256, mock data, "
+              "global batch 32 as 4 microbatches of 8)"),
+    "small": ({}, "default GPT (4 layers, hidden 128, seq 128, stdlib text, vocab 257 padded "
+                  "to 384, global batch 32 as 4 microbatches of 8)"),
+}
 
 
 # --------------------------------------------------------------------------- the plain loop
@@ -93,25 +109,29 @@ def plain_stepper(config, dtype):
 # --------------------------------------------------------------------------- plugtron
 
 
-def compare(config, iters, dtype):
+def compare(config, rounds, warmup, dtype):
     """Time plugtron's and the plain loop's steps alternately on the same batches, so that
-    whatever else the machine does weighs on both alike; returns per-step times."""
+    whatever else the machine does weighs on both alike; returns per-step times after the
+    warm-up steps, and plugtron's data time within each of its steps (the plain loop's
+    batches are drawn before its clock starts)."""
     run = setup(config, world=single_process())
     MetricsLogger(config, rank=1)
-    ours_iter = data_iterators(run, run.datasets[0], 0)
+    timers: list = []
+    ours_iter = data_iterators(run, run.datasets[0], 0, timers)
     batches_iter = data_iterators(run, run.datasets[0], 0)[0]
     plain = plain_stepper(config, dtype)
-    ours, theirs = [], []
-    for iteration in range(1, iters + 1):
+    ours, theirs, data_s = [], [], []
+    for iteration in range(1, warmup + rounds + 1):
         batch = [next(batches_iter) for _ in range(run.num_microbatches)]
         run.scheduler.prepare(iteration)
         start = time.perf_counter()
         train_step(run, ours_iter)
         ours.append(time.perf_counter() - start)
+        data_s.append(sum(timer.take_wait() for timer in timers))
         start = time.perf_counter()
         plain(batch)
         theirs.append(time.perf_counter() - start)
-    return run, ours, theirs
+    return run, ours[warmup:], theirs[warmup:], data_s[warmup:]
 
 
 def median(values):
@@ -119,15 +139,39 @@ def median(values):
     return values[len(values) // 2]
 
 
-def matmul_peak(threads: int, dtype=torch.float32) -> float:
+def matmul_peak(threads: int, dtype=torch.float32) -> tuple[float, int]:
+    """FLOP/s of a square matmul and its size: 2048 where one takes under half a second (a
+    small probe decides), smaller where the precision is emulated and slow (bf16 on a CPU
+    without AVX-512: one 2048 matmul can take a minute)."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    start, n = time.perf_counter(), 10
+    probe = torch.randn(256, 256, dtype=dtype)
+    probe @ probe
+    timings = []
+    for _ in range(3):  # the best of three: one call is too short to time alone
+        start = time.perf_counter()
+        probe @ probe
+        timings.append(time.perf_counter() - start)
+    per_flop = min(timings) / (2 * 256 ** 3)
+    size = next((n for n in (2048, 1024, 512) if per_flop * 2 * n ** 3 < 0.5), 256)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    a @ b
+    n = max(1, min(10, int(2.0 / max(per_flop * 2 * size ** 3, 1e-9))))
+    start = time.perf_counter()
     for _ in range(n):
         a @ b
-    return 2 * 2048 ** 3 * n / (time.perf_counter() - start)
+    return 2 * size ** 3 * n / (time.perf_counter() - start), size
+
+
+def cpu_name() -> str:
+    """platform.processor(), or the model name Linux reports where that is empty."""
+    name = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = name or next((line.split(":", 1)[1].strip() for line in f
+                                 if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return name or "unknown"
 
 
 def flops_per_token(config, num_params):
@@ -137,39 +181,54 @@ def flops_per_token(config, num_params):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--model", choices=sorted(MODELS), default="issue")
+    parser.add_argument("--rounds", type=int, default=10, help="timed fp32 rounds")
+    parser.add_argument("--bf16-rounds", type=int, default=None,
+                        help="timed bf16 rounds (default: --rounds)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--write", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    peaks = {"fp32": matmul_peak(args.threads), "bf16": matmul_peak(args.threads, torch.bfloat16)}
-    rows = []
-    for precision in ("fp32", "bf16"):
-        config = TrainConfig()
-        apply_values(config, {**SIZES, "bf16": precision == "bf16",
-                              "train-iters": args.iters + args.warmup}, "bench")
+    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
+    sizes, description = MODELS[args.model]
+    rows, peaks = [], {}
+    for precision in precisions:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        run, ours, theirs = compare(config, args.iters + args.warmup, dtype)
+        peaks[precision] = matmul_peak(args.threads, dtype)
+        rounds = args.rounds if precision == "fp32" or args.bf16_rounds is None \
+            else args.bf16_rounds
+        config = TrainConfig()
+        apply_values(config, {**SIZES, **sizes, "bf16": precision == "bf16",
+                              "train-iters": rounds + args.warmup}, "bench")
+        run, ours, theirs, data_s = compare(config, rounds, args.warmup, dtype)
         tokens = config.training.global_batch_size * config.model.seq_length
-        ours_tps = tokens / median(ours[args.warmup:])
-        theirs_tps = tokens / median(theirs[args.warmup:])
+        ours_tps, theirs_tps = tokens / median(ours), tokens / median(theirs)
+        ratios = [b / a for a, b in zip(ours, theirs)]
         num_params = sum(p.numel() for c in run.model_chunks for p in c.parameters())
-        mfu = ours_tps * flops_per_token(config, num_params) / peaks[precision]
-        rows.append((precision, ours_tps, theirs_tps, ours_tps / theirs_tps, mfu))
-    lines = [f"| {p} | {a:,.0f} | {b:,.0f} | {r:.3f} | {m * 100:.1f}% |"
-             for p, a, b, r, m in rows]
-    table = "\n".join(["| precision | plugtron tokens/s | plain loop tokens/s | ratio | plugtron MFU |",
-                       "|---|---|---|---|---|", *lines])
-    report = (f"## Foundation: plugtron vs a plain PyTorch loop ({datetime.date.today()})\n\n"
-              f"Machine: {platform.machine()} CPU, {args.threads} threads, torch "
-              f"{torch.__version__}. Command: `python benchmarks/bench_foundation.py "
-              f"--iters {args.iters} --threads {args.threads} --write`. Default GPT (4 layers, "
-              f"hidden 128, seq 128, global batch 32 as 4 microbatches of 8), stdlib text, "
-              f"median of {args.iters} steps after {args.warmup} warm-up, the two sides "
-              f"alternating step by step. MFU is against the "
-              f"measured 2048x2048 matmul peak of the same precision: fp32 "
-              f"{peaks['fp32'] / 1e9:.1f}, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s.\n\n{table}\n")
+        mfu = ours_tps * flops_per_token(config, num_params) / peaks[precision][0]
+        # The same ratio without plugtron's data loading (the plain side's is outside its clock).
+        compute = median([b / (a - d) for a, b, d in zip(ours, theirs, data_s)])
+        rows.append((precision, rounds, ours_tps, theirs_tps, median(ratios), min(ratios),
+                     max(ratios), median(data_s) * 1e3, compute, mfu))
+        print(rows[-1], flush=True)
+    lines = [f"| {p} | {n} | {a:,.0f} | {b:,.0f} | {r:.3f} | {lo:.3f}-{hi:.3f} | {d:.1f} | "
+             f"{c:.3f} | {m * 100:.1f}% |" for p, n, a, b, r, lo, hi, d, c, m in rows]
+    table = "\n".join(["| precision | rounds | plugtron tokens/s | plain loop tokens/s | "
+                       "median ratio | ratio range | plugtron data ms/step | "
+                       "ratio without data time | plugtron MFU |",
+                       "|---|---|---|---|---|---|---|---|---|", *lines])
+    peak_text = ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s ({n}x{n})" for p, (v, n) in peaks.items())
+    command = " ".join(["python benchmarks/bench_foundation.py", *sys.argv[1:]])
+    report = (f"## Foundation: plugtron vs a plain PyTorch loop, {args.model} model "
+              f"({datetime.date.today()})\n\n"
+              f"Machine: {platform.machine()} CPU ({cpu_name()}, torch "
+              f"CPU capability {torch.backends.cpu.get_cpu_capability()}), {args.threads} "
+              f"threads, torch {torch.__version__}. Command: `{command}`. {description}; "
+              f"{args.warmup} warm-up steps, then the two sides alternating step by step; the "
+              f"ratio is plugtron's tokens/s over the plain loop's, per round. MFU is against "
+              f"the measured matmul peak of the same precision: {peak_text}.\n\n{table}\n")
     print(report)
     if args.write:
         with open("benchmarks/RESULTS.md", "a") as f:

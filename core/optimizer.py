@@ -271,16 +271,14 @@ class TorchOptimizer(MixedPrecisionOptimizer):
 
     def _publish_main_params(self) -> None:
         if self.mixed:
-            with torch.no_grad():
-                for model_p, main_p in zip(self.model_params, self.main_params):
-                    model_p.copy_(main_p)
+            with torch.no_grad():  # one fused copy (with the cast) over every parameter
+                torch._foreach_copy_(self.model_params, self.main_params)
 
     def reload_model_params(self) -> None:
         """Main parameters from the model's (after the model weights were loaded)."""
         if self.mixed:
             with torch.no_grad():
-                for model_p, main_p in zip(self.model_params, self.main_params):
-                    main_p.copy_(model_p)
+                torch._foreach_copy_(self.main_params, self.model_params)
 
     def _main_param_bytes(self) -> int:
         if not self.mixed:

@@ -77,8 +77,12 @@ class SelfAttention(torch.nn.Module):
         qkv, _ = self.linear_qkv(x)
         b, s = qkv.shape[0], qkv.shape[1]
         qkv = qkv.view(b, s, self.num_groups, self.heads_per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :self.heads_per_group].reshape(b, s, self.num_heads, self.head_dim)
-        k, v = qkv[:, :, :, -2], qkv[:, :, :, -1]
+        # One split, not three slices: backward then concatenates the three gradients once,
+        # where each slice's backward would fill a zeroed qkv-sized tensor and add them up
+        # (several % of a step on CPU). Same values either way.
+        q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
+        q = q.reshape(b, s, self.num_heads, self.head_dim)
+        k, v = k.squeeze(3), v.squeeze(3)
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:

@@ -78,18 +78,23 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return pairs
 
     def _publish_main_params(self) -> None:
-        with torch.no_grad():
-            for s, main, aliased in zip(self.slices, self.mains, self.aliased):
-                if not aliased:
-                    s.data.copy_(main)
+        copies = self._copied_pairs()
+        if copies:
+            with torch.no_grad():  # one fused copy (with the cast) over every shard
+                torch._foreach_copy_([s for s, _ in copies], [m for _, m in copies])
         for chunk in self.model_chunks:
             chunk.start_param_sync()
 
     def reload_model_params(self) -> None:
-        with torch.no_grad():
-            for s, main, aliased in zip(self.slices, self.mains, self.aliased):
-                if not aliased:
-                    main.copy_(s.data)
+        copies = self._copied_pairs()
+        if copies:
+            with torch.no_grad():
+                torch._foreach_copy_([m for _, m in copies], [s for s, _ in copies])
+
+    def _copied_pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(model shard, fp32 main)`` where the main parameter is a copy (bf16/fp16)."""
+        return [(s.data, main) for s, main, aliased in zip(self.slices, self.mains, self.aliased)
+                if not aliased]
 
     def _main_param_bytes(self) -> int:
         return sum(m.numel() * m.element_size()
