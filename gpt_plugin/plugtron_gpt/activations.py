@@ -79,7 +79,8 @@ def mlp_layer_bytes(layer, shape) -> int:
 
 
 def mamba_layer_bytes(layer, shape) -> int:
-    """``M``: norm, in_proj input and output, conv output and its SiLU, the chunked SSD scan
+    """``M``: norm, in_proj input and output, the conv's padded input and pre-activation, the
+    chunked SSD scan
     (fp32, over the sequence padded to whole chunks: the ``[chunk, chunk]`` score and decay
     matrices per head, the per-chunk states, the token-sized terms), gated norm, out_proj
     input, residual dropout. Approximate: the scan's intermediates are counted by kind, not
@@ -90,12 +91,17 @@ def mamba_layer_bytes(layer, shape) -> int:
     inner, bc = mixer.inner, mixer.groups * mixer.state
     total = norm_bytes(shape, h, layer.normalization) + shape.residual(h)
     total += shape.tensor(2 * inner + 2 * bc + heads)  # in_proj output (conv reads a view)
-    total += 2 * shape.tensor(inner + 2 * bc)  # conv output, SiLU output
     b, s = shape.micro_batch_size, shape.seq_length
+    # the fused conv + SiLU keeps its left-padded input and the pre-activation output
+    from .mamba import CONV_WIDTH  # mamba.py imports this module
+
+    conv = shape.tensor(inner + 2 * bc)
+    total += conv * (s + CONV_WIDTH - 1) // s + conv
     padded = -(-s // q) * q
     chunks = padded // q
-    total += 4 * 3 * b * heads * padded * q  # scores, decay, their product
-    total += 4 * 3 * b * chunks * heads * p * n  # chunk states, entering states
-    total += 4 * 2 * b * padded * (heads * p + 2 * bc + heads)  # x dt and weighted; B, C, dt
+    total += 4 * 3 * b * heads * padded * q  # scores, decay, their product (ssd_intra)
+    total += 4 * 2 * b * chunks * heads * p * n  # chunk states, entering states
+    # x, dt x, its decayed-to-chunk-end copy, the inter-chunk output; B, C; dt and two decays
+    total += 4 * b * padded * (4 * heads * p + 2 * bc + 3 * heads)
     total += 3 * shape.tensor(inner, 4) + shape.tensor(inner)  # gated norm, out_proj input
     return total + shape.dropout_mask(h, layer.hidden_dropout)
