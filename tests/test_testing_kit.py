@@ -84,12 +84,12 @@ def _cache_marked(rank, world_size):
     return worker_cache().get("mark") == rank
 
 
-def test_the_next_module_gets_a_new_world_and_an_empty_cache(rank_pool):
-    """The session's ranks serve every module: what one module cached must not reach the
-    next (the fixture refreshes the pool when a module first asks for it)."""
+def test_a_refreshed_pool_has_a_new_world_and_an_empty_cache(rank_pool):
+    """``refresh()``: the next run re-forms the world and empties every rank's cache, as a
+    new pool would, keeping the processes."""
     rank_pool.run(_mark_cache)
     assert rank_pool.run(_cache_marked) == [True] * 8
-    rank_pool.session.get(8).refresh()
+    rank_pool.refresh()
     assert rank_pool.run(_cache_marked) == [False] * 8
     assert rank_pool.run(_world) == [8] * 8
 
