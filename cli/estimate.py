@@ -3,47 +3,30 @@
 
 from __future__ import annotations
 
-import copy
 import json
 
 import click
 from plugtron.core.validate import validate
 
 from .errors import user_errors
-from .options import (
-    SectionedCommand,
-    build_config,
-    config_options,
-    declared_sections,
-    headings,
-    model_presets,
-    prescan,
-)
-from .train import HFLoad, check_plugins
+from .options import config_options
+from .train import RunOptions, check_plugins
 
 
 def make_estimate_command(args: list[str]) -> click.Command:
     """``estimate`` with the options ``train`` would have for ``args``."""
-    hf = HFLoad(args, prescan(args).plugins.model)
-    selection = prescan(args, hf.base and copy.deepcopy(hf.base))
-    declared = declared_sections(selection)
-    presets = model_presets(selection)
+    run = RunOptions(args)
 
-    @click.command(cls=SectionedCommand, headings=headings(declared),
-                   context_settings={"max_content_width": 100})
-    @click.option("--config", "config_file", type=click.Path(dir_okay=False),
-                  help="YAML or TOML file of settings; flags override it.")
-    @click.option("--preset", help="Named model size of the selected model: "
-                  + (", ".join(sorted(presets)) or "none"))
-    @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
-                  help="Ranks on one node (they share its host memory on CPU).")
-    @click.option("--world-size", type=click.IntRange(min=1), default=None,
-                  help="Ranks in all (default: --nproc-per-node; more for several nodes).")
-    @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
-                  show_default=True, help="Where the run trains (kernels, masks, memory).")
-    @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-    @config_options(declared)
-    @user_errors
+    @run.command(
+        click.option("--nproc-per-node", type=click.IntRange(min=1), default=1,
+                     show_default=True,
+                     help="Ranks on one node (they share its host memory on CPU)."),
+        click.option("--world-size", type=click.IntRange(min=1), default=None,
+                     help="Ranks in all (default: --nproc-per-node; more for several nodes)."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+                     show_default=True, help="Where the run trains (kernels, masks, memory)."),
+        click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
+        config_options(run.declared), user_errors)
     def estimate(config_file, preset, nproc_per_node, world_size, device, as_json, **params):
         """Memory per rank of the run these flags describe (the same flags as train): weights,
         gradients, optimizer state (replicated and distributed), activations per microbatch
@@ -51,9 +34,7 @@ def make_estimate_command(args: list[str]) -> click.Command:
         rank and allocates no weights."""
         from plugtron.core.memory_estimate import available_memory_per_rank, estimate_memory
 
-        config = build_config(params, config_file, preset, base=hf.config_base(),
-                              declared=declared, presets=presets)
-        hf.finish(config)
+        config = run.config(params, config_file, preset)
         world = world_size or nproc_per_node
         check_plugins(config)
         validate(config, world)

@@ -115,32 +115,53 @@ class HFLoad:
                               f"settings are known before the options are built")
 
 
+class RunOptions:
+    """What a command taking the run's flags (``train``, ``estimate``) builds from ``args``:
+    the Hugging Face ``--load`` directory if any, the plugins' option sections and the
+    selected model's presets, and :meth:`command`, the click command with ``--config``,
+    ``--preset`` and every section's options around the command's own function."""
+
+    def __init__(self, args: list[str]):
+        self.hf = HFLoad(args, prescan(args).plugins.model)
+        selection = prescan(args, self.hf.base and copy.deepcopy(self.hf.base))
+        self.declared = declared_sections(selection)
+        self.presets = model_presets(selection)
+
+    def command(self, *own_options):
+        def wrap(fn):
+            for option in reversed(own_options):
+                fn = option(fn)
+            fn = click.option("--preset", help="Named model size of the selected model: "
+                              + (", ".join(sorted(self.presets)) or "none"))(fn)
+            fn = click.option("--config", "config_file", type=click.Path(dir_okay=False),
+                              help="YAML or TOML file of settings; flags override it.")(fn)
+            return click.command(cls=SectionedCommand, headings=headings(self.declared),
+                                 context_settings={"max_content_width": 100})(fn)
+        return wrap
+
+    def config(self, params: dict, config_file, preset):
+        config = build_config(params, config_file, preset, base=self.hf.config_base(),
+                              declared=self.declared, presets=self.presets)
+        self.hf.finish(config)
+        return config
+
+
 def make_train_command(args: list[str]) -> click.Command:
     """The ``train`` command with the options of the plugins that ``args`` select."""
-    hf = HFLoad(args, prescan(args).plugins.model)
-    selection = prescan(args, hf.base and copy.deepcopy(hf.base))
-    declared = declared_sections(selection)
-    presets = model_presets(selection)
+    run = RunOptions(args)
 
-    @click.command(cls=SectionedCommand, headings=headings(declared),
-                   context_settings={"max_content_width": 100})
-    @click.option("--config", "config_file", type=click.Path(dir_okay=False),
-                  help="YAML or TOML file of settings; flags override it.")
-    @click.option("--preset", help="Named model size of the selected model: "
-                  + (", ".join(sorted(presets)) or "none"))
-    @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
-                  help="Launch this many local ranks (through torch.distributed.run).")
-    @click.option("--no-memory-check", "no_memory_check", is_flag=True,
-                  help="Launch even when the memory estimate (plugtron estimate) exceeds the "
-                  "memory of a rank.")
-    @config_options(declared)
-    @user_errors
+    @run.command(
+        click.option("--nproc-per-node", type=click.IntRange(min=1), default=1,
+                     show_default=True,
+                     help="Launch this many local ranks (through torch.distributed.run)."),
+        click.option("--no-memory-check", "no_memory_check", is_flag=True,
+                     help="Launch even when the memory estimate (plugtron estimate) exceeds "
+                     "the memory of a rank."),
+        config_options(run.declared), user_errors)
     def train(config_file, preset, nproc_per_node, no_memory_check, **params):
         """Train a model. Under torchrun (or any launcher setting RANK/WORLD_SIZE) each rank
         joins that world; otherwise --nproc-per-node local ranks are started."""
-        config = build_config(params, config_file, preset, base=hf.config_base(),
-                              declared=declared, presets=presets)
-        hf.finish(config)
+        config = run.config(params, config_file, preset)
         external = launched_externally()
         if external and nproc_per_node > 1:
             raise ConfigError("--nproc-per-node cannot be used under torchrun: the launcher "
