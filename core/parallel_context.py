@@ -57,6 +57,24 @@ def validate_sizes(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: i
         raise ConfigError(f"--vp needs --pp > 1 (got --vp {vp} with --pp {pp})")
 
 
+# Groups already created in the current default world, by rank list. Several runs in one
+# process (a test pool's rank, a notebook) reuse them: each gloo group holds threads and
+# connections until the world is destroyed, and creating one is a collective.
+_GROUPS: dict = {"world": None, "by_ranks": {}}
+
+
+def _world_groups() -> dict[tuple[int, ...], Any]:
+    """The rank-list -> group map of the current default world (empty for a new world).
+
+    Every rank creates every group in the same order, so every rank's map has the same keys and
+    a cache hit on one rank is a hit on all: the collective order is kept.
+    """
+    world = dist.group.WORLD
+    if _GROUPS["world"] is not world:
+        _GROUPS["world"], _GROUPS["by_ranks"] = world, {}
+    return _GROUPS["by_ranks"]
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -162,7 +180,7 @@ class ParallelContext:
             if (dist.get_world_size(), dist.get_rank()) != (world_size, rank):
                 raise ValueError(f"ParallelContext for rank {rank} of {world_size} built in "
                                  f"rank {dist.get_rank()} of {dist.get_world_size()}")
-            created: dict[tuple[int, ...], Any] = {}
+            created = _world_groups()
             for kind in GROUP_KINDS:
                 for group in all_groups[kind]:
                     key = tuple(group)
