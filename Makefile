@@ -29,9 +29,12 @@ install: $(STAMP) $(BLEND)
 train: $(STAMP) $(BLEND)
 	$(VENV)/bin/plugtron train $(ARGS)
 
-## Run the whole test suite.
+## Run the whole test suite: test files spread over JOBS pytest workers (a file's rank pool
+## stays in one worker), then the few tests that must run alone.
+JOBS ?= 2
 test: $(STAMP) $(BLEND)
-	$(PY) -m pytest -q --durations=30 $(ARGS)
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not serial" --durations=30 $(ARGS)
+	$(PY) -m pytest -q -m serial $(ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 clean:
 	rm -rf $(VENV) $(BLEND) build *.egg-info gpt_plugin/*.egg-info moe_plugin/*.egg-info

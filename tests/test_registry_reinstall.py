@@ -19,6 +19,9 @@ import textwrap
 import pytest
 from plugtron.core import registry
 
+# It pip-installs into the venv every other test reads its plugins from: run it alone.
+pytestmark = pytest.mark.serial
+
 DISTRIBUTION = "plugtron-reinstall-probe"
 PACKAGE = "plugtron_reinstall_probe"
 GROUP = "plugtron.optimizers"

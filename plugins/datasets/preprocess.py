@@ -134,6 +134,13 @@ def _chunks(iterator, size):
         yield chunk
 
 
+def _worker_context():
+    """Forked from a clean server process, not from this one: a fork of a process that has
+    threads (a notebook, a test runner, a W&B service) can copy a held lock and hang."""
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("forkserver" if "forkserver" in methods else "spawn")
+
+
 def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_type: str,
                tokenizer_model: str | None = None, vocab_size: int | None = None,
                json_keys: Sequence[str] = ("text",), append_eod: bool = False, workers: int = 1,
@@ -157,8 +164,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_type: str,
             results = (_encode_chunk(chunk, json_keys, append_eod) for chunk in chunks)
         else:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-            pool = multiprocessing.get_context("fork").Pool(workers, _init_worker,
-                                                            (tokenizer_args,))
+            pool = _worker_context().Pool(workers, _init_worker, (tokenizer_args,))
             results = pool.imap(_Encoder(json_keys, append_eod), chunks)
         for chunk in results:
             for file, number, ids, size, error in chunk:
