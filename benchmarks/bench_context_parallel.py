@@ -16,11 +16,19 @@ layer backend's core_attention makes) on gloo ranks, one thread per rank (or NCC
 3. The longest sequence within a per-rank cap, cp 1 against cp 4 (each comm type), doubling:
    by attention activations (``--cap-mib``, forward only) and by the step's peak memory
    (``--peak-cap-mib``, p2p, forward + backward).
+4. ``--model``: the same question for a whole training step of a small GPT model
+   (``MODEL_FLAGS``: 8 layers, so the activations every layer keeps for backward dominate, not
+   one attention call's transient blocks): the longest sequence whose second training step stays
+   within ``--model-cap-mib`` of peak RSS rise per rank (doubling from ``--model-start``),
+   cp 1 against cp 4 p2p and a2a, with the step's peak and tokens/s at the lengths found
+   (``--model-repeats`` alternating rounds there, medians). Only this part runs with
+   ``--model``.
 
 Rounds alternate between configurations (each round runs every configuration once, after one
 warm-up round) and the medians are reported. Appends a section to benchmarks/RESULTS.md with
 ``--write``. Usage:
-``python benchmarks/bench_context_parallel.py [--seq 4096] [--repeats 3] [--write]``
+``python benchmarks/bench_context_parallel.py [--seq 4096] [--repeats 3] [--write]``,
+``python benchmarks/bench_context_parallel.py --model [--model-cap-mib 192] [--write]``
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from plugtron.core import cp_attention  # noqa: E402
 from plugtron.core.context_parallel import split_tensor  # noqa: E402
+from plugtron.core.hookspecs import hookimpl  # noqa: E402
 from plugtron.core.parallel_context import ParallelContext  # noqa: E402
 
 from tests.distributed.harness import DistributedPool, worker_cache  # noqa: E402
@@ -215,6 +224,109 @@ def _longest(pool, cp, comm_type, cap, start, max_seq, cuda, by_peak):
     return best
 
 
+#: The whole-model measurement's GPT: small enough for 2 CPU cores, deep enough that the
+#: activations kept across layers outweigh one attention call's transient blocks.
+MODEL_FLAGS = {"num-layers": 8, "hidden-size": 64, "num-attention-heads": 4,
+               "vocab-size": 128, "make-vocab-size-divisible-by": 8, "micro-batch-size": 1,
+               "global-batch-size": 1, "train-iters": 2, "position-embedding-type": "rope",
+               "lr": 1e-4, "min-lr": 1e-5, "lr-warmup-iters": 0}
+
+
+class _SecondStep:
+    """Extension plugin: the time and peak memory (as :class:`_PeakMemory`) of training step 2,
+    between the ends of steps 1 and 2 (step 1 has allocated the optimizer's state)."""
+
+    def __init__(self, cuda):
+        self.memory, self.seconds = _PeakMemory(cuda), None
+
+    @hookimpl
+    def plugtron_step_end(self, iteration, metrics):
+        if iteration == 1:
+            self.memory.__enter__()
+            self.start = time.perf_counter()
+        elif iteration == 2:
+            self.seconds = time.perf_counter() - self.start
+            self.memory.__exit__(None, None, None)
+
+
+def _rank_model_step(rank, world_size, seq, comm_type, cuda):
+    """Two training steps of the MODEL_FLAGS GPT at sequence ``seq`` over cp = world size:
+    (seconds, peak bytes) of the second."""
+    from plugtron.core.metrics import MetricsLogger
+    from plugtron.core.training import setup, train
+
+    from tests.utils import tiny_config
+
+    torch.set_num_threads(1)
+    flags = {**MODEL_FLAGS, "seq-length": seq, "cp": world_size, "cp-comm-type": comm_type}
+    config = tiny_config(**flags)
+    probe = _SecondStep(cuda)
+    run = setup(config, extra_plugins=[probe])
+    train(run, MetricsLogger(config, rank=1))
+    del run
+    return probe.seconds, probe.memory.peak
+
+
+def _longest_model(pool, cp, comm_type, cap, start, max_seq, cuda):
+    """Doubling from ``start``: the longest sequence whose step-2 peak stays within ``cap``,
+    with its (seconds, peak) (None, None when even ``start`` does not fit)."""
+    seq, best = start, (None, None)
+    while seq <= max_seq:
+        res = pool.run(_rank_model_step, seq, comm_type, cuda, world_size=cp)
+        seconds, peak = max(r[0] for r in res), max(r[1] for r in res)
+        print("model longest", cp, comm_type, seq, seconds, peak, flush=True)
+        if peak > cap:
+            break
+        best, seq = (seq, (seconds, peak)), seq * 2
+    return best
+
+
+MODEL_LAYOUTS = ((1, "p2p"), (4, "p2p"), (4, "a2a"))
+
+
+def run_model(args):
+    """Longest sequence per layout, then ``--model-repeats`` alternating rounds at the lengths
+    found: {(cp, comm): (seq, seconds, peak)}."""
+    pool = DistributedPool(4, timeout=3600, backend="nccl" if args.cuda else "gloo")
+    cap = args.model_cap_mib * 2**20
+    with pool:
+        found = {layout: _longest_model(pool, *layout, cap, args.model_start, args.max_seq,
+                                        args.cuda)[0] for layout in MODEL_LAYOUTS}
+        samples = {layout: [] for layout in found if found[layout]}
+        for _ in range(args.model_repeats):
+            for (cp, comm_type) in samples:
+                res = pool.run(_rank_model_step, found[(cp, comm_type)], comm_type, args.cuda,
+                               world_size=cp)
+                samples[(cp, comm_type)].append((max(r[0] for r in res),
+                                                 max(r[1] for r in res)))
+    return {layout: (found[layout], *(statistics.median(s[i] for s in rows) for i in range(2)))
+            for layout, rows in samples.items()}
+
+
+def report_model(args, figures) -> str:
+    peak_name = "peak allocated" if args.cuda else "peak RSS rise"
+    flags = ", ".join(f"{k} {v}" for k, v in MODEL_FLAGS.items())
+    lines = [f"## Context parallelism: longest trainable sequence of a whole GPT step "
+             f"({datetime.date.today()})", "",
+             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+             f"shared with other engineers' builds and tests (figures are noisy), torch "
+             f"{torch.__version__}. Command: `python benchmarks/bench_context_parallel.py "
+             f"{' '.join(sys.argv[1:])}`. GPT ({flags}; fp32, dropout 0, local backend, Adam), "
+             f"gloo ranks with one thread each. Per rank, the {peak_name} of the second training "
+             f"step over the resident set at its start; sequence doubled from "
+             f"{args.model_start} while within {args.model_cap_mib} MiB; then "
+             f"{args.model_repeats} alternating rounds at the lengths found, medians, step = "
+             f"slowest rank; tokens/s = sequence / step.", "",
+             f"| cp | comm | longest sequence within {args.model_cap_mib} MiB | "
+             f"{peak_name} per rank there (MiB) | step (s) | tokens/s |",
+             "|---|---|---|---|---|---|"]
+    for (cp, comm_type), (seq, seconds, peak) in figures.items():
+        longest = f"{seq} or more (largest tried)" if seq * 2 > args.max_seq else str(seq)
+        lines.append(f"| {cp} | {comm_type if cp > 1 else '-'} | {longest} | {peak / 2**20:.1f} | "
+                     f"{seconds:.2f} | {seq / seconds:,.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def run(args):
     pool = DistributedPool(4, timeout=3600, backend="nccl" if args.cuda else "gloo")
     main = {(cp, c): (cp, args.seq, c, "full")
@@ -288,10 +400,15 @@ def main():
     parser.add_argument("--cap-mib", type=int, default=24)
     parser.add_argument("--peak-cap-mib", type=int, default=128)
     parser.add_argument("--max-seq", type=int, default=16384)
+    parser.add_argument("--model", action="store_true",
+                        help="only the whole-GPT-step longest-sequence measurement")
+    parser.add_argument("--model-cap-mib", type=int, default=192)
+    parser.add_argument("--model-start", type=int, default=1024)
+    parser.add_argument("--model-repeats", type=int, default=3)
     parser.add_argument("--cuda", action="store_true", help="NCCL on 4 GPUs")
     parser.add_argument("--write", action="store_true", help="append to RESULTS.md")
     args = parser.parse_args()
-    text = report(args, *run(args))
+    text = report_model(args, run_model(args)) if args.model else report(args, *run(args))
     print(text)
     if args.write:
         with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:

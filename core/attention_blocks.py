@@ -99,14 +99,16 @@ def _row_tiles(q: torch.Tensor, sk: int):
 
 
 def _probs(q, k_e, lse, q_pos, k_pos, scale, causal):
-    """Softmax probabilities of the rows of ``q`` given their (final or own) log-sum-exp, or the
-    scores and None when ``lse`` is None."""
-    scores = torch.matmul(q, k_e.transpose(-1, -2)) * scale
+    """Softmax probabilities of the rows of ``q`` given their (final or own) log-sum-exp, or
+    their own log-sum-exp when ``lse`` is None. In place on the one score matrix of the tile
+    (these kernels run outside autograd): each out-of-place step would add a tile-sized
+    temporary to the transient peak."""
+    scores = torch.matmul(q, k_e.transpose(-1, -2)).mul_(scale)
     if causal:
-        scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
-    return torch.exp(scores - lse[..., None]), lse
+    return scores.sub_(lse[..., None]).exp_(), lse
 
 
 def block_forward(q, k, v, q_pos, k_pos, scale: float, causal: bool,
@@ -122,7 +124,7 @@ def block_forward(q, k, v, q_pos, k_pos, scale: float, causal: bool,
                                         scale, causal)
         if dropout is not None:
             keep = keep_mask(dropout, b, heads, q_pos[rows], k_pos)
-            probs = probs * keep / (1.0 - dropout.p)
+            probs.mul_(keep).div_(1.0 - dropout.p)
         out[:, :, rows] = torch.matmul(probs, v_e)
     return out, lse
 
@@ -148,7 +150,8 @@ def block_backward(q, k, v, out, lse, grad_out, q_pos, k_pos, scale: float, caus
             grad_v += torch.matmul((probs * keep).transpose(-1, -2), go)
         else:
             grad_v += torch.matmul(probs.transpose(-1, -2), go)
-        grad_scores = probs * (grad_probs - delta[..., None])
+        grad_scores = grad_probs.sub_(delta[..., None]).mul_(probs)  # in place, as _probs
+        del grad_probs
         grad_q[:, :, rows] = torch.matmul(grad_scores, k_e) * scale
         grad_k += torch.matmul(grad_scores.transpose(-1, -2), q_t) * scale
     return grad_q, _fold(grad_k, groups), _fold(grad_v, groups)

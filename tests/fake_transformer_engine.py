@@ -57,6 +57,7 @@ class DotProductAttention(torch.nn.Module):
         assert qkv_format == "bshd" and attn_mask_type == "causal"
         self.num_heads = num_attention_heads
         self.num_groups = num_gqa_groups or num_attention_heads
+        self.attention_dropout = attention_dropout  # TE keeps the probability (a float)
 
     def forward(self, query_layer, key_layer, value_layer):
         b, s = query_layer.shape[0], query_layer.shape[1]

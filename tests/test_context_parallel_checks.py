@@ -125,3 +125,15 @@ def test_the_cli_refuses_cp_with_a_mamba_layer():
                    "--seq-length", "16", "--mamba-state-dim", "8", "--mamba-head-dim", "8",
                    "--mamba-num-groups", "2", "--mamba-chunk-size", "4")
     assert "context parallelism is not supported with Mamba" in out
+
+
+def test_the_cli_refuses_cp_with_moe_layers_of_the_gpt_model():
+    # E takes the place of - only once --num-experts is set: the check must see what is built.
+    out = _refused("--num-experts", "4", "--cp", "2", "--seq-length", "16")
+    assert "layer type 'E'" in out and "does not support context parallelism" in out
+
+
+def test_the_cli_refuses_cp_with_moe_layers_of_the_hybrid_model():
+    out = _refused("--model", "hybrid", "--hybrid-layer-pattern", "*E", "--num-experts", "4",
+                   "--cp", "2", "--seq-length", "16")
+    assert "layer type 'E'" in out and "does not support context parallelism" in out

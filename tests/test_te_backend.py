@@ -60,3 +60,33 @@ def test_cli_rejects_te_before_launching_ranks():
                                           "--layer-backend", "te", "--nproc-per-node", "2"])
     assert result.exit_code == 2
     assert "needs transformer-engine" in result.output
+
+
+def test_plugtron_cp_fallback_draws_attention_dropout_from_the_layer_stream():
+    """A TE without its own cp runs plugtron's context_parallel_attention; its dropout seed must
+    come from the layer's dropout stream (as local.CoreAttention), not the default stream."""
+    from plugtron.core.random import MODEL_PARALLEL_RNG
+    from plugtron.plugins.layer_backends import te
+
+    from tests import fake_transformer_engine
+
+    seen = {}
+
+    def attention(q, k, v, parallel, comm_type, p):
+        seen.update(state=torch.get_rng_state(), comm_type=comm_type, p=p)
+        torch.rand(4)  # a draw, as draw_dropout's seed: it must advance the stream only
+        return q.flatten(2)
+
+    config = tiny_config(cp=2, seq_length=16, attention_dropout=0.25, cp_comm_type="allgather")
+    with fake_transformer_engine.installed():
+        backend = te.TEBackend(config, ParallelContext.build(2, 1, cp=2, create_groups=False))
+    module = backend.core_attention(4, 2, 8, 0.25).train()
+    stream = backend.rng_tracker.get_state()[MODEL_PARALLEL_RNG]
+    q = torch.randn(1, 8, 4, 8)
+    default = torch.get_rng_state()
+    with mock.patch.object(te, "context_parallel_attention", attention):
+        module(q, q[:, :, :2], q[:, :, :2])
+    assert seen["comm_type"] == "allgather" and seen["p"] == 0.25
+    assert torch.equal(seen["state"], stream)  # drew from the layer's stream...
+    assert torch.equal(torch.get_rng_state(), default)  # ...and left the default one alone
+    assert not torch.equal(backend.rng_tracker.get_state()[MODEL_PARALLEL_RNG], stream)

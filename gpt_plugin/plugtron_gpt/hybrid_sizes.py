@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from plugtron.api import ConfigError, PluginError, TrainConfig, load_layer_types
+from plugtron.api import (
+    ConfigError,
+    PluginError,
+    TrainConfig,
+    check_context_parallel_layers,
+    load_layer_types,
+)
 
 from .hybrid_options import mamba_sizes
 from .hybrid_pattern import check_pattern, chunk_of, layer_symbols
@@ -35,7 +41,7 @@ def validate_hybrid(config) -> None:
     check_pattern(pattern)
     symbols = layer_symbols(pattern)
     try:
-        load_layer_types(symbols)
+        layer_types = load_layer_types(symbols)
     except PluginError as exc:
         raise ConfigError(f"--hybrid-layer-pattern {pattern!r}: {exc}") from None
     samples = getattr(config, "samples", None)  # the datasets' section, when installed
@@ -55,6 +61,9 @@ def validate_hybrid(config) -> None:
         if cp > 1:
             raise ConfigError(f"--cp {cp}: context parallelism is not supported with Mamba "
                               f"layers (M in --hybrid-layer-pattern)")
+    # The pattern is what the Hybrid model builds (no substitution): every other layer type in
+    # it (MoE E, a third party's) must declare cp support too.
+    check_context_parallel_layers(config, layer_types.values())
     if "*" in symbols or "-" in symbols:
         validate_gpt_sizes(config)
     elif m.hidden_size % tp:

@@ -39,6 +39,14 @@ POSITION_EMBEDDING_KEY = "embedding.position_embeddings.weight"
 OUTPUT_LAYER_KEY = "output_layer.weight"
 
 
+def gpt_layer_symbols(config) -> str:
+    """Every symbol the GPT decoder runs over all its layers, after installed layer types have
+    claimed their slots (``E`` for ``-`` on MoE layers): what validation must check, since
+    ``GPT_LAYER`` alone names only the types before substitution."""
+    numbers = range(1, config.model.num_layers + 1)
+    return "".join(substitute_symbols(GPT_LAYER, config, numbers).values())
+
+
 class GPTEmbedding(torch.nn.Module):
     def __init__(self, config, backend, seed: int, learned_positions: bool = True):
         super().__init__()

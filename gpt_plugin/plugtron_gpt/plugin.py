@@ -13,7 +13,7 @@ from plugtron.api import (
     load_layer_types,
 )
 
-from .model import GPT_LAYER, GPTModel
+from .model import GPTModel, gpt_layer_symbols
 from .presets import PRESETS
 from .sizes import architecture, validate_sizes
 
@@ -39,7 +39,9 @@ class GPTPlugin:
     @hookimpl
     def plugtron_validate(self, config):
         validate_sizes(config)
-        check_context_parallel_layers(config, load_layer_types(GPT_LAYER).values())
+        if config.parallel.context_parallel_size > 1:  # the registry is read only when needed
+            check_context_parallel_layers(
+                config, load_layer_types(gpt_layer_symbols(config)).values())
 
     @hookimpl
     def model_info(self, config):

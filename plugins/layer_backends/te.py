@@ -153,21 +153,26 @@ def _te_module_classes(te):
         chunks ``r`` and ``2cp-1-r``); a TE without ``set_context_parallel_group`` falls back
         to plugtron's ``context_parallel_attention``."""
 
-        _plugtron_cp = None  # (parallel, comm type) when plugtron's cp attention is used
+        #: (parallel, comm type, dropout stream) when plugtron's cp attention is used
+        _plugtron_cp = None
 
-        def use_context_parallel(self, parallel, comm_type):
+        def use_context_parallel(self, parallel, comm_type, dropout_rng):
             if hasattr(self, "set_context_parallel_group"):
                 self.set_context_parallel_group(
                     parallel.cp_group, list(parallel.cp_ranks), torch.cuda.Stream(),
                     _TE_CP_COMM_TYPES[comm_type])
             else:
-                self._plugtron_cp = (parallel, comm_type)
+                self._plugtron_cp = (parallel, comm_type, dropout_rng)
 
         def forward(self, q, k, v):
             if self._plugtron_cp is not None:
-                parallel, comm_type = self._plugtron_cp
+                parallel, comm_type, dropout_rng = self._plugtron_cp
                 p = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
-                return context_parallel_attention(q, k, v, parallel, comm_type, p)
+                # TE forks its tracker only around its own dropout; plugtron's primitive draws
+                # its mask seed from the current stream, so enter the layer's dropout stream as
+                # local.CoreAttention does (else it would draw from the default stream).
+                with dropout_rng():
+                    return context_parallel_attention(q, k, v, parallel, comm_type, p)
             out = super().forward(q.contiguous(), k.contiguous(), v.contiguous())
             return out.reshape(q.shape[0], q.shape[1], -1)
 
@@ -225,5 +230,6 @@ class TEBackend(LayerBackend):
             qkv_format="bshd", attn_mask_type="causal",
             get_rng_state_tracker=lambda: self.rng_tracker)
         if self.parallel.cp_size > 1:
-            module.use_context_parallel(self.parallel, self.config.parallel.cp_comm_type)
+            module.use_context_parallel(self.parallel, self.config.parallel.cp_comm_type,
+                                       self.dropout_rng)
         return module

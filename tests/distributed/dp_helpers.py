@@ -56,14 +56,17 @@ class UnevenLossMask:
 
 class InjectNonFinite:
     """Makes the gradient of the model's last parameter inf at ``iteration`` (on data-parallel
-    rank ``dp_rank`` only, when given): a forced fp16 overflow."""
+    rank ``dp_rank`` and context-parallel rank ``cp_rank`` only, when given): a forced fp16
+    overflow."""
 
-    def __init__(self, iteration: int, dp_rank: int | None = None):
+    def __init__(self, iteration: int, dp_rank: int | None = None, cp_rank: int | None = None):
         self.iteration = iteration
-        self.dp_rank = dp_rank
+        self.dp_rank, self.cp_rank = dp_rank, cp_rank
 
     def attach(self, run) -> None:
         if self.dp_rank is not None and run.parallel.dp_rank != self.dp_rank:
+            return
+        if self.cp_rank is not None and run.parallel.cp_rank != self.cp_rank:
             return
         param = named_params(run.model_chunks)[-1][1]
         param.register_hook(lambda g: g * float("inf")

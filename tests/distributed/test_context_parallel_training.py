@@ -6,6 +6,8 @@ tp + sequence parallelism, pp, dp with the distributed optimizer, and tp x cp x 
 the Hybrid model's attention and MLP layers under cp.
 """
 
+import math
+
 import pytest
 from plugtron.testing import assert_layouts_match
 
@@ -49,3 +51,20 @@ def test_hybrid_attention_and_mlp_layers_under_cp(pool):
     assert_layouts_match({"model": "hybrid", "hybrid-layer-pattern": "*-*-", "num-layers": 4,
                           "position-embedding-type": "rope"},
                          layouts=[{"cp": 2}, {"cp": 2, "cp-comm-type": "a2a"}], pool=pool)
+
+
+FP16 = {"fp16": True, "initial_loss_scale": 256.0, "hysteresis": 1, "train_iters": 4,
+        "cp": 2}
+
+
+def test_fp16_overflow_on_one_cp_rank_skips_the_step_on_both(pool):
+    """found-inf reaches every cp rank: an inf gradient on cp rank 1 only (iteration 3) skips
+    that step on both ranks, halves the loss scale on both and leaves them equal."""
+    from tests.distributed.dp_helpers import max_param_diff, pool_train
+
+    results = pool.run(pool_train, FP16, inject=(3, None, 1), world_size=2)
+    for result in results:
+        assert result["skipped"] == [False, False, True, False]
+        assert result["loss_scale"] == [256.0, 256.0, 128.0, 128.0]
+        assert all(math.isfinite(x) for x in result["losses"])
+    assert max_param_diff(results[0]["params"], results[1]["params"]) == 0.0
