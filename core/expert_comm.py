@@ -61,7 +61,9 @@ def all_to_all(x: torch.Tensor, group, output_splits: list[int] | None = None,
 
 def all_to_all_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """Exchange equal-sized count rows (no autograd): ``counts`` is ``[n, ...]`` with row ``j``
-    for group rank ``j``; the result's row ``j`` is what rank ``j`` had for this rank."""
+    for group rank ``j``; the result's row ``j`` is what rank ``j`` had for this rank.
+    ``counts`` must be on the device the group's backend exchanges (the tokens' device: nccl
+    takes cuda tensors only)."""
     if comm.group_size(group) == 1:
         return counts
     return _exchange(counts, group, [1] * counts.shape[0], [1] * counts.shape[0])

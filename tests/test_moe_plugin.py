@@ -184,3 +184,51 @@ def test_topology_shows_the_expert_groups():
     out = invoke(["topology", "--world-size", "4", "--ep", "2"]).output
     assert "ep=2" in out and "edp=2" in out
     assert "ep: [0, 1] [2, 3]" in out and "edp: [0, 2] [1, 3]" in out
+
+
+#: The collectives the MoE code calls, by the module that imports each (patched there: with
+#: one process they return at once, so only the recorded arguments tell where they live).
+_COLLECTIVES = {
+    "plugtron_moe.dispatchers.alltoall": ("all_to_all", "all_to_all_counts"),
+    "plugtron_moe.dispatchers.allgather": ("all_gather_tensor",
+                                           "gather_from_sequence_parallel_region",
+                                           "reduce_scatter_to_sequence_parallel_region"),
+    "plugtron_moe.router": ("all_reduce",),
+}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_collective_gets_tensors_on_the_tokens_device(dispatcher, device, monkeypatch):
+    """nccl exchanges device tensors only, so a count or statistic built on the CPU fails
+    there (gloo on CPU takes anything). Every tensor the MoE layer hands a collective must
+    be on the tokens' device. (Only a CUDA machine can catch a CPU tensor here.)"""
+    import importlib
+
+    from plugtron.core.distributed import single_process
+
+    seen = []
+
+    def recording(fn, name):
+        def call(*args, **kwargs):
+            seen.extend((name, a.device) for a in args if isinstance(a, torch.Tensor))
+            return fn(*args, **kwargs)
+        return call
+
+    for module_name, names in _COLLECTIVES.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            monkeypatch.setattr(module, name, recording(getattr(module, name), name))
+    config = tiny_config(moe_token_dispatcher_type=dispatcher,
+                         moe_router_load_balancing_type="global_aux_loss",
+                         moe_aux_loss_coeff=0.01, **MOE)
+    run = setup(config, world=single_process(device))
+    mlp = run.model_chunks[0].module.decoder.layers["0"].mlp
+    x = torch.randn(2, 16, 32, device=device, requires_grad=True)
+    out, aux = mlp(x)
+    (out.square().sum() + sum(loss for _, loss in aux)).backward()
+    names = {name for name, _ in seen}
+    assert "all_reduce" in names and ("all_to_all_counts" in names) == (dispatcher == "alltoall")
+    wrong = [(name, d) for name, d in seen if d != x.device]
+    assert not wrong, f"collectives given tensors off {x.device}: {wrong}"

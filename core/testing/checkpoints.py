@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 
 from plugtron.core.checkpoint.layout import iteration_dirname
 
@@ -16,7 +17,8 @@ from .runs import pool_for, train_run
 
 def assert_checkpoint_reshards(flags: dict, save_layout: dict, load_layout: dict,
                                iters: int = 4, rtol: float = 1e-5,
-                               pool: DistributedPool | None = None) -> None:
+                               pool: DistributedPool | None = None,
+                               inspect: Callable[[str], None] | None = None) -> None:
     """Train ``iters`` iterations under ``save_layout``, saving at ``iters // 2``; resume that
     checkpoint under ``load_layout``: its iterations ``iters // 2 + 1 .. iters`` equal the
     uninterrupted run's.
@@ -28,6 +30,8 @@ def assert_checkpoint_reshards(flags: dict, save_layout: dict, load_layout: dict
 
     Tolerance (fp32): ``lm_loss`` and ``grad_norm`` relative ``rtol`` (default 1e-5) per resumed
     iteration. ``pool`` must hold the larger layout's world; without one, a pool is started.
+    ``inspect``: called with the saved checkpoint's directory before the resume, for checks of
+    what was written (e.g. with ``CheckpointReader``).
     """
     if iters < 2:
         raise ValueError(f"iters must be at least 2 to save half-way, got {iters}")
@@ -41,6 +45,8 @@ def assert_checkpoint_reshards(flags: dict, save_layout: dict, load_layout: dict
         continuous = train_run(merge_flags(save_flags, {"save": save, "save-interval": half}),
                                worlds[0], p).records
         load = os.path.join(save, iteration_dirname(half))
+        if inspect is not None:
+            inspect(load)
         resumed = train_run(merge_flags(load_flags, {"load": load}), worlds[1], p).records
     if [r["iteration"] for r in resumed] != list(range(half + 1, iters + 1)):
         raise AssertionError(f"{what}: resumed at iterations {[r['iteration'] for r in resumed]}"

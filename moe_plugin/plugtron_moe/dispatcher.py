@@ -32,7 +32,9 @@ The MoE layer calls, for every microbatch, ``dispatch`` then the experts then ``
 
 Both must be differentiable (use the autograd collectives of ``plugtron.api``: ``all_to_all``,
 ``gather_from_sequence_parallel_region``, ...), and every rank of the expert-parallel group
-calls them the same number of times (they are collectives). :meth:`enter_tp` / :meth:`exit_tp`
+calls them the same number of times (they are collectives). Tensors handed to a collective
+(per-expert counts too) live on ``hidden.device``: nccl takes device tensors only.
+:meth:`enter_tp` / :meth:`exit_tp`
 are the tensor-parallel boundary every dispatcher needs: after ``enter_tp`` the rows are the
 same on every rank of the etp group (which holds slices of the same experts) and different
 across the ep group, whatever tp, etp and sequence parallelism are; ``exit_tp`` undoes it.

@@ -1,13 +1,25 @@
 """Hugging Face interchange for MoE models (plugtron-moe's converters): tiny random Mixtral,
 Qwen2-MoE and Qwen3-MoE models built from configs (no downloads). plugtron's logits equal transformers'
-within 1e-5 (fp32); export after import gives back the same tensors."""
+within 1e-5 (fp32); export after import gives back the same tensors, and importing that export
+(transformers 5's fused expert tensors) gives back the same checkpoint."""
 
 from __future__ import annotations
 
+import glob
+import os
+
 import pytest
 import torch
+from safetensors import safe_open
 
-from .hf_models import assert_exports_back, convert, logits_of, save_random, tokens
+from .hf_models import (
+    assert_exports_back,
+    assert_same_checkpoint_tensors,
+    convert,
+    logits_of,
+    save_random,
+    tokens,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,3 +61,19 @@ def test_import_gives_transformers_logits_and_exports_back(kind, tmp_path):
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
 
     assert_exports_back(model, ckpt, back)
+    assert_fused_import_is_identical(ckpt, back, str(tmp_path / "again"))
+
+
+def assert_fused_import_is_identical(ckpt: str, back: str, again: str):
+    """The export writes transformers 5's fused expert tensors (``mlp.experts.gate_up_proj``,
+    ``down_proj``), which transformers' own save_pretrained does not (it writes per-expert
+    names): importing the export reads the fused layout, and gives the first import's
+    checkpoint tensor for tensor, bit for bit."""
+    names = set()
+    for path in glob.glob(os.path.join(back, "*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            names.update(f.keys())
+    assert any(n.endswith("mlp.experts.gate_up_proj") for n in names), sorted(names)
+    assert not any(".experts.0." in n for n in names), sorted(names)
+    convert("import-hf", back, again)
+    assert_same_checkpoint_tensors(ckpt, again, VOCAB)

@@ -24,7 +24,8 @@ class AllToAllDispatcher(TokenDispatcher):
         ep, local = group_size(self.ep_group), len(self.local_experts)
         # Permute: rows grouped by global expert, so each destination's rows are contiguous.
         rows, cols, counts = self.rows_by_expert(m, range(self.num_experts))
-        send = torch.tensor(counts, dtype=torch.long).view(ep, local)
+        # On the tokens' device: nccl exchanges device tensors only (gloo takes either).
+        send = torch.tensor(counts, dtype=torch.long, device=hidden.device).view(ep, local)
         recv = all_to_all_counts(send, self.ep_group)  # [source rank, local expert]
         input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         received = all_to_all(x.index_select(0, rows), self.ep_group, output_splits,
