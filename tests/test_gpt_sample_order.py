@@ -170,6 +170,9 @@ def test_compiled_blend_loops_equal_each_other_python_and_megatron(monkeypatch):
         for a, b in zip(fast, general):
             assert a.dtype == b.dtype and np.array_equal(a, b), weights
         assert fast[0].dtype == np.int16 and fast[1].dtype == np.int64
+        for size in (0, 1, 2, 3):  # the first two samples share scale 1
+            short = gpt_indices.compiled_blend(helpers, weights, size)
+            assert all(np.array_equal(a, b[:size]) for a, b in zip(short, fast)), weights
         if helpers_cpp is not None:
             d, s = np.zeros(4000, dtype=np.int16), np.zeros(4000, dtype=np.int64)
             helpers_cpp.build_blending_indices(d, s, np.array(weights), len(weights), 4000, False)
