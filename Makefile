@@ -19,9 +19,10 @@ $(STAMP): setup.cfg gpt_plugin/setup.cfg moe_plugin/setup.cfg pyproject.toml
 	touch $(STAMP)
 
 # The sequential loops of Megatron's index building, compiled (optional: without a C compiler
-# the same arrays come from numpy/Python, slower).
+# the same arrays come from numpy/Python, slower). -ffp-contract=off: a fused multiply-add
+# (were -mfma ever added) would round w*s - count once instead of twice and change the blend.
 $(BLEND): plugins/datasets/index_helpers.c
-	-$(CC) -O3 -shared -fPIC -o $@ $<
+	-$(CC) -O3 -ffp-contract=off -shared -fPIC -o $@ $<
 
 install: $(STAMP) $(BLEND)
 

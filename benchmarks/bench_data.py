@@ -14,6 +14,10 @@
   sample with labels and masks) against Megatron-Core's ``IndexedDataset.get``.
 
     flock /tmp/plugtron-tests.lock .venv/bin/python benchmarks/bench_data.py [--big-tokens 1e9]
+        [--only blend [--blend-sizes 10000000]]
+
+``--only blend`` runs the blending rows alone (each fresh child imports Megatron-Core, seconds on
+a loaded machine, so the whole script does not fit a short hold of the shared test lock).
 
 Fresh processes are compared like with like: both sides' children import the same modules
 (plugtron's index builder and, when installed, Megatron-Core's) before the timer, and before every
@@ -279,6 +283,8 @@ def main() -> None:
     parser.add_argument("--big-tokens", type=float, default=1e9)
     parser.add_argument("--preprocess-docs", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", choices=("all", "blend"), default="all")
+    parser.add_argument("--blend-sizes", type=int, nargs="+", default=[1_000_000, 10_000_000])
     args = parser.parse_args()
     if args.child:
         kind, impl, *rest = args.child
@@ -291,11 +297,13 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="plugtron-bench-data-")
     report = {"megatron_core": mcore, "seq_length": SEQ, "mean_document": MEAN_DOC}
     try:
-        report["preprocess"] = bench_preprocess(folder, args.preprocess_docs)
-        print(json.dumps({"preprocess": report["preprocess"]}), flush=True)
         impls = ["plugtron", "megatron"] if mcore else ["plugtron"]
-        for name, tokens, real in (("10M", 10_000_000, True),
-                                   (f"{args.big_tokens:.0e}", int(args.big_tokens), False)):
+        if args.only == "all":
+            report["preprocess"] = bench_preprocess(folder, args.preprocess_docs)
+            print(json.dumps({"preprocess": report["preprocess"]}), flush=True)
+        corpora = (("10M", 10_000_000, True),
+                   (f"{args.big_tokens:.0e}", int(args.big_tokens), False))
+        for name, tokens, real in corpora if args.only == "all" else ():
             prefix = os.path.join(folder, f"c{name}")
             write_corpus(prefix, tokens, real)
             got = rounds(impls, args.rounds, lambda impl: in_child("index", impl, prefix, 1234))
@@ -322,7 +330,7 @@ def main() -> None:
                 report["access_10M"] = bench_access(prefix)
                 print(json.dumps({"access_10M": report["access_10M"]}), flush=True)
             os.remove(prefix + ".bin")
-        for size in (1_000_000, 10_000_000):
+        for size in args.blend_sizes:
             blend_impls = impls + (["plugtron-python"] if size <= 1_000_000 else [])
             got = rounds(blend_impls, args.rounds, lambda impl: in_child("blend", impl, size))
             entry = {impl: median([r["seconds"] for r in rs]) for impl, rs in got.items()}

@@ -7,8 +7,12 @@ arrays, with the minor faults (getrusage) and the machine's huge-page and compac
     flock /tmp/plugtron-tests.lock .venv/bin/python benchmarks/blend_first_touch.py \\
         plugtron-nohuge plugtron plugtron megatron-nohuge megatron megatron
 
-Variants: ``plugtron`` or ``megatron`` (the latter needs megatron-core), with ``-nohuge`` (numpy
-does not ask for transparent huge pages) or ``-torch`` (torch imported first) appended.
+Variants: ``plugtron``, ``plugtron-general`` (the compiled general loop, which was plugtron's only
+loop before the register loop for 2-8 datasets) or ``megatron`` (needs megatron-core), with any
+of these appended: ``-nohuge`` (numpy does not ask for transparent huge pages), ``-torch`` (torch
+imported first), ``-pretouch`` (the outputs written once before the first call, timed as their
+own phase, so that the first call is the loop alone in a fresh process) and ``-light`` (Megatron's
+compiled helpers_cpp loaded from its file without importing megatron.core, which takes seconds).
 """
 
 from __future__ import annotations
@@ -28,6 +32,20 @@ def vmstat() -> dict:
         return {k: int(v) for k, v in (line.split() for line in f) if k in KEYS}
 
 
+def load_helpers_cpp():
+    """megatron/core/datasets/helpers_cpp*.so as a module, without megatron.core's __init__."""
+    import glob
+    import importlib.util
+    import site
+
+    path = next(p for d in site.getsitepackages()
+                for p in glob.glob(f"{d}/megatron/core/datasets/helpers_cpp*.so"))
+    spec = importlib.util.spec_from_file_location("helpers_cpp", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def child(variant: str) -> dict:
     start = time.perf_counter()
     if "torch" in variant:
@@ -35,7 +53,9 @@ def child(variant: str) -> dict:
     import numpy as np
 
     megatron = variant.startswith("megatron")
-    if megatron:
+    if megatron and "light" in variant:
+        helpers_cpp = load_helpers_cpp()
+    elif megatron:
         from megatron.core.datasets import helpers_cpp
     else:
         from plugtron.plugins.datasets import gpt_indices
@@ -50,7 +70,7 @@ def child(variant: str) -> dict:
             helpers_cpp.build_blending_indices(d, s, weights, 3, SIZE, False)
         else:  # the same call gpt_indices.build_blending_indices makes, on arrays given here
             helpers.build_blending_indices(d.ctypes.data, s.ctypes.data, weights.ctypes.data, 3,
-                                           SIZE, counts.ctypes.data)
+                                           SIZE, counts.ctypes.data, int("general" in variant))
 
     out = {"variant": variant, "import_s": round(time.perf_counter() - start, 3)}
     marks = [(time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt)]
@@ -65,6 +85,10 @@ def child(variant: str) -> dict:
     allocate = np.zeros if megatron else np.empty  # as each side allocates its outputs
     d, s = allocate(SIZE, dtype=np.int16), allocate(SIZE, dtype=np.int64)
     mark("alloc")
+    if "pretouch" in variant:
+        d.fill(1)
+        s.fill(1)
+        mark("pretouch")
     call(d, s)
     mark("first_call")
     vm_after = vmstat()

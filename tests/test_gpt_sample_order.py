@@ -141,6 +141,53 @@ def test_compiled_helpers_equal_numpy_and_python(monkeypatch):
         assert a.dtype == b.dtype and np.array_equal(a, b)
 
 
+def blend_weight_cases():
+    """Ties (equal weights, so exact-tie breaking decides), zero weights, 1 to 10 datasets (the
+    compiled register loop takes 2-8, its general loop the rest) and random weights."""
+    rng = np.random.default_rng(5)
+    cases = [[1.0], [0.5, 0.5], [1 / 3] * 3, [0.25] * 4, [0.2] * 5, [1 / 6] * 6, [1 / 7] * 7,
+             [0.125] * 8, [1 / 9] * 9, [0.1] * 10, [0.0, 1.0], [0.3, 0.0, 0.7], [0.2, 0.5, 0.3]]
+    for n in range(2, 11):
+        w = rng.random(n) * (rng.random(n) > 0.25) + 1e-3
+        cases.append(gpt_indices.normalize(w))
+        cases.append(gpt_indices.normalize(rng.integers(1, 4, n)))  # many exact ties
+    return cases
+
+
+def test_compiled_blend_loops_equal_each_other_python_and_megatron(monkeypatch):
+    """The register loop (2-8 datasets) against the compiled general loop, the Python loop and,
+    when installed, Megatron-Core's build_blending_indices: the same integers and dtypes."""
+    helpers = gpt_indices._helpers()
+    if helpers is None:
+        pytest.skip("index_helpers.so not built (make install compiles it)")
+    try:
+        from megatron.core.datasets import helpers_cpp
+    except Exception:
+        helpers_cpp = None
+    for weights in blend_weight_cases():
+        fast = gpt_indices.compiled_blend(helpers, weights, 4000)
+        general = gpt_indices.compiled_blend(helpers, weights, 4000, general=True)
+        for a, b in zip(fast, general):
+            assert a.dtype == b.dtype and np.array_equal(a, b), weights
+        assert fast[0].dtype == np.int16 and fast[1].dtype == np.int64
+        for size in (0, 1, 2, 3):  # the first two samples share scale 1
+            short = gpt_indices.compiled_blend(helpers, weights, size)
+            assert all(np.array_equal(a, b[:size]) for a, b in zip(short, fast)), weights
+        if helpers_cpp is not None:
+            d, s = np.zeros(4000, dtype=np.int16), np.zeros(4000, dtype=np.int64)
+            helpers_cpp.build_blending_indices(d, s, np.array(weights), len(weights), 4000, False)
+            assert np.array_equal(d, fast[0]) and np.array_equal(s, fast[1]), weights
+    monkeypatch.setenv("PLUGTRON_NO_INDEX_HELPERS", "1")
+    gpt_indices._helpers.cache_clear()
+    try:
+        for weights in blend_weight_cases():
+            pure = gpt_indices.build_blending_indices(weights, 600)
+            fast = gpt_indices.compiled_blend(helpers, weights, 600)
+            assert all(np.array_equal(a, b) for a, b in zip(pure, fast)), weights
+    finally:
+        gpt_indices._helpers.cache_clear()
+
+
 # --------------------------------------------------------------------------- datasets
 
 

@@ -159,15 +159,11 @@ def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray,
     """(dataset index int16, sample index within that dataset int64) of the greedy rule: the
     compiled loop (index_helpers.c) when ``make install`` built it, else the same in Python."""
     weights = [float(w) for w in weights]
-    dataset_index = np.empty(size, dtype=np.int16)
-    sample_index = np.empty(size, dtype=np.int64)
     helpers = _helpers()
     if helpers is not None:
-        w = np.ascontiguousarray(weights, dtype=np.float64)
-        counts = np.zeros(len(weights), dtype=np.int64)
-        helpers.build_blending_indices(dataset_index.ctypes.data, sample_index.ctypes.data, w.ctypes.data,
-               len(weights), size, counts.ctypes.data)
-        return dataset_index, sample_index
+        return compiled_blend(helpers, weights, size)
+    dataset_index = np.empty(size, dtype=np.int16)
+    sample_index = np.empty(size, dtype=np.int64)
     counts = [0] * len(weights)
     pairs = list(enumerate(weights))
     for s in range(size):
@@ -180,6 +176,20 @@ def build_blending_indices(weights: list[float], size: int) -> tuple[np.ndarray,
         dataset_index[s] = best
         sample_index[s] = counts[best]
         counts[best] += 1
+    return dataset_index, sample_index
+
+
+def compiled_blend(helpers, weights: list[float], size: int, general: bool = False):
+    """The compiled blend; ``general`` forces its any-number-of-datasets loop instead of the
+    register loop it uses for 2-8 datasets (the tests compare the two). The outputs are left
+    uninitialised: the loop writes every element once, in order."""
+    dataset_index = np.empty(size, dtype=np.int16)
+    sample_index = np.empty(size, dtype=np.int64)
+    w = np.ascontiguousarray(weights, dtype=np.float64)
+    counts = np.empty(len(weights), dtype=np.int64)
+    helpers.build_blending_indices(dataset_index.ctypes.data, sample_index.ctypes.data,
+                                   w.ctypes.data, len(weights), size, counts.ctypes.data,
+                                   int(general))
     return dataset_index, sample_index
 
 
@@ -198,7 +208,8 @@ def _helpers():
         return None
     pointer, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     library.build_blending_indices.restype = None
-    library.build_blending_indices.argtypes = [pointer, pointer, pointer, i32, i64, pointer]
+    library.build_blending_indices.argtypes = [pointer, pointer, pointer, i32, i64, pointer,
+                                                   i32]
     library.build_sample_index.restype = None
     library.build_sample_index.argtypes = [pointer, pointer, i64, i64, i64, pointer]
     return library
