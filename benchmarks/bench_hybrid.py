@@ -1,7 +1,8 @@
 """The Hybrid model's speed: plugtron's Mamba-2 layer against transformers', hybrid against GPT,
 and how the step time grows with the sequence.
 
-Usage: python benchmarks/bench_hybrid.py [--threads 2] [--repeats 3] [--write]
+Usage: python benchmarks/bench_hybrid.py [--threads 2] [--repeats 3] [--sections layer,models,scaling]
+[--write]
 
 1. One Mamba-2 layer (pre-norm, mixer, residual), forward + backward, tokens/s: plugtron's
    ``M`` layer against transformers' ``Mamba2Block`` on its pure-torch path (no CUDA kernels),
@@ -228,7 +229,8 @@ def report(args, layer_rows, models, scaling_rows, plotted) -> str:
              f"({datetime.date.today().isoformat()})\n",
              f"Machine: {platform.machine()} CPU, {args.threads} threads, torch "
              f"{torch.__version__}. Command: `python benchmarks/bench_hybrid.py --threads "
-             f"{args.threads} --repeats {args.repeats} --write`. fp32, batch 1, hidden "
+             f"{args.threads} --repeats {args.repeats} --sections {args.sections} --write`. "
+             f"fp32, batch 1, hidden "
              f"{SIZES['hidden-size']}, Mamba head dim {SIZES['mamba-head-dim']} (8 heads), "
              f"state {SIZES['mamba-state-dim']}, {SIZES['mamba-num-groups']} groups, chunk "
              f"{SIZES['mamba-chunk-size']}; medians of {args.repeats} rounds, the two sides "
@@ -238,12 +240,14 @@ def report(args, layer_rows, models, scaling_rows, plotted) -> str:
              "|---|---|---|---|"]
     lines += [f"| {r['seq']} | {r['plugtron']:,.0f} | {r['transformers']:,.0f} | "
               f"{r['ratio']:.2f} |" for r in layer_rows]
-    lines += ["", "| model (seq 2048) | parameters | tokens/s | peak memory (MiB) |",
-              "|---|---|---|---|"]
-    lines += [f"| {name} | {m['params']:,} | {m['tokens_s']:,.0f} | {m['peak_mib']:,.0f} |"
-              for name, m in models.items()]
-    lines += ["", "| seq | 4 x M step (s) | 4 x * step (s) |", "|---|---|---|"]
-    lines += [f"| {r['seq']} | {r['M']:.3f} | {r['*']:.3f} |" for r in scaling_rows]
+    if models:
+        lines += ["", "| model (seq 2048) | parameters | tokens/s | peak memory (MiB) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {name} | {m['params']:,} | {m['tokens_s']:,.0f} | {m['peak_mib']:,.0f} |"
+                  for name, m in models.items()]
+    if scaling_rows:
+        lines += ["", "| seq | 4 x M step (s) | 4 x * step (s) |", "|---|---|---|"]
+        lines += [f"| {r['seq']} | {r['M']:.3f} | {r['*']:.3f} |" for r in scaling_rows]
     if plotted:
         lines += ["", "Plot: benchmarks/hybrid_scaling.png."]
     return "\n".join(lines) + "\n"
@@ -255,14 +259,22 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--layer-seqs", default="512,1024,2048")
     parser.add_argument("--scaling-seqs", default="256,512,1024,2048,4096")
+    parser.add_argument("--sections", default="layer,models,scaling",
+                        help="which parts to run (comma-separated): layer, models, scaling")
     parser.add_argument("--write", action="store_true", help="append to benchmarks/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    layer_rows = bench_layer([int(s) for s in args.layer_seqs.split(",")], args.repeats)
-    models = bench_models(2048, args.repeats, args.threads)
-    scaling_rows = bench_scaling([int(s) for s in args.scaling_seqs.split(",")], args.repeats)
-    plotted = plot(scaling_rows, os.path.join(HERE, "hybrid_scaling.png"))
+    sections = set(args.sections.split(","))
+    unknown = sections - {"layer", "models", "scaling"}
+    if unknown:
+        parser.error(f"unknown --sections {sorted(unknown)}; allowed: layer, models, scaling")
+    layer_rows = (bench_layer([int(s) for s in args.layer_seqs.split(",")], args.repeats)
+                  if "layer" in sections else [])
+    models = bench_models(2048, args.repeats, args.threads) if "models" in sections else {}
+    scaling_rows = (bench_scaling([int(s) for s in args.scaling_seqs.split(",")], args.repeats)
+                    if "scaling" in sections else [])
+    plotted = scaling_rows and plot(scaling_rows, os.path.join(HERE, "hybrid_scaling.png"))
     text = report(args, layer_rows, models, scaling_rows, plotted)
     print(text)
     if args.write:

@@ -1,4 +1,4 @@
-"""The Mamba-2 mixer's hand-written autograd functions (conv + SiLU, intra-chunk scan, gated
+"""The Mamba-2 mixer's hand-written autograd functions (conv + SiLU, the chunked scan, gated
 norm): gradcheck in float64 (their backwards are written by hand, so autograd's numerical check
 is the reference), and each equals the plain torch ops it replaces."""
 
@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from plugtron_gpt.causal_conv import causal_conv_silu
 from plugtron_gpt.gated_norm import gated_rms_norm
-from plugtron_gpt.ssd_intra import intra_chunk
+from plugtron_gpt.ssd import sequential_scan
+from plugtron_gpt.ssd_chunked import chunked_scan
 
 
 def test_conv_silu_gradcheck():
@@ -29,16 +30,29 @@ def test_conv_silu_equals_torch_conv1d():
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
-def test_intra_chunk_gradcheck():
-    """Two chunks, two groups of two heads: the closed-form gradient through the decay matrix
-    (row sums minus column sums) against finite differences."""
-    g = torch.Generator().manual_seed(2)
-    C = torch.randn(1, 2, 2, 5, 3, dtype=torch.float64, generator=g)
-    B = torch.randn(1, 2, 2, 5, 3, dtype=torch.float64, generator=g)
-    X = torch.randn(1, 2, 2, 2, 5, 4, dtype=torch.float64, generator=g)
-    log_decay = -torch.rand(1, 2, 2, 2, 5, dtype=torch.float64, generator=g)
-    args = [t.requires_grad_() for t in (C, B, X, log_decay)]
-    assert torch.autograd.gradcheck(intra_chunk, args)
+def _scan_inputs(length, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, length, 4, 3, dtype=torch.float64, generator=g)
+    dt = F.softplus(torch.randn(2, length, 4, dtype=torch.float64, generator=g))
+    A = -torch.rand(4, dtype=torch.float64, generator=g) * 2 - 0.1
+    B = torch.randn(2, length, 2, 3, dtype=torch.float64, generator=g)
+    C = torch.randn(2, length, 2, 3, dtype=torch.float64, generator=g)
+    D = torch.randn(4, dtype=torch.float64, generator=g)
+    return [t.requires_grad_() for t in (x, dt, A, B, C, D)]
+
+
+def test_chunked_scan_gradcheck():
+    """Three chunks (the last one padded), two groups of two heads, the D skip: the closed-form
+    gradients through both decay matrices (in-chunk and between chunks) and the one shared
+    output matmul against finite differences."""
+    args = _scan_inputs(7, seed=2)
+    assert torch.autograd.gradcheck(lambda *a: chunked_scan(*a, 3), args)
+
+
+def test_chunked_scan_equals_recurrence_plus_skip():
+    x, dt, A, B, C, D = _scan_inputs(9, seed=4)
+    want = sequential_scan(x, dt, A, B, C) + x * D[:, None]
+    torch.testing.assert_close(chunked_scan(x, dt, A, B, C, D, 4), want, rtol=1e-12, atol=1e-12)
 
 
 def test_gated_rms_norm_gradcheck_and_value():

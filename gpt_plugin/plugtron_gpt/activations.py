@@ -99,9 +99,12 @@ def mamba_layer_bytes(layer, shape) -> int:
     total += conv * (s + CONV_WIDTH - 1) // s + conv
     padded = -(-s // q) * q
     chunks = padded // q
-    total += 4 * 3 * b * heads * padded * q  # scores, decay, their product (ssd_intra)
-    total += 4 * 2 * b * chunks * heads * p * n  # chunk states, entering states
-    # x, dt x, its decayed-to-chunk-end copy, the inter-chunk output; B, C; dt and two decays
-    total += 4 * b * padded * (4 * heads * p + 2 * bc + 3 * heads)
+    groups, tokens = mixer.groups, 4 * b * padded  # the scan keeps fp32 over whole chunks
+    # ssd_chunked.py: per group C . B; per head the decay matrix, [L * G | e C], x and
+    # [dt x ; entering state], w B, the two decays; B, C re-laid out (dt is the softplus's
+    # output, counted there); per chunk each head's own state.
+    total += tokens * (groups * q + heads * (2 * q + n) + 2 * heads * p + heads * n
+                       + 2 * heads + 2 * bc)
+    total += 4 * b * chunks * heads * 2 * n * p
     total += 3 * shape.tensor(inner, 4) + shape.tensor(inner)  # gated norm, out_proj input
     return total + shape.dropout_mask(h, layer.hidden_dropout)

@@ -130,16 +130,18 @@ class MambaMixer(torch.nn.Module):
         A = -torch.exp(self.A_log.float())
         B = B.reshape(batch, length, self.groups, self.state).float()
         C = C.reshape(batch, length, self.groups, self.state).float()
+        D = self.D.float()
         if cached is None:
-            y = ssd_scan(x.float(), dt, A, B, C, self.chunk_size)
+            y = ssd_scan(x.float(), dt, A, B, C, self.chunk_size, D)  # D x folded in
         else:
             y, ssm = ssd_step(cached[1], x.float(), dt, A, B, C)
+            y = y + x.float() * D[:, None]
         if inference is not None and inference.use_cache:
             if cached is None:
                 ssm = ssd_final_state(x.float(), dt, A, B)
             window = F.pad(conv_in, (0, 0, CONV_WIDTH - 1, 0))[:, -(CONV_WIDTH - 1):]
             inference.recurrent[self.cache_key] = (window, ssm)
-        y = (y + x.float() * self.D.float()[:, None]).to(hidden.dtype)
+        y = y.to(hidden.dtype)
         out, _ = self.out_proj(self.norm(y.flatten(2), z))
         return out
 

@@ -15,65 +15,26 @@ which changes nothing before them, so the result is exact for any length.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from .ssd_intra import decay_matrix, intra_chunk
+from .ssd_chunked import chunked_scan
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
-             C: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """``y`` of the recurrence above from a zero initial state.
+             C: torch.Tensor, chunk_size: int, D: torch.Tensor | None = None) -> torch.Tensor:
+    """``y`` of the recurrence above from a zero initial state, plus ``D x`` when ``D`` is given
+    (the mixer's skip, folded in so that it costs no pass of its own).
 
-    ``x``: ``[b, l, heads, head_dim]``; ``dt``: ``[b, l, heads]`` (after softplus); ``A``:
-    ``[heads]`` (negative); ``B``, ``C``: ``[b, l, groups, state]``, head h reading group
+    ``x``: ``[b, l, heads, head_dim]``; ``dt``: ``[b, l, heads]`` (after softplus); ``A``, ``D``:
+    ``[heads]`` (``A`` negative); ``B``, ``C``: ``[b, l, groups, state]``, head h reading group
     ``h // (heads / groups)``. Returns ``[b, l, heads, head_dim]`` in ``x``'s dtype.
 
-    Everything runs in one layout, ``[b, c, g, r, Q, ...]`` (batch, chunk, group, head in the
-    group, token in the chunk): the heads stay grouped so that ``C . B`` is computed once per
-    group, not once per head, and each product is a batched matmul over matrices that are
-    already contiguous (one permuting copy of ``x`` in, one of ``y`` out).
+    One autograd function (ssd_chunked.py) in one layout, ``[b, c, g, r, Q, ...]`` (batch,
+    chunk, group, head in the group, token in the chunk): ``C . B`` once per group, the
+    intra-chunk and the entering-state outputs as one batched matmul, hand-written backward.
     """
-    batch, length, heads, head_dim = x.shape
-    groups, state = B.shape[2], B.shape[3]
-    per_group = heads // groups
-    pad = (-length) % chunk_size
-    if pad:
-        x, B, C = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (x, B, C))
-        dt = F.pad(dt, (0, 0, 0, pad))
-    chunks, q = x.shape[1] // chunk_size, chunk_size
-
-    # [b, c, Q, g, r, p] -> [b, c, g, r, Q, p]; B, C: [b, c, Q, g, n] -> [b, c, g, Q, n].
-    dt = dt.reshape(batch, chunks, q, groups, per_group).permute(0, 1, 3, 4, 2)
-    x_dt = (x.reshape(batch, chunks, q, groups, per_group, head_dim).permute(0, 1, 3, 4, 2, 5)
-            * dt[..., None]).contiguous()                         # the input term dt_j x_j
-    B = B.reshape(batch, chunks, q, groups, state).transpose(2, 3).contiguous()
-    C = C.reshape(batch, chunks, q, groups, state).transpose(2, 3).contiguous()
-    log_decay = dt * A.reshape(groups, per_group, 1)               # [b, c, g, r, Q]
-    cumulative = torch.cumsum(log_decay, dim=-1)
-
-    # 1. Within each chunk: y_i = sum_{j<=i} (C_i . B_j) decay(j -> i) dt_j x_j.
-    y = intra_chunk(C, B, x_dt, log_decay)
-
-    # 2. Each chunk's final state from its own tokens: sum_j decay(j -> end) dt_j x_j B_j^T.
-    to_end = torch.exp(cumulative[..., -1:] - cumulative)          # [b, c, g, r, Q]
-    states = torch.matmul((x_dt * to_end[..., None]).transpose(-1, -2),
-                          B.unsqueeze(3))                          # [b, c, g, r, p, n]
-
-    # 3. Pass states between chunks: the state entering chunk c sums the earlier chunks' states,
-    #    each decayed over the chunks in between (a chunks x chunks decay matrix; the chunks are
-    #    few, so this is one small batched matmul rather than a loop).
-    totals = cumulative[..., -1].permute(0, 2, 3, 1)               # [b, g, r, c]
-    chunk_decay = decay_matrix(F.pad(totals, (1, 0)))[..., :-1, 1:]  # [b, g, r, c, c]
-    flat = states.permute(0, 2, 3, 1, 4, 5).reshape(batch, groups, per_group, chunks, -1)
-    entering = torch.matmul(chunk_decay, flat)                     # [b, g, r, c, p*n]
-    entering = entering.reshape(batch, groups, per_group, chunks, head_dim, state)
-    entering = entering.permute(0, 3, 1, 2, 4, 5)                  # [b, c, g, r, p, n]
-
-    # 4. The entering state's contribution inside each chunk: C_i . S decayed to token i.
-    y = y + torch.matmul(C.unsqueeze(3), entering.transpose(-1, -2)) \
-        * torch.exp(cumulative)[..., None]
-    y = y.permute(0, 1, 4, 2, 3, 5).reshape(batch, chunks * q, heads, head_dim)
-    return y[:, :length]
+    if D is None:
+        D = x.new_zeros(x.shape[2])
+    return chunked_scan(x, dt, A, B, C, D, chunk_size)
 
 
 def sequential_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
