@@ -128,9 +128,18 @@ class CheckpointReader:
         """Every piece against its file's safetensors header (key, dtype, shape), and the
         pieces of each tensor tile it exactly once; nothing is read or allocated before."""
         headers = {}
+        backing: dict[tuple[str, str], str] = {}  # (file, key) -> the tensor it is a piece of
         for logical, rec in self.tensors.items():
             where = self._where[logical]
             for piece in rec.pieces:
+                # One stored tensor backs one piece: plugtron never writes a key twice, and a
+                # key reused would let one stored block stand for several parts of a tensor.
+                user = backing.get((piece.file, piece.key))
+                if user is not None:
+                    raise CheckpointError(f"{where}: tensor {logical!r}: key {piece.key!r} of "
+                                          f"{piece.file} backs more than one piece (one of "
+                                          f"them of {user!r})")
+                backing[(piece.file, piece.key)] = logical
                 if piece.file not in headers:
                     headers[piece.file] = read_header(os.path.join(self.path, piece.file))
                 entry = headers[piece.file].get(piece.key)
