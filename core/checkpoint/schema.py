@@ -160,17 +160,19 @@ def check_tiling(logical: str, global_shape: tuple, pieces: list, where: str) ->
 
     from .pieces import volume
 
+    logical = f"{logical!r} (field tensors[{logical!r}].pieces)"
+
     for p in pieces:
         if any(o + n > g for o, n, g in zip(p.offset, p.shape, global_shape)):
-            raise CheckpointError(f"{where}: tensor {logical!r}: piece at {p.offset} of shape "
+            raise CheckpointError(f"{where}: tensor {logical}: piece at {p.offset} of shape "
                                   f"{p.shape} lies outside the global shape {global_shape}")
     total = sum(volume(p.shape) for p in pieces)
     if total != volume(global_shape):
-        raise CheckpointError(f"{where}: tensor {logical!r}: its pieces hold {total} elements, "
+        raise CheckpointError(f"{where}: tensor {logical}: its pieces hold {total} elements, "
                               f"the global shape {global_shape} has {volume(global_shape)}")
     if not global_shape:
         if len(pieces) != 1:
-            raise CheckpointError(f"{where}: scalar tensor {logical!r} has {len(pieces)} pieces")
+            raise CheckpointError(f"{where}: scalar tensor {logical} has {len(pieces)} pieces")
         return
     solid = [p for p in pieces if volume(p.shape)]  # empty pieces cover nothing
     cuts = [sorted({0, g} | {p.offset[d] for p in solid} | {p.offset[d] + p.shape[d]
@@ -180,7 +182,7 @@ def check_tiling(logical: str, global_shape: tuple, pieces: list, where: str) ->
     for c in cuts:
         cells *= len(c) - 1
     if cells > MAX_TILING_CELLS:
-        raise CheckpointError(f"{where}: tensor {logical!r}: its {len(pieces)} pieces cut it "
+        raise CheckpointError(f"{where}: tensor {logical}: its {len(pieces)} pieces cut it "
                               f"into {cells} cells, more than the {MAX_TILING_CELLS} allowed "
                               f"(pieces must split a tensor along few boundaries)")
     index = [{v: i for i, v in enumerate(c)} for c in cuts]
@@ -192,10 +194,10 @@ def check_tiling(logical: str, global_shape: tuple, pieces: list, where: str) ->
         taken = painted[painted != 0]
         if taken.size:
             other = solid[int(taken[0]) - 1]
-            raise CheckpointError(f"{where}: tensor {logical!r}: pieces at {other.offset} and "
+            raise CheckpointError(f"{where}: tensor {logical}: pieces at {other.offset} and "
                                   f"{p.offset} overlap")
         painted[...] = number
     empty = np.argwhere(owner == 0)
     if empty.size:  # not reachable with equal totals and no overlap; kept as a guard
         at = tuple(int(cuts[d][i]) for d, i in enumerate(empty[0]))
-        raise CheckpointError(f"{where}: tensor {logical!r}: no piece covers the element at {at}")
+        raise CheckpointError(f"{where}: tensor {logical}: no piece covers the element at {at}")

@@ -33,8 +33,9 @@ def test_tiling_accepts_exact_and_names_overlap_gap_outside():
     pinwheel = [_p((0, 0), (2, 1)), _p((0, 1), (1, 2)), _p((1, 1), (1, 1)), _p((2, 0), (1, 2)),
                 _p((1, 2), (2, 1))]  # no straight cut through it: not a product grid
     schema.check_tiling("t", (3, 3), pinwheel, "m.json")
-    with pytest.raises(CheckpointError, match=r"m.json: tensor 't': pieces at \(0, 0\) and "
-                                              r"\(0, 2\) overlap"):
+    with pytest.raises(CheckpointError, match=r"m.json: tensor 't' \(field tensors\['t'\]"
+                                              r"\.pieces\): pieces at \(0, 0\) and \(0, 2\) "
+                                              r"overlap"):
         schema.check_tiling("t", (4, 4), [_p((0, 0), (4, 3)), _p((0, 2), (4, 1))], "m.json")
     with pytest.raises(CheckpointError, match="hold 12 elements"):
         schema.check_tiling("t", (4, 4), [_p((0, 0), (4, 3))], "m.json")
