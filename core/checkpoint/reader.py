@@ -71,7 +71,8 @@ class CheckpointReader:
         self.metadata = jsonio.read_json(meta_path)
         if not isinstance(self.metadata, dict) or self.metadata.get("format") != FORMAT:
             found = self.metadata.get("format") if isinstance(self.metadata, dict) else None
-            raise CheckpointError(f"{self.path} is not a plugtron checkpoint (format {found!r})")
+            raise CheckpointError(f"{meta_path}: field format is {found!r}, not {FORMAT!r}: "
+                                  f"{self.path} is not a plugtron checkpoint")
         schema.check_metadata(self.metadata, meta_path)
         if self.metadata["version"] > VERSION:
             raise CheckpointError(f"{self.path} has checkpoint format version "
