@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 
 from plugtron.core import run_status
 from plugtron.core.errors import PlugtronError
@@ -35,18 +36,23 @@ def _signal_all(sig: int) -> None:
 class _Signals:
     """The launcher's stop signals: the first one is passed on to every rank, which stops
     cleanly (ranks run in sessions of their own and do not see a terminal's Ctrl-C); a second
-    SIGINT kills them all at once."""
+    SIGINT kills them all at once (not one within a second of the first: the same stop sent to
+    every process of the job, preemption.is_abort)."""
 
     def __init__(self):
+        from plugtron.core.preemption import is_abort  # imported here, never in the handler
+
+        self.is_abort = is_abort
         self.received = None
+        self.received_at = 0.0
 
     def __call__(self, signum, frame):
         if self.received is not None:
-            if signum == signal.SIGINT:
+            if self.is_abort(signum, self.received_at):
                 _signal_all(signal.SIGKILL)
                 os._exit(128 + signal.SIGINT)
             return
-        self.received = signum
+        self.received, self.received_at = signum, time.monotonic()
         _signal_all(signal.SIGCONT)  # a stopped rank must run to see it
         _signal_all(signum)
 

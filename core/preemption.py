@@ -3,7 +3,8 @@
 
 A signal only sets a flag; between two steps every rank asks :func:`check`, which agrees on the
 flag over the world (one tiny all-reduce), so all ranks stop after the same iteration, save
-(the normal end-of-training save) and exit. A second SIGINT aborts at once (exit 130). Exit
+(the normal end-of-training save) and exit. A second SIGINT aborts at once (exit 130),
+unless it comes within :data:`ABORT_AFTER_S` of the first (the same stop, delivered twice). Exit
 codes (README): 128 + signal number after a signal (SIGTERM 143, SIGINT 130), 0 for the
 duration and interval limits.
 """
@@ -19,19 +20,32 @@ import torch
 #: Signals that ask for a clean stop; --exit-signal-handler adds SIGUSR1 (Slurm's warning).
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
+#: A second SIGINT aborts only this long after the first stop signal: a scheduler that signals
+#: every process of a job (launcher and ranks) makes each rank get SIGINT twice within
+#: milliseconds (directly and forwarded by the launcher), which is one request to stop, not a
+#: user pressing Ctrl-C again.
+ABORT_AFTER_S = 1.0
+
 _received: int | None = None
+_received_at = 0.0
 _started = time.monotonic()
 #: Why the loop stopped early: (message, exit code), or None.
 stopped: tuple[str, int] | None = None
 
 
+def is_abort(signum: int, first_at: float) -> bool:
+    """Whether ``signum``, arriving after a first stop signal received at ``first_at``
+    (time.monotonic), aborts the run: a SIGINT at least :data:`ABORT_AFTER_S` later."""
+    return signum == signal.SIGINT and time.monotonic() - first_at >= ABORT_AFTER_S
+
+
 def _handler(signum, frame) -> None:
-    global _received
+    global _received, _received_at
     if _received is not None:
-        if signum == signal.SIGINT:
+        if is_abort(signum, _received_at):
             os._exit(128 + signal.SIGINT)  # the second Ctrl-C: abort now, no cleanup
         return
-    _received = signum
+    _received, _received_at = signum, time.monotonic()
 
 
 def install(extra: bool = False) -> None:

@@ -71,7 +71,8 @@ class CheckpointReader:
         self.metadata = jsonio.read_json(meta_path)
         if not isinstance(self.metadata, dict) or self.metadata.get("format") != FORMAT:
             found = self.metadata.get("format") if isinstance(self.metadata, dict) else None
-            raise CheckpointError(f"{self.path} is not a plugtron checkpoint (format {found!r})")
+            raise CheckpointError(f"{meta_path}: field format is {found!r}, not {FORMAT!r}: "
+                                  f"{self.path} is not a plugtron checkpoint")
         schema.check_metadata(self.metadata, meta_path)
         if self.metadata["version"] > VERSION:
             raise CheckpointError(f"{self.path} has checkpoint format version "
@@ -128,9 +129,18 @@ class CheckpointReader:
         """Every piece against its file's safetensors header (key, dtype, shape), and the
         pieces of each tensor tile it exactly once; nothing is read or allocated before."""
         headers = {}
+        backing: dict[tuple[str, str], str] = {}  # (file, key) -> the tensor it is a piece of
         for logical, rec in self.tensors.items():
             where = self._where[logical]
             for piece in rec.pieces:
+                # One stored tensor backs one piece: plugtron never writes a key twice, and a
+                # key reused would let one stored block stand for several parts of a tensor.
+                user = backing.get((piece.file, piece.key))
+                if user is not None:
+                    raise CheckpointError(f"{where}: tensor {logical!r}: key {piece.key!r} of "
+                                          f"{piece.file} backs more than one piece (one of "
+                                          f"them of {user!r})")
+                backing[(piece.file, piece.key)] = logical
                 if piece.file not in headers:
                     headers[piece.file] = read_header(os.path.join(self.path, piece.file))
                 entry = headers[piece.file].get(piece.key)

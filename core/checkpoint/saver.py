@@ -2,9 +2,11 @@
 ``--async-save``), commit on the main thread.
 
 Megatron's async save: the training loop waits only while tensors are copied to host memory;
-a thread writes the files. Collectives never run in that thread: the barrier that establishes
-"every rank finished writing" and rank 0's rename happen at the next save or at the end of
-training, on the main thread, in the same order on every rank.
+a thread writes the files. Collectives never run in that thread: between steps the main thread
+asks every rank whether its writer is done (one small all-reduce, :meth:`Checkpointer.poll`)
+and, as soon as all are, rank 0 commits (renames into place, points ``latest`` at it); the
+next save or the end of training also waits for a pending one. Every rank does this in the
+same order.
 """
 
 from __future__ import annotations

@@ -146,19 +146,15 @@ class TorchDistCheckpoint:
 
 
 def _check_disjoint(directory: str, key: str, info: TensorInfo) -> None:
-    """No two chunks overlap; with their sizes adding up to the tensor's (checked after the
-    copy) they then tile it exactly, so no element is left as uninitialised memory. A tp x pp
-    save gives a stacked key one chunk per layer and tp rank: compared all at once."""
-    if len(info.chunks) < 2 or not info.shape:
-        return
-    start = torch.tensor([c[0] for c in info.chunks], dtype=torch.int64)
-    end = start + torch.tensor([c[1] for c in info.chunks], dtype=torch.int64)
-    overlap = ((start[:, None] < end[None]) & (start[None] < end[:, None])).all(-1)
-    overlap.fill_diagonal_(False)
-    if overlap.any():
-        i, j = (int(v) for v in overlap.nonzero()[0])
-        raise CheckpointError(f"{directory}: chunks of {key!r} at {info.chunks[i][0]} and "
-                              f"{info.chunks[j][0]} overlap")
+    """The chunks lie inside the tensor and tile it exactly once, so no element is left as
+    uninitialised memory (schema.check_tiling: O(n log n), no pairwise comparison; a tp x pp
+    save gives a stacked key one chunk per layer and tp rank)."""
+    from types import SimpleNamespace
+
+    from .schema import check_tiling
+
+    chunks = [SimpleNamespace(offset=tuple(c[0]), shape=tuple(c[1])) for c in info.chunks]
+    check_tiling(key, tuple(info.shape), chunks, directory)
 
 
 def _dims(value, where: str) -> tuple[int, ...]:

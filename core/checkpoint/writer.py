@@ -3,15 +3,18 @@
 Nothing here talks to other processes: the caller (saver.py) snapshots the state, runs
 :func:`write_rank_files` on every rank (possibly in a background thread), makes sure every rank
 finished, and then lets global rank 0 run :func:`commit`, which writes ``metadata.json`` last,
-renames the temporary directory into place and only then replaces the ``latest`` pointer. A
-process killed at any point before the rename leaves only a ``.tmp-*`` directory, which loading
-ignores.
+renames the temporary directory into place (exchanges it with an existing one of the same
+iteration, :func:`replace_dir`) and only then replaces the ``latest`` pointer. A process killed
+at any point before the rename leaves only a ``.tmp-*`` directory, which loading ignores.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +27,10 @@ from .pieces import Box
 #: Test-only: seconds to sleep after each file a rank writes, so a test can kill a process in the
 #: middle of a save. Never set in real runs.
 TEST_DELAY_ENV = "PLUGTRON_CHECKPOINT_TEST_FILE_DELAY"
+#: Test-only: "1" makes a re-save use two renames, as where no atomic exchange exists.
+TEST_NO_EXCHANGE_ENV = "PLUGTRON_CHECKPOINT_TEST_NO_EXCHANGE"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
 
 
 @dataclass
@@ -97,14 +104,7 @@ def commit(parent: str, tmp_dir: str, iteration: int, metadata: dict, ranks: lis
     jsonio.fsync_dir(tmp_dir)
     final = os.path.join(parent, layout.iteration_dirname(iteration))
     if os.path.exists(final):
-        # Saving an iteration again (a rerun into the same directory): move the old one aside
-        # first; directories cannot be replaced atomically. A crash in between leaves the old
-        # copy as ``.old-PID``, which the next run puts back (dir_lock.recover).
-        trash = f"{final}.old-{os.getpid()}"
-        os.rename(final, trash)
-        _test_delay()
-        os.rename(tmp_dir, final)
-        shutil.rmtree(trash, ignore_errors=True)
+        replace_dir(tmp_dir, final)
     else:
         os.rename(tmp_dir, final)
     jsonio.fsync_dir(parent)
@@ -112,6 +112,45 @@ def commit(parent: str, tmp_dir: str, iteration: int, metadata: dict, ranks: lis
         write_latest(parent, os.path.basename(final))
     remove_stale_tmp(parent)
     return final
+
+
+def replace_dir(new: str, final: str) -> None:
+    """Put directory ``new`` in place of the existing directory ``final`` (saving an iteration
+    again, a rerun into the same directory) so that ``final`` is never missing: on Linux one
+    atomic exchange (renameat2 RENAME_EXCHANGE), after which ``new`` holds the old copy and is
+    removed (a crash there leaves a ``.tmp-*`` that the next run removes). Where the exchange
+    is unavailable, two renames: a crash between them leaves the old copy as
+    ``final.old-PID``, which readers load in its place (layout.load_candidates) and the next
+    run moves back (dir_lock.recover)."""
+    if os.environ.get(TEST_NO_EXCHANGE_ENV) != "1" and exchange_dirs(new, final):
+        _test_delay()
+        shutil.rmtree(new, ignore_errors=True)
+        return
+    trash = f"{final}.old-{os.getpid()}"
+    os.rename(final, trash)
+    _test_delay()
+    os.rename(new, final)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def exchange_dirs(a: str, b: str) -> bool:
+    """Swap two paths atomically; False where the kernel, libc or file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # glibc before 2.28, musl
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                          ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False  # this file system (or kernel) has no exchange
+    raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}")
 
 
 def write_latest(parent: str, dirname: str) -> None:

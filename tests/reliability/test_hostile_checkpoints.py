@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 
 import pytest
@@ -142,10 +143,48 @@ def config_type(ckpt, outside):
     refresh_metadata(ckpt, lambda m: m["config"]["model"].__setitem__("hidden_size", "32"))
 
 
+def _as_save_dir(ckpt, name="iter_0000002"):
+    """Turn the checkpoint directory into a save directory holding it as ``name``."""
+    inner = ckpt + ".inner"
+    os.rename(ckpt, inner)
+    os.makedirs(ckpt)
+    os.rename(inner, os.path.join(ckpt, name))
+
+
+def fifo_latest(ckpt, outside):
+    _as_save_dir(ckpt)
+    os.mkfifo(os.path.join(ckpt, "latest"))
+
+
+def symlink_iter(ckpt, outside):
+    """``iter_0000009 -> a complete checkpoint outside``, ``latest`` naming it."""
+    shutil.copytree(ckpt, os.path.join(outside, os.path.basename(os.path.dirname(ckpt))))
+    _as_save_dir(ckpt)
+    os.symlink(os.path.join(outside, os.path.basename(os.path.dirname(ckpt))),
+               os.path.join(ckpt, "iter_0000009"))
+    with open(os.path.join(ckpt, "latest"), "w") as f:
+        f.write("iter_0000009\n")
+
+
+def duplicate_key(ckpt, outside):
+    """Two pieces backed by one stored tensor: each half of a doubled tensor reads it."""
+    def edit(c):
+        rec = first_tensor(c)
+        rows, cols = rec["global_shape"]
+        rec["global_shape"] = [2 * rows, cols]
+        rec["pieces"] = [dict(rec["pieces"][0]), {**rec["pieces"][0], "offset": [rows, 0]}]
+    edit_manifest(ckpt, edit)
+
+
 VARIANTS = [dotdot, absolute, etc_hostname, symlink_out, dev_zero, symlink_dev_zero,
             fifo_bytes0, dtype_int8, dtype_garbage, overlapping, huge_shape, bad_rng,
             rng_not_dict, missing_key, list_for_dict, string_version, manifests_list,
-            missing_iteration, manifest_dotdot, optimizer_piece, config_type]
+            missing_iteration, manifest_dotdot, optimizer_piece, config_type, fifo_latest,
+            symlink_iter, duplicate_key]
+
+
+#: Faults of the files themselves, not of a manifest field (their messages name the file only).
+NOT_A_FIELD = {"fifo_latest", "symlink_iter", "overlapping", "duplicate_key"}
 
 
 # --------------------------------------------------------------------------- fuzzed manifests
@@ -228,8 +267,16 @@ def test_hostile_variants_refused_by_every_command(saved_run, tmp_path):
            or "Traceback" in r["output"]]
     assert not bad, "\n".join(f"{r['name']}: rc {r['rc']} outside {r['outside']}\n"
                               f"{r['traceback'] or r['output']}" for r in bad)
-    for r in results:  # the message names the checkpoint file at fault
+    for r in results:  # the message names the checkpoint file at fault, and the field
+        variant, command = r["name"].split("/")
         assert "Error:" in r["output"], r
+        assert os.path.join(root, f"{variant}-{command}", "ckpt") in r["output"], r
+        if variant not in NOT_A_FIELD:
+            assert "field" in r["output"], r
+    size = os.path.getsize("/etc/hostname")
+    for r in results:  # a refusal never describes a file outside the checkpoint
+        if r["name"].startswith("etc_hostname/"):
+            assert not re.search(rf"\b{size} bytes", r["output"]), r
     assert rss < 3000, f"peak memory {rss:.0f} MB"
     assert max(r["seconds"] for r in results) < 20
 
@@ -307,9 +354,106 @@ def test_import_hf_hostile(hf_dir, tmp_path):
                  lambda t: _config(t, lambda c: {**c, "num_hidden_layers": "two",
                                                  "n_layer": "two"})),
     ]
+    # `train --load HF_DIR` reads the same directory through its own path (hf_load).
+    for name, edit in [("index-dotdot", lambda t: _index(t, "../outside/w.safetensors")),
+                       ("index-absolute",
+                        lambda t: _index(t, os.path.join(outside, "w.safetensors"))),
+                       ("symlink-out", lambda t: _symlink_weights(t, outside))]:
+        case = _hf_case(hf_dir, root, "train-" + name, edit)
+        case["args"] = ["train", *tiny_flags(train_iters=1), "--load", case["args"][2]]
+        cases.append(case)
+    cases += _megatron_cases(root, outside)
+    # Controls: the untouched directories load, so each refusal above is the hostile edit's.
+    cases += [{"name": "control/train-hf", "args": ["train", *tiny_flags(train_iters=1),
+                                                    "--load", hf_dir]},
+              {"name": "control/megatron", "args": ["convert", "import-megatron",
+                                                    os.path.join(root, "mcore-clean", "mcore"),
+                                                    os.path.join(root, "mcore-clean-out")]}]
     results, rss = _drive(root, cases)
+    controls = [r for r in results if r["name"].startswith("control/")]
+    assert all(r["rc"] == 0 for r in controls), controls
+    results = [r for r in results if not r["name"].startswith("control/")]
+    for r in results:
+        if r["name"].startswith("hf/train-"):
+            assert "safetensors" in r["output"], r
+        if r["name"] == "megatron/overlapping":
+            assert "overlap" in r["output"], r
+        elif r["name"].startswith("megatron/"):
+            assert ".distcp" in r["output"], r
     bad = [r for r in results if r["rc"] != 2 or r["traceback"] or r["outside"]
            or "Traceback" in r["output"]]
     assert not bad, "\n".join(f"{r['name']}: rc {r['rc']} outside {r['outside']}\n"
                               f"{r['traceback'] or r['output']}" for r in bad)
     assert rss < 3000
+
+
+def _symlink_weights(target, outside):
+    os.remove(os.path.join(target, "model.safetensors"))
+    os.symlink(os.path.join(outside, "w.safetensors"), os.path.join(target, "model.safetensors"))
+
+
+# --------------------------------------------------------------------------- Megatron torch_dist
+def _megatron_cases(root, outside):
+    """Hostile variants of a Megatron-Core torch_dist checkpoint for `convert import-megatron`:
+    a chunk stored under `../`, an absolute path, a shard file that is a symlink leaving the
+    directory (each target a valid copy, so a leak would import), two chunks at one offset."""
+    import pickle
+
+    from tests.checkpoint.test_megatron_convert import _fixture
+
+    clean = _fixture(types_path(root, "mcore-clean"))
+    parent = os.path.dirname(clean)
+    shard = next(n for n in os.listdir(clean) if n.endswith(".distcp"))
+    shutil.copy(os.path.join(clean, shard), os.path.join(outside, shard))
+
+    def metadata(directory, edit):
+        path = os.path.join(directory, ".metadata")
+        with open(path, "rb") as f:
+            meta = pickle.load(f)  # the test's own file: trusted here
+        edit(meta)
+        with open(path, "wb") as f:
+            pickle.dump(meta, f)
+
+    def relocate(where):
+        def edit(meta):
+            for info in meta.storage_data.values():
+                info.relative_path = where
+        return lambda d: metadata(d, edit)
+
+    def overlap(meta):
+        chunks = next(m.chunks for m in meta.state_dict_metadata.values()
+                      if hasattr(m, "chunks") and len(m.chunks) == 1 and len(m.size) == 2)
+        first = chunks[0]
+        rows = first.sizes[0]
+        meta_size = type(first.sizes)([rows, first.sizes[1]])
+        chunks.append(type(first)(offsets=type(first.offsets)([0, 0]), sizes=meta_size))
+        for m in meta.state_dict_metadata.values():
+            if getattr(m, "chunks", None) is chunks:
+                m.size = type(m.size)([2 * rows, m.size[1]])
+
+    def symlink(d):
+        os.remove(os.path.join(d, shard))
+        os.symlink(os.path.join(outside, shard), os.path.join(d, shard))
+
+    variants = {"dotdot": relocate("../../outside/" + shard),
+                "absolute": relocate(os.path.join(outside, shard)),
+                "symlink-out": symlink,
+                "overlapping": lambda d: metadata(d, overlap)}
+    cases = []
+    for name, edit in variants.items():
+        target = os.path.join(root, f"mcore-{name}")
+        shutil.copytree(parent, target, symlinks=True)
+        edit(os.path.join(target, os.path.basename(clean)))
+        cases.append({"name": f"megatron/{name}",
+                      "args": ["convert", "import-megatron", target,
+                               os.path.join(root, f"mcore-{name}-out")]})
+    return cases
+
+
+def types_path(root, name):
+    """A pathlib path (the fixture's tmp_path) under ``root``."""
+    import pathlib
+
+    path = pathlib.Path(root) / name
+    path.mkdir()
+    return path

@@ -3,11 +3,15 @@ corrupt newest checkpoint, another run's newer checkpoints, leftovers of crashed
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 
+from plugtron.core.checkpoint import CheckpointReader, layout
+
+from .mutate import refresh_metadata
 from .test_ranks_and_signals import _start, _steps, _wait_training
 from .tools import PYTHON, finish, kill_group, run_cli, start_cli, tiny_flags, wait_for
 
@@ -27,17 +31,86 @@ def _loaded(out: str) -> str | None:
 
 def test_second_run_is_refused_and_a_dead_holder_is_taken_over(tmp_path):
     save = str(tmp_path / "save")
-    first, metrics = _start(tmp_path, "--save", save, nproc=1)
+    first, metrics = _start(tmp_path, "--save", save, "--save-interval", "2", nproc=1)
     try:
         _wait_training(first, metrics)
+        assert wait_for(lambda: os.path.isfile(os.path.join(save, "latest")), 60)
         second = _train(save, 2)
         assert second.rc == 2, second.out
         assert f"pid {first.pid} on host {socket.gethostname()}" in second.out, second.out
+        # What the first run kept: the refused run touched none of its checkpoints.
+        kept = layout.read_latest(save)
+        CheckpointReader(os.path.join(save, kept)).verify_all()
     finally:
         os.kill(first.pid, signal.SIGKILL)  # leaves a stale lock file behind
         finish(first, 10)
     third = _train(save, 2)
     assert third.rc == 0, third.out
+
+
+def _two_iterations(saved_run, save):
+    """A save directory with iterations 1 and 2 (1: a copy of 2 with its number changed)."""
+    shutil.copytree(saved_run[0], save)
+    shutil.copytree(os.path.join(save, "iter_0000002"), os.path.join(save, "iter_0000001"))
+    refresh_metadata(os.path.join(save, "iter_0000001"),
+                     lambda m: m.__setitem__("iteration", 1))
+
+
+def test_resave_killed_between_renames_every_reader_loads_it(tmp_path, saved_run):
+    """A run re-saving iteration 2 (a rerun into the same directory) is killed -9 inside the
+    commit, with the atomic exchange and with the two-rename fallback: `inspect`, `evaluate`,
+    `convert export-hf` and `train --load` (driver process) then all load iteration 2, never
+    the older iteration 1."""
+    delay = {"PLUGTRON_CHECKPOINT_TEST_FILE_DELAY": "1.5"}
+    runs = {}
+    for how, env, inside in [
+            ("exchange", delay, lambda s: os.path.isfile(
+                os.path.join(s, ".tmp-iter_0000002", "metadata.json"))),
+            ("renames", {**delay, "PLUGTRON_CHECKPOINT_TEST_NO_EXCHANGE": "1"},
+             lambda s: any(".old-" in n for n in os.listdir(s)))]:
+        save = str(tmp_path / how)
+        _two_iterations(saved_run, save)
+        proc = start_cli(["train", *tiny_flags(train_iters=2), "--save", save], env=env)
+        runs[how] = (save, proc, inside)
+    for how, (save, proc, inside) in runs.items():
+        try:
+            assert wait_for(lambda: inside(save) or proc.poll() is not None, 60), how
+            assert proc.poll() is None, finish(proc).out
+        finally:
+            kill_group(proc.pid)
+            finish(proc, 10)
+        assert layout.read_latest(save) == "iter_0000002"
+    moved = [n for n in os.listdir(runs["renames"][0]) if ".old-" in n]
+    assert moved and not os.path.exists(os.path.join(runs["renames"][0], "iter_0000002"))
+    assert os.path.isfile(os.path.join(runs["exchange"][0], "iter_0000002", "metadata.json"))
+    cases = []
+    for how, (save, _, _) in runs.items():
+        out = os.path.join(str(tmp_path), how + "-hf")
+        for name, args in [("inspect", ["checkpoint", "inspect", save]),
+                           ("evaluate", ["evaluate", "--load", save, "--eval-iters", "1",
+                                         "--no-progress"]),
+                           ("export", ["convert", "export-hf", save, out]),
+                           ("train", ["train", *tiny_flags(train_iters=3), "--load", save])]:
+            cases.append({"name": f"{how}/{name}", "args": args})
+    results = _drive_plain(str(tmp_path), cases)
+    for r in results:
+        assert r["rc"] == 0 and not r["traceback"], r
+        if r["name"].split("/")[1] != "export":
+            assert "iteration 2" in r["output"], r
+        assert "iteration 1" not in r["output"], r
+        if r["name"].startswith("renames"):
+            assert "loading iter_0000002.old-" in r["output"], r
+
+
+def _drive_plain(root, cases):
+    spec, report = os.path.join(root, "cases.json"), os.path.join(root, "report.json")
+    with open(spec, "w") as f:
+        json.dump({"forbidden": [], "cases": cases}, f)
+    done = finish(start_cli([], argv=[PYTHON, "-m", "tests.reliability.hostile_driver", spec,
+                                      report], cwd=REPO), 150)
+    assert done.rc == 0 and not done.timed_out, done.out
+    with open(report) as f:
+        return json.load(f)[:-1]
 
 
 def test_crashed_resave_keeps_latest_loadable(tmp_path, saved_run):
