@@ -52,11 +52,17 @@ def main(cases_path: str, report_path: str) -> None:
                 rc, tb = 1, traceback.format_exc()
         outside = sorted({p for p in opened if _forbidden(p, forbidden)})
         results.append({"name": case["name"], "rc": rc, "traceback": tb,
-                        "output": out.getvalue()[-2000:], "outside": outside,
+                        "output": _ends(out.getvalue()), "outside": outside,
                         "seconds": time.monotonic() - start})
     results.append({"max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     with open(report_path, "w") as f:
         json.dump(results, f)
+
+
+def _ends(text: str, keep: int = 2000) -> str:
+    """The start and the end of a command's output: a header (inspect's iteration line) and
+    the last message both matter, a long listing between them does not."""
+    return text if len(text) <= 2 * keep else f"{text[:keep]}\n...\n{text[-keep:]}"
 
 
 def _forbidden(path: str, forbidden: list[str]) -> bool:
