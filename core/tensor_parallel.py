@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
+from .linear import input_grad, linear, weight_grad
 from .sharding import local_block_sizes
 
 
@@ -224,12 +225,13 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         grad_x = grad_weight = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = comm.reduce_scatter_tensor(grad.matmul(weight), ctx.group, ctx.dim)
         flat_grad = grad.reshape(-1, grad.shape[-1])
+        if ctx.needs_input_grad[0]:
+            grad_x = input_grad(flat_grad, weight).view(*grad.shape[:-1], weight.shape[1])
+            grad_x = comm.reduce_scatter_tensor(grad_x, ctx.group, ctx.dim)
         if ctx.needs_input_grad[1]:
             full = comm.all_gather_tensor(x, ctx.group, ctx.dim)
-            grad_weight = flat_grad.t().matmul(full.reshape(-1, full.shape[-1]))
+            grad_weight = weight_grad(flat_grad, full.reshape(-1, full.shape[-1]), weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = flat_grad.sum(dim=0)
         return grad_x, grad_weight, grad_bias, None, None
@@ -241,5 +243,5 @@ def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     sequence shard ``x`` for backward: the weight gradient re-gathers it, the input gradient
     is reduce-scattered back to the shard."""
     if _alone(group):
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
     return _SequenceParallelLinear.apply(x, weight, bias, group, _dim(x, seq_dim))

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from . import comm
 from . import tensor_parallel as tpc
+from .linear import linear
 from .sharding import set_tensor_parallel, shard_of
 
 
@@ -67,7 +68,7 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, group, sequence_
     if sequence_parallel:
         logits = tpc.sequence_parallel_linear(hidden, weight, None, group)
     else:
-        logits = F.linear(tpc.copy_to_tensor_parallel_region(hidden, group), weight)
+        logits = linear(tpc.copy_to_tensor_parallel_region(hidden, group), weight)
     if not parallel_output:
         logits = tpc.gather_from_tensor_parallel_region(logits, group)
     return logits
