@@ -129,6 +129,9 @@ class RowParallelLinear(_TPLayer):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.tp_group)
+        if self.tp_size == 1 and self.bias is not None and not self.skip_bias_add:
+            # Nothing to reduce: the bias goes into the matmul (addmm), not a pass of its own.
+            return linear(x, self.weight, self.bias), None
         out = linear(x, self.weight)
         if self.sequence_parallel:
             out = reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
