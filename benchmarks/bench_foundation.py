@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import sys
 import time
@@ -299,7 +300,7 @@ def main():
               f"sampled before the rounds and after each, the best kept): {peak_text}.\n\n{table}\n")
     print(report)
     if args.write:
-        with open("benchmarks/RESULTS.md", "a") as f:
+        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), "a") as f:
             f.write("\n" + report)
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from plugtron.api import (
     EXPERT_PARALLEL_RNG,
+    linear,
     normal_init,
     recompute,
     recompute_module,
@@ -95,8 +96,8 @@ class ExpertMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Partial output over etp (summed by the dispatcher's combine)."""
-        h = self.activation(F.linear(x, self.linear_fc1.weight, self.linear_fc1.bias))
-        return F.linear(h, self.linear_fc2.weight, self.fc2_bias())
+        h = self.activation(linear(x, self.linear_fc1.weight, self.linear_fc1.bias))
+        return linear(h, self.linear_fc2.weight, self.fc2_bias())
 
 
 class SequentialMLP(torch.nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plugtron.api import normal_init, scaled_normal_init
+from plugtron.api import linear, normal_init, scaled_normal_init
 
 from .experts import gelu_approximation
 
@@ -47,5 +47,5 @@ class SharedExpertMLP(torch.nn.Module):
             h = F.gelu(h, approximate=self.gelu_approximation)
         out, _ = self.linear_fc2(h)
         if self.gate_weight is not None:
-            out = out * torch.sigmoid(F.linear(x, self.gate_weight))
+            out = out * torch.sigmoid(linear(x, self.gate_weight))
         return out
