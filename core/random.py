@@ -46,7 +46,8 @@ class RNGStatesTracker:
 
     Works on the default generator of ``device`` (the CPU generator, or the CUDA generator of
     that GPU), because that is what dropout draws from. transformer-engine accepts it as its
-    ``get_rng_state_tracker`` (it only calls ``fork()``).
+    ``get_rng_state_tracker``: it calls ``fork()``, and its checkpointing ``get_states()`` and
+    ``set_states()`` (Megatron's names, aliases of :meth:`get_state` and :meth:`set_state`).
     """
 
     def __init__(self, device: torch.device | str = "cpu"):
@@ -104,6 +105,18 @@ class RNGStatesTracker:
     def set_state(self, states: dict[str, torch.Tensor]) -> None:
         """Restore the streams ``get_state`` returned (replaces all streams)."""
         self._states = {name: state.clone().cpu() for name, state in states.items()}
+
+    # Megatron's and transformer-engine's tracker names: TE's activation checkpointing saves
+    # and restores the streams through them around a recomputed forward.
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return self.get_state()
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.set_state(states)
+
+    def reset(self) -> None:
+        """Forget every stream (Megatron's ``reset``)."""
+        self._states = {}
 
 
 def model_parallel_rng_tracker(seed: int, parallel) -> RNGStatesTracker:

@@ -126,6 +126,22 @@ def test_tracker_state_round_trip_for_checkpoints():
     assert sorted(saved) == ["expert-parallel-rng", "model-parallel-rng"]
 
 
+def test_tracker_speaks_megatrons_and_te_names():
+    """TE's activation checkpointing calls get_states()/set_states() around a recomputed
+    forward: the same streams as get_state()/set_state(); reset() forgets them all."""
+    parallel = ParallelContext.build(1, 0)
+    tracker = model_parallel_rng_tracker(99, parallel)
+    saved = tracker.get_states()
+    with tracker.fork():
+        first = torch.rand(4)
+    tracker.set_states(saved)
+    with tracker.fork():
+        assert torch.equal(torch.rand(4), first)
+    assert sorted(saved) == tracker.names()
+    tracker.reset()
+    assert tracker.names() == []
+
+
 def test_tracker_errors():
     tracker = RNGStatesTracker()
     tracker.add("a", 1)
