@@ -118,11 +118,3 @@ def clip_(grads: list[torch.Tensor], total_norm: float, max_norm: float) -> None
     if coef < 1.0 and grads:
         # One fused call over every gradient (the same multiply per element as a loop of mul_).
         torch._foreach_mul_(list(grads), coef)
-
-
-def count_zeros(grads: list[torch.Tensor], parallel, extra_groups=()) -> int:
-    zeros = torch.tensor(float(sum(int((g == 0).sum()) for g in grads)))
-    comm.all_reduce(zeros, parallel.mp_group)
-    for group in extra_groups:
-        comm.all_reduce(zeros, group)
-    return int(zeros.item())
