@@ -39,6 +39,21 @@ def test_scan_equals_sequential_recurrence(length, chunk):
         assert rel(a, b) < RTOL, name
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("length,chunk", [(64, 64), (40, 128), (128, 128)])
+def test_long_chunk_gradients_against_float64(length, chunk, seed):
+    """Long chunks over several seeds against the recurrence in float64: A's gradient sums
+    row-minus-column differences over the whole chunk, where fp32 cancellation once left it
+    8.8e-5 off."""
+    args = inputs(length, seed=seed)
+    exact = [t.detach().double().requires_grad_() for t in args]
+    weights = torch.randn(args[0].shape, generator=torch.Generator().manual_seed(seed))
+    grads_got = torch.autograd.grad((ssd_scan(*args, chunk_size=chunk) * weights).sum(), args)
+    grads_want = torch.autograd.grad((sequential_scan(*exact) * weights.double()).sum(), exact)
+    for name, a, b in zip("x dt A B C".split(), grads_got, grads_want):
+        assert rel(a.double(), b) < RTOL, name
+
+
 def test_chunk_size_does_not_change_the_result():
     args = inputs(40, seed=3)
     outs = [ssd_scan(*args, chunk_size=c) for c in (1, 3, 8, 40, 128)]
