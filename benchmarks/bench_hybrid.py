@@ -24,6 +24,7 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 
 import torch
@@ -228,8 +229,8 @@ def report(args, layer_rows, models, scaling_rows, plotted) -> str:
     lines = [f"\n## Hybrid model: Mamba-2 layer, hybrid vs GPT, sequence scaling "
              f"({datetime.date.today().isoformat()})\n",
              f"Machine: {platform.machine()} CPU, {args.threads} threads, torch "
-             f"{torch.__version__}. Command: `python benchmarks/bench_hybrid.py --threads "
-             f"{args.threads} --repeats {args.repeats} --sections {args.sections} --write`. "
+             f"{torch.__version__}. Command: "
+             f"`{' '.join(['python benchmarks/bench_hybrid.py', *sys.argv[1:]])}`. "
              f"fp32, batch 1, hidden "
              f"{SIZES['hidden-size']}, Mamba head dim {SIZES['mamba-head-dim']} (8 heads), "
              f"state {SIZES['mamba-state-dim']}, {SIZES['mamba-num-groups']} groups, chunk "

@@ -47,8 +47,8 @@ from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.layer_backend import LayerBackend
 from plugtron.core.layer_stack import ComposedLayer
 from plugtron.core.layers import load_layer_types, substitute_symbols
-from plugtron.core.memory_estimate import estimate_memory
 from plugtron.core.linear import linear
+from plugtron.core.memory_estimate import estimate_memory
 from plugtron.core.model_info import ModelInfo, model_info_for
 from plugtron.core.optimizer import (
     OPTIMIZER_STATE_KEY,
