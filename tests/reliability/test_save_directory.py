@@ -143,9 +143,10 @@ def test_async_save_committed_when_written(tmp_path):
                            nproc=1, env={"PLUGTRON_CHECKPOINT_TEST_FILE_DELAY": "0.3"})
     try:
         # 100 steps plus the write: bounded generously, as another test worker may share the
-        # cores; what is checked is the step count at the commit, not the time.
-        committed = wait_for(lambda: os.path.isfile(os.path.join(save, "iter_0000100",
-                                                                  "metadata.json")), 150)
+        # cores; what is checked is the step count at the commit, not the time. The commit is
+        # `latest` naming the checkpoint: the directory is renamed into place just before, and
+        # a kill between the two (as a wait on the directory once did) leaves no `latest`.
+        committed = wait_for(lambda: layout.read_latest(save) == "iter_0000100", 150)
         steps = _steps(metrics)
         assert committed and proc.poll() is None
         assert steps < 200, f"committed only at the next save (step {steps})"
