@@ -3,8 +3,8 @@ CPU runs fast in half precision.
 
 On a CPU without native bf16/fp16 matrix instructions (AVX2 only), oneDNN runs a half-precision
 matmul fast only when its left operand is row-major and its right one column-major (``a @
-b.t()`` with both contiguous): 11-17 GFLOP/s against 0.4-1.2 for the other layouts, measured on
-an AVX2 EPYC (benchmarks/RESULTS.md, "half-precision linear"). ``F.linear``'s forward is that
+b.t()`` with both contiguous): 11-19 GFLOP/s against 0.4-1.2 for the other layouts, measured on
+an AVX2 EPYC (benchmarks/RESULTS.md, "Half precision on an AVX2 CPU"). ``F.linear``'s forward is that
 layout already; its autograd backward is not: ``grad @ weight`` has both operands row-major,
 and fp16's ``grad.t() @ x`` is slow too. Here both backward matmuls make their operands that
 layout first; the copies (the weight, and the gradient and input of one microbatch) cost a
