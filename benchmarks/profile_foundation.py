@@ -1,6 +1,7 @@
 """Per-op profile of plugtron's step against the plain loop's, by op and input shape.
 
-Usage: python benchmarks/profile_foundation.py [--model issue|small] [--steps 4] [--rows 60]
+Usage: python benchmarks/profile_foundation.py [--model issue|small] [--precision fp32|bf16]
+       [--steps 4] [--rows 60]
 
 bench_foundation's two sides on the same batches, each step under torch.profiler with
 ``record_shapes``, the sides alternating which goes first; prints self CPU milliseconds per step
@@ -31,16 +32,17 @@ def main():
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rows", type=int, default=60)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = TrainConfig()
-    apply_values(config, {**SIZES, **MODELS[args.model][0],
+    apply_values(config, {**SIZES, **MODELS[args.model][0], "bf16": args.precision == "bf16",
                           "train-iters": args.warmup + args.steps}, "bench")
     run = setup(config, world=single_process())
     MetricsLogger(config, rank=1)
     ours_iter = data_iterators(run, run.datasets[0], 0)
     batches = microbatch_iterator(run.datasets[0], config.training.micro_batch_size, 0, 1)
-    plain = plain_stepper(config, torch.float32)
+    plain = plain_stepper(config, torch.bfloat16 if args.precision == "bf16" else torch.float32)
     total = {"plugtron": collections.Counter(), "plain": collections.Counter()}
     calls = {"plugtron": collections.Counter(), "plain": collections.Counter()}
     for iteration in range(1, args.warmup + args.steps + 1):

@@ -8,14 +8,17 @@ an AVX2 EPYC (benchmarks/RESULTS.md, "Half precision on an AVX2 CPU"). ``F.linea
 layout already; its autograd backward is not: ``grad @ weight`` has both operands row-major,
 and fp16's ``grad.t() @ x`` is slow too. Here both backward matmuls make their operands that
 layout first; the copies (the weight, and the gradient and input of one microbatch) cost a
-fraction of one matmul. Everywhere else (fp32, CUDA, other devices) it is ``F.linear`` itself,
-autograd and all, so nothing changes where the layouts do not matter.
+fraction of one matmul. Everywhere else (fp32, CUDA, other devices, and CPUs with AVX-512
+BF16/FP16 or AMX, where every layout runs fast and the copies only cost: core/cpu_features.py)
+it is ``F.linear`` itself, autograd and all, so nothing changes where the layouts do not matter.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from plugtron.core.cpu_features import cpu_matrix_support
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -31,7 +34,9 @@ def _nt_matmul(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
 
 
 def _half_on_cpu(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in _HALF
+    """Half precision on a CPU that emulates it: the one case the layouts matter."""
+    return (weight.device.type == "cpu" and weight.dtype in _HALF
+            and cpu_matrix_support(weight.dtype) == "emulated")
 
 
 def input_grad(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.layer_backend import LayerBackend
 from plugtron.core.layer_stack import ComposedLayer
 from plugtron.core.layers import load_layer_types, substitute_symbols
+from plugtron.core.cpu_features import cpu_matrix_support
 from plugtron.core.linear import linear
 from plugtron.core.memory_estimate import estimate_memory
 from plugtron.core.model_info import ModelInfo, model_info_for
@@ -116,6 +117,7 @@ __all__ = [
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "sequence_parallel_linear", "linear",
+    "cpu_matrix_support",
     "set_tensor_parallel", "is_tensor_parallel", "shard_of", "block_sizes",
     "mark_sequence_parallel",
     "VocabParallelEmbedding", "parallel_logits", "vocab_parallel_cross_entropy",

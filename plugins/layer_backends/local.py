@@ -20,6 +20,7 @@ from plugtron.api import (
     block_sizes,
     context_parallel_attention,
     copy_to_tensor_parallel_region,
+    cpu_matrix_support,
     current_forward_context,
     gather_from_tensor_parallel_region,
     linear,
@@ -199,11 +200,14 @@ class CoreAttention(torch.nn.Module):
 
 
 def _training_attention(q, k, v, **kwargs):
-    """SDPA; on CPU in half precision it runs in fp32 and casts back. Without native bf16/fp16
-    matrix instructions, torch's CPU flash-attention backward in half precision is 4-5x slower
-    than in fp32 (130 vs 28 ms forward and backward at [8, 4, 256, 64], AVX2); fp32 is also
-    the more exact of the two. The price is fp32 copies of q, k and v held for backward."""
+    """SDPA; on CPU in half precision without AMX for the dtype it runs in fp32 and casts back.
+    Without native bf16/fp16 matrix instructions, torch's CPU flash-attention backward in half
+    precision is 4-5x slower than in fp32 (130 vs 28 ms forward and backward at [8, 4, 256, 64],
+    AVX2); with AVX512-FP16 alone fp16 is still slower (12.6 vs 9.0 ms); with AMX-BF16, bf16 is
+    the faster (8.4 ms, forward 0.9 vs 2.9) and the casts would only cost. fp32 is also the more
+    exact of the two. The price is fp32 copies of q, k and v held for backward."""
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) \
+            and cpu_matrix_support(q.dtype) != "amx" \
             and torch.is_grad_enabled() and q.requires_grad:
         out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
         return out.to(q.dtype)

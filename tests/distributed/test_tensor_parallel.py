@@ -132,10 +132,23 @@ def test_collectives_forward_and_backward(pool):
             assert torch.equal(got, want), f"rank {rank}: {name}: {got} != {want}"
 
 
-def _sp_linear(rank, world_size, dtype=torch.float32):
+def _sp_linear(rank, world_size, dtype=torch.float32, emulated=False):
     """The fused SP linear (keeps only the sequence shard) against gather + F.linear; errors
-    relative to the largest reference value. In bf16 the fused backward takes its own operand
-    layouts (core/linear.py)."""
+    relative to the largest reference value. In bf16 on a CPU that emulates it (``emulated``
+    pins the CPU's features to AVX2 alone) the fused backward takes its own operand layouts
+    (core/linear.py); elsewhere plain matmuls."""
+    from plugtron.core import cpu_features
+
+    probe = cpu_features._features
+    if emulated:
+        cpu_features._features = lambda: frozenset({"avx2"})
+    try:
+        return _sp_linear_errors(rank, world_size, dtype)
+    finally:
+        cpu_features._features = probe
+
+
+def _sp_linear_errors(rank, world_size, dtype):
     g = _ctx(rank, world_size, 4).tp_group
     gen = torch.Generator().manual_seed(rank)
     x, w, b = torch.randn(2, 3, 8, generator=gen), torch.randn(5, 8), torch.randn(5)
@@ -152,9 +165,10 @@ def _sp_linear(rank, world_size, dtype=torch.float32):
             for a, r in pairs]
 
 
-@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
-def test_sequence_parallel_linear_matches_gather_then_linear(pool, dtype, tolerance):
-    for errors in pool.run(_sp_linear, dtype=dtype):
+@pytest.mark.parametrize("dtype, tolerance, emulated", [
+    (torch.float32, 1e-6, False), (torch.bfloat16, 1e-2, True), (torch.bfloat16, 1e-2, False)])
+def test_sequence_parallel_linear_matches_gather_then_linear(pool, dtype, tolerance, emulated):
+    for errors in pool.run(_sp_linear, dtype=dtype, emulated=emulated):
         assert max(errors) < tolerance, errors
 
 
