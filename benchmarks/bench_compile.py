@@ -1,6 +1,7 @@
 """Does torch.compile of each decoder layer speed up plugtron's step on this machine?
 
-Usage: python benchmarks/bench_compile.py [--model issue|small] [--rounds 5] [--threads 2]
+Usage: python benchmarks/bench_compile.py [--model issue|small] [--precision fp32|bf16]
+       [--rounds 5] [--threads 2]
 
 Two runs of the same model, seed and data (bench_foundation's sizes): one eager, one with every
 decoder layer compiled in place (``nn.Module.compile``, inductor, so parameter names, the
@@ -26,7 +27,7 @@ from plugtron.core.training import data_iterators, setup, train_step
 
 def build(args, rounds):
     config = TrainConfig()
-    apply_values(config, {**SIZES, **MODELS[args.model][0],
+    apply_values(config, {**SIZES, **MODELS[args.model][0], "bf16": args.precision == "bf16",
                           "train-iters": rounds + args.warmup + 2}, "bench")
     run = setup(config, world=single_process())
     MetricsLogger(config, rank=1)
@@ -40,6 +41,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=2, help="steps before timing (the "
                         "compiled run compiles in its first one or two)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     eager, eager_iter = build(args, args.rounds)
@@ -65,7 +67,8 @@ def main():
                 first.append(elapsed)
     ratios = [e / c for e, c in zip(times["eager"], times["compiled"])]
     diff = max(abs(a - b) for a, b in zip(losses["eager"], losses["compiled"]))
-    print(f"model {args.model}, {args.threads} threads, torch {torch.__version__}")
+    print(f"model {args.model}, {args.precision}, {args.threads} threads, torch "
+          f"{torch.__version__}")
     print(f"compiled run's warm-up steps (compilation included): "
           f"{', '.join(f'{t:.1f}' for t in first)} s")
     print(f"median step: eager {median(times['eager']):.3f} s, compiled "
