@@ -31,12 +31,13 @@ def list_plugins(check):
         for info in infos:
             line = f"    {info.name:<20} {info.distribution} {info.version}"
             problems = results.get(info, [])
+            errors = [p for p in problems if not p.warning]
             if check:
-                line += f"  FAILED ({len(problems)})" if problems else "  ok"
+                line += f"  FAILED ({len(errors)})" if errors else "  ok"
             click.echo(line)
             for problem in problems:
                 click.echo(f"        {problem}")
-            failed = failed or bool(problems)
+            failed = failed or bool(errors)
     if failed:
         raise SystemExit(PROBLEMS_EXIT)
 
@@ -46,19 +47,23 @@ def list_plugins(check):
 def check_plugins(name):
     """Import every installed plugin (or those called NAME) and check its hooks against the
     hookspecs: unknown or misspelled hook names, hooks not marked @hookimpl, parameters the hook
-    does not have, contract hooks a driver does not implement. Exits 2 on any problem."""
+    does not have, contract hooks a driver does not implement. Exits 2 on any problem; warnings
+    (a layer type without activation_bytes) are printed and do not fail it."""
     infos = plugin_check.installed_plugins([name] if name else ())
     if not infos:
         raise UserError(f"no installed plugin is called {name!r}; `plugtron plugins list` "
                         f"shows those that are")
     results = plugin_check.check_plugins(infos)
-    count = 0
+    count = warnings = 0
     for info, problems in results:
-        if not problems:
+        errors = [p for p in problems if not p.warning]
+        if not errors:
             click.echo(f"ok  {info.role} {info.name!r} ({info.origin})")
         for problem in problems:
             click.echo(str(problem))
-        count += len(problems)
-    click.echo(f"{len(results)} plugin(s) checked, {count} problem(s)")
+        count += len(errors)
+        warnings += len(problems) - len(errors)
+    click.echo(f"{len(results)} plugin(s) checked, {count} problem(s)"
+               + (f", {warnings} warning(s)" if warnings else ""))
     if count:
         raise SystemExit(PROBLEMS_EXIT)

@@ -6,7 +6,9 @@ ignored, and a parameter the spec does not have only fails when the run register
 as a traceback. This check finds those before a run, without registering or instantiating
 anything: it imports each entry point and reads the object it names (a class, its inherited
 methods included, a module or an instance). Each problem is one line that names the plugin, its
-distribution and the hook.
+distribution and the hook. Warnings are lines for what works but is incomplete (a layer type
+without ``activation_bytes``, whose activations the memory estimate counts as 0); they do not
+fail the check.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ class Problem:
     plugin: registry.PluginInfo
     hook: str | None  # None: the plugin as a whole (it does not import, ...)
     message: str
+    warning: bool = False  # works, but something is missing: reported, never fails the check
 
     def __str__(self) -> str:
         where = f"{self.plugin.role} {self.plugin.name!r} ({self.plugin.origin})"
         hook = f" hook {self.hook!r}" if self.hook else ""
-        return f"{where}{hook}: {self.message}"
+        return f"{'warning: ' if self.warning else ''}{where}{hook}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -166,9 +169,23 @@ def check_plugin(info: registry.PluginInfo) -> list[Problem]:
         cause = exc.__cause__ or exc
         return [Problem(info, None, f"failed to import ({info.value}): "
                                     f"{type(cause).__name__}: {cause}")]
+    if info.role == "layer":
+        return check_layer_type(info, obj)
     if info.role not in HOOK_ROLES:
         return []
     return check_hooks(info, obj)
+
+
+def check_layer_type(info: registry.PluginInfo, obj) -> list[Problem]:
+    """A layer type that cannot say what it keeps for backward is counted as keeping nothing by
+    ``plugtron estimate`` and train's memory check, so a run that will not fit can pass it."""
+    if callable(getattr(obj, "activation_bytes", None)):
+        return []
+    return [Problem(info, "activation_bytes", "not defined: plugtron estimate and train's memory "
+                    "check count this layer's activations as 0; define "
+                    "activation_bytes(shape) -> int (docs/plugins/layers.md) and hold it to "
+                    "autograd with plugtron.testing.assert_activation_bytes_match",
+                    warning=True)]
 
 
 def installed_plugins(names: Collection[str] = ()) -> list[registry.PluginInfo]:

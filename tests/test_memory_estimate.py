@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from plugtron.core.activations import ActivationShape, module_activation_bytes
 from plugtron.core.memory_estimate import estimate_memory
 from plugtron.core.plugin_options import config_from_flags
+from plugtron.testing import assert_activation_bytes_match, saved_activation_bytes
 
 from tests.memory_probe import measure_training
 from tests.utils import tiny_config
@@ -23,23 +24,6 @@ DEFAULT_RUN = {"data": "mock", "vocab-size": 257, "progress": False, "log-interv
 
 
 # --------------------------------------------------------------------------- formulas
-
-
-def _saved_bytes(module, *args) -> int:
-    """Bytes of the distinct storages autograd saves in ``module(*args)``, parameters
-    excluded (the input counts: a layer's norm is what keeps it)."""
-    skip = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        module(*args)
-    return sum(seen.values())
 
 
 def _tiny_gpt(**flags):
@@ -77,7 +61,7 @@ def test_layer_bytes_are_what_autograd_saves(flags):
 
         positions = torch.arange(shape.seq_length).expand(shape.micro_batch_size, -1)
         rotary = rotary_freqs_at(positions, model.head_dim, config.model.rotary_base, None)
-    saved = _saved_bytes(layer, hidden, rotary)
+    saved = saved_activation_bytes(layer, hidden, rotary)
     said = module_activation_bytes(layer, shape)
     assert said == pytest.approx(saved, rel=0.05), (said, saved)
 
@@ -92,7 +76,7 @@ def test_mamba_and_moe_layer_bytes_near_what_autograd_saves(flags, rel):
     hidden = torch.randn(shape.micro_batch_size, shape.seq_length, config.model.hidden_size,
                          requires_grad=True)
     for layer in model.decoder.layers.values():
-        saved = _saved_bytes(layer, hidden, None)
+        saved = saved_activation_bytes(layer, hidden, None)
         said = module_activation_bytes(layer, shape)
         assert said == pytest.approx(saved, rel=rel), (type(layer).__name__, said, saved)
 
@@ -101,18 +85,7 @@ def test_whole_chunk_bytes_are_what_autograd_saves():
     config, model, shape = _tiny_gpt(hidden_dropout=0.1, attention_dropout=0.1)
     tokens = torch.randint(0, config.model.vocab_size, (shape.micro_batch_size,
                                                         shape.seq_length))
-    skip = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(tokens, labels=tokens)
-    saved = sum(seen.values())
-    assert model.activation_bytes(shape).stored == pytest.approx(saved, rel=0.05)
+    assert_activation_bytes_match(model, shape, tokens, labels=tokens, rel=0.05)
 
 
 def _rows(flags, world_size):
@@ -216,3 +189,28 @@ def test_estimate_within_15_percent_of_measured_peak(pool, flags, world_size):
         assert result["estimated_numel"] == result["numel"]
         ratio = result["estimated"] / result["measured"]
         assert 0.85 <= ratio <= 1.15, (ratio, result)
+
+
+class _Doubler(torch.nn.Module):
+    """Saves its input (the square's backward) and the square (the product's, for the weight's
+    gradient): 8 bytes per input element; never the weight itself."""
+
+    def __init__(self, says: int | None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(()))
+        if says is not None:
+            self.activation_bytes = lambda shape: says
+
+    def forward(self, x):
+        return x.square() * self.weight
+
+
+def test_the_kits_activation_check_holds_a_layer_to_autograd():
+    x = torch.randn(2, 8, 4, requires_grad=True)  # 64 fp32 elements, 256 bytes
+    shape = ActivationShape(2, 8, 8)
+    assert saved_activation_bytes(_Doubler(None), x) == 512
+    assert_activation_bytes_match(_Doubler(500), shape, x)  # within 5%
+    with pytest.raises(AssertionError, match="says 100 bytes, autograd saves 512"):
+        assert_activation_bytes_match(_Doubler(100), shape, x)
+    with pytest.raises(AssertionError, match="defines no activation_bytes"):
+        assert_activation_bytes_match(_Doubler(None), shape, x)

@@ -72,6 +72,13 @@ class LayerWithOddNames:
 
     def plugtron_whatever(self):
         pass
+
+    def activation_bytes(self, shape):
+        return 0
+
+
+class LayerWithoutActivationBytes:
+    """Works, but plugtron estimate cannot count what it keeps: a warning."""
 '''
 
 ENTRY_POINTS = {
@@ -84,6 +91,7 @@ ENTRY_POINTS = {
                             "fake-unmarked": "fake_check:UnmarkedOptimizer"},
     "plugtron": {"fake-noisy": "fake_check:NoisyExtension"},
     "plugtron.layers": {"fake-layer": "fake_check:LayerWithOddNames",
+                        "fake-no-bytes": "fake_check:LayerWithoutActivationBytes",
                         "fake-broken-layer": "fake_check_broken:Layer"},
 }
 
@@ -154,6 +162,20 @@ def test_roles_without_hooks_are_only_imported(fakes):
     assert problems("fake-broken-layer") == [
         "layer 'fake-broken-layer' (fake-checks 2.0): failed to import "
         "(fake_check_broken:Layer): ImportError: no such wheel"]
+
+
+def test_a_layer_type_without_activation_bytes_is_a_warning(fakes):
+    [line] = problems("fake-no-bytes")
+    assert line.startswith("warning: layer 'fake-no-bytes' (fake-checks 2.0) hook "
+                           "'activation_bytes': not defined: plugtron estimate and train's "
+                           "memory check count this layer's activations as 0")
+    result = invoke(["plugins", "check", "fake-no-bytes"])
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[0] == "ok  layer 'fake-no-bytes' (fake-checks 2.0)"
+    assert result.output.splitlines()[-1] == "1 plugin(s) checked, 0 problem(s), 1 warning(s)"
+    listed = invoke(["plugins", "list", "--check"]).output
+    assert "fake-no-bytes        fake-checks 2.0  ok" in listed
+    assert "        warning: layer 'fake-no-bytes'" in listed
 
 
 def test_a_name_two_distributions_register(fakes):

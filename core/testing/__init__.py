@@ -29,6 +29,7 @@ _EXPORTS = {
     "assert_schedule_matches_1f1b": "schedules",
     "assert_optimizer_dp_equivalent": "optimizers",
     "assert_checkpoint_reshards": "checkpoints",
+    "saved_activation_bytes": "activations", "assert_activation_bytes_match": "activations",
 }
 
 __all__ = sorted(_EXPORTS)
