@@ -23,6 +23,7 @@ module, in the next forward.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 
@@ -69,6 +70,13 @@ class DistributedDataParallel(torch.nn.Module):
                 for (kind, _, grad_dtype), params in by_key.items()]
 
     def _grad_hook(self, buffer: GradBuffer):
+        # The parameter holds its hook from C++, where the garbage collector cannot see it: a
+        # hook that held the wrapper or the buffer (both hold the parameter) would keep the
+        # whole model, its buffers and their process groups alive after the run, and every run
+        # in a long-lived process (a notebook, a test pool's rank) would add a set of gloo
+        # threads and sockets. So the hook reaches them through weak references.
+        owner, weak_buffer = weakref.ref(self), weakref.ref(buffer)
+
         def hook(param: torch.nn.Parameter) -> None:
             grad = param.grad
             # Same-dtype params accumulate straight into the buffer (``.grad`` is a view of
@@ -76,8 +84,9 @@ class DistributedDataParallel(torch.nn.Module):
             if grad is not None and grad.data_ptr() != param.main_grad.data_ptr():
                 param.main_grad.add_(grad)
                 param.grad = None
-            if self._sync_enabled and self.overlap_grad_reduce:
-                buffer.mark_ready(param)
+            ddp = owner()
+            if ddp is not None and ddp._sync_enabled and ddp.overlap_grad_reduce:
+                weak_buffer().mark_ready(param)
         return hook
 
     # ------------------------------------------------------------------ the module API

@@ -14,14 +14,13 @@ dispatchers and layer backends are classes, which declare these as ``staticmetho
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import sys
 from dataclasses import dataclass
 
 from . import registry
 from .errors import ConfigError, PluginError
+from .signatures import declared_arguments
 
 AUTOLOAD_ENV = "PLUGTRON_DISABLE_PLUGIN_AUTOLOAD"
 
@@ -117,18 +116,8 @@ def call_declared(plugin: PluginObject, method: str, **kwargs):
     fn = getattr(plugin.obj, method, None)
     if fn is None or not callable(fn):
         return None
-    wanted = _accepted(getattr(fn, "__func__", fn))
+    wanted = declared_arguments(fn)
     if wanted is not None:
         kwargs = {k: v for k, v in kwargs.items() if k in wanted}
     return fn(**kwargs)
 
-
-@functools.lru_cache(maxsize=256)
-def _accepted(function) -> frozenset | None:
-    try:
-        params = inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        return None
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return None
-    return frozenset(name for name in params if name not in ("self", "cls"))

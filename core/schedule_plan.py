@@ -14,11 +14,10 @@ cannot finish is rejected with the cycle's first waits named.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 
 from .errors import ConfigError
+from .signatures import declared_arguments
 
 FORWARD, BACKWARD = "F", "B"
 
@@ -49,7 +48,7 @@ def actions_of_all_ranks(schedule_actions, pp_size: int, num_chunks: int,
                          num_microbatches: int, config) -> list[list[Action]]:
     """Call a ``schedule_actions`` implementation once per pipeline rank. Like pluggy, pass only
     the arguments it declares."""
-    wanted = _accepted_arguments(getattr(schedule_actions, "__func__", schedule_actions))
+    wanted = declared_arguments(schedule_actions)
     out = []
     for rank in range(pp_size):
         kwargs = {"pp_rank": rank, "pp_size": pp_size, "num_chunks": num_chunks,
@@ -57,15 +56,6 @@ def actions_of_all_ranks(schedule_actions, pp_size: int, num_chunks: int,
         out.append(list(schedule_actions(**{k: v for k, v in kwargs.items()
                                             if wanted is None or k in wanted})))
     return out
-
-
-@functools.lru_cache(maxsize=64)
-def _accepted_arguments(function) -> frozenset | None:
-    """Parameter names ``function`` declares; ``None`` when it takes ``**kwargs``."""
-    params = inspect.signature(function).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return None
-    return frozenset(params)
 
 
 def check_actions(per_rank: list[list[Action]], num_chunks: int, num_microbatches: int,

@@ -36,6 +36,7 @@ time. Re-forming the world empties the cache: groups of the old world are gone.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue
@@ -88,6 +89,10 @@ class _World:
 
         if size == self.size and not fresh:
             return
+        # What the last task built (a model, its gradient buffers) can sit in reference cycles
+        # that hold process groups; collected now, their gloo threads and sockets go with the
+        # world instead of piling up in a long-lived rank.
+        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
         _CACHE.clear()
