@@ -139,22 +139,26 @@ def test_crashed_save_leftovers_removed_at_next_start(tmp_path, saved_run):
 
 def test_async_save_committed_when_written(tmp_path):
     save = str(tmp_path / "save")
-    proc, metrics = _start(tmp_path, "--save", save, "--save-interval", "100", "--async-save",
-                           nproc=1, env={"PLUGTRON_CHECKPOINT_TEST_FILE_DELAY": "0.3"})
+    # The write (4 files, each followed by a 0.05 s test delay, so it overlaps steps) must be
+    # far shorter than the 200 steps to the next save: one thread runs the tiny model's step in
+    # about 8 ms, and with 0.3 s a file the write once outlasted 100 steps (CI-like run, one
+    # OpenMP thread). A loaded machine slows the steps, not the sleeps: the margin only grows.
+    proc, metrics = _start(tmp_path, "--save", save, "--save-interval", "200", "--async-save",
+                           nproc=1, env={"PLUGTRON_CHECKPOINT_TEST_FILE_DELAY": "0.05"})
     try:
-        # 100 steps plus the write: bounded generously, as another test worker may share the
+        # 200 steps plus the write: bounded generously, as another test worker may share the
         # cores; what is checked is the step count at the commit, not the time. The commit is
         # `latest` naming the checkpoint: the directory is renamed into place just before, and
         # a kill between the two (as a wait on the directory once did) leaves no `latest`.
-        committed = wait_for(lambda: layout.read_latest(save) == "iter_0000100", 150)
+        committed = wait_for(lambda: layout.read_latest(save) == "iter_0000200", 150)
         steps = _steps(metrics)
         assert committed and proc.poll() is None
-        assert steps < 200, f"committed only at the next save (step {steps})"
+        assert steps < 400, f"committed only at the next save (step {steps})"
     finally:
         kill_group(proc.pid)  # a crash after the write: the checkpoint must stay
         finish(proc, 10)
     with open(os.path.join(save, "latest")) as f:
-        assert f.read().strip() == "iter_0000100"
+        assert f.read().strip() == "iter_0000200"
 
 
 def test_corrupt_newest_falls_back_with_a_warning(tmp_path):
