@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
 from plugtron.core.cpu_features import cpu_matrix_support
 
 _HALF = (torch.bfloat16, torch.float16)

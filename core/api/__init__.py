@@ -30,6 +30,7 @@ from plugtron.core.cp_attention import (
     context_parallel_attention,
     ring_attention,
 )
+from plugtron.core.cpu_features import cpu_matrix_support
 from plugtron.core.data import collate
 from plugtron.core.ddp import DistributedDataParallel
 from plugtron.core.errors import CheckpointError, ConfigError, PluginError, PlugtronError
@@ -47,7 +48,6 @@ from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.layer_backend import LayerBackend
 from plugtron.core.layer_stack import ComposedLayer
 from plugtron.core.layers import load_layer_types, substitute_symbols
-from plugtron.core.cpu_features import cpu_matrix_support
 from plugtron.core.linear import linear
 from plugtron.core.memory_estimate import estimate_memory
 from plugtron.core.model_info import ModelInfo, model_info_for
