@@ -58,7 +58,7 @@ def test_tensorboard_events_hold_every_metric(tmp_path):
 def test_wandb_offline_run_holds_every_metric(tmp_path):
     """``plugtron train`` as its own process, as a user runs it: W&B's service writes the run
     file from another process and, in wandb 0.31, may not have flushed it when ``run.finish()``
-    returns (seen here: 3 of 32 runs in one process read as the bare header right after
+    returns (seen here: 3 of 46 runs, 6 to 8 per process, read as the bare header right after
     ``finish``, complete after ``wandb.teardown()``); it is complete once the process has
     exited, which is when the file is read here."""
     pytest.importorskip("wandb")
