@@ -34,11 +34,14 @@ def _features() -> frozenset:
 def cpu_matrix_support(dtype: torch.dtype) -> str:
     """``"amx"``, ``"avx512"`` or ``"emulated"``: how this CPU multiplies ``dtype`` matrices
     (fp32 and fp64 are always ``"native"``). Unknown CPUs count as emulated, the safe side."""
-    levels = _NATIVE.get(dtype)
-    if levels is None:
-        return "native"
-    features = _features()
-    for level in ("amx", "avx512"):
-        if any(name in features for name in levels[level]):
-            return level
-    return "emulated"
+    return _levels(_features()).get(dtype, "native")
+
+
+@functools.lru_cache(maxsize=None)
+def _levels(features: frozenset) -> dict:
+    """Each half dtype's level for one feature set (every linear call asks: a dict lookup)."""
+    out = {}
+    for dtype, levels in _NATIVE.items():
+        out[dtype] = next((level for level in ("amx", "avx512")
+                           if any(name in features for name in levels[level])), "emulated")
+    return out
