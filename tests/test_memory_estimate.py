@@ -66,6 +66,31 @@ def test_layer_bytes_are_what_autograd_saves(flags):
     assert said == pytest.approx(saved, rel=0.05), (said, saved)
 
 
+def test_bf16_layer_bytes_with_the_amx_attention_backward(monkeypatch):
+    """bf16 on a CPU with AMX (pinned, so any machine checks it): the attention keeps q, k, v
+    and the log-sum-exp for its matmul backward (plugins/layer_backends/cpu_attention.py), and
+    its output lives on as the output projection's input: what the flash kernel keeps."""
+    from plugtron.core import cpu_features
+    from plugtron.plugins.layer_backends import cpu_attention
+
+    monkeypatch.setattr(cpu_features, "_features",
+                        lambda: frozenset({"avx2", "avx512_bf16", "amx_bf16"}))
+    calls = []
+    real = cpu_attention.causal_attention
+    monkeypatch.setattr(cpu_attention, "causal_attention",
+                        lambda *args: calls.append(1) or real(*args))
+    config, model, shape = _tiny_gpt()
+    layer = model.decoder.layers["0"].to(torch.bfloat16)
+    shape = ActivationShape(shape.micro_batch_size, shape.seq_length, shape.context_length,
+                            dtype_bytes=2, mask_bytes=2)
+    hidden = torch.randn(shape.micro_batch_size, shape.seq_length, config.model.hidden_size,
+                         dtype=torch.bfloat16, requires_grad=True)
+    saved = saved_activation_bytes(layer, hidden, None)
+    said = module_activation_bytes(layer, shape)
+    assert calls, "the layer did not take the AMX attention"
+    assert said == pytest.approx(saved, rel=0.05), (said, saved)
+
+
 @pytest.mark.parametrize("flags,rel", [
     ({"model": "hybrid", "hybrid_layer_pattern": "M*-"}, 0.1),
     ({"num_experts": 4, "moe_shared_expert_intermediate_size": 64}, 0.3),

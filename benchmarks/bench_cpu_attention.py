@@ -1,0 +1,107 @@
+"""Causal bf16 attention, forward and backward, on CPU: torch's flash kernel against the local
+backend's matmul backward (plugins/layer_backends/cpu_attention.py), side by side, alternating
+blocks of steps; and each one's gradient error against the fp64 computation.
+
+    python benchmarks/bench_cpu_attention.py [--rounds 5] [--write]
+
+q, k and v are strided views of one ``[b, s, 3, heads, d]`` tensor, as the model makes them,
+and the sizes keep ``b x s`` at 2048 tokens (the issue model's microbatch). Where the CPU has
+no AMX for bf16 the matmuls are emulated: the numbers hold, the timings do not apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from bench_foundation import cpu_name
+from plugtron.api import cpu_matrix_support
+from plugtron.plugins.layer_backends import cpu_attention
+
+SIZES = [(8, 256), (4, 512), (2, 1024), (1, 2048)]
+HEADS, HEAD_DIM = 4, 64
+
+
+def _flash(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _ours(q, k, v):
+    return cpu_attention.causal_attention(q, k, v)
+
+
+def _views(qkv):
+    return [t.transpose(1, 2) for t in qkv.unbind(2)]
+
+
+def _step_ms(attention, qkv, grad, steps):
+    start = time.perf_counter()
+    for _ in range(steps):
+        attention(*_views(qkv)).backward(grad)
+        qkv.grad = None
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def _gradient_error(attention, qkv, grad, truth):
+    x = qkv.detach().requires_grad_()
+    attention(*_views(x)).backward(grad)
+    return ((x.grad.double() - truth).norm() / truth.norm()).item()
+
+
+def measure(b, s, rounds, steps):
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(b, s, 3, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(b, HEADS, s, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    exact = qkv.double().requires_grad_()
+    _flash(*_views(exact)).backward(grad.double())
+    errors = [_gradient_error(f, qkv, grad, exact.grad) for f in (_flash, _ours)]
+    qkv.requires_grad_()
+    for f in (_flash, _ours):
+        _step_ms(f, qkv, grad, 2)
+    times = [[], []]
+    for _ in range(rounds):
+        for i, f in enumerate((_flash, _ours)):
+            times[i].append(_step_ms(f, qkv, grad, steps))
+    return [statistics.median(t) for t in times], errors
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8, help="steps per timed block")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--write", action="store_true", help="append to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for b, s in SIZES:
+        (flash_ms, ours_ms), (flash_err, ours_err) = measure(b, s, args.rounds, args.steps)
+        used = "yes" if s <= cpu_attention.MAX_SEQ_LENGTH else "no (flash)"
+        rows.append(f"| [{b}, {HEADS}, {s}, {HEAD_DIM}] | {flash_ms:.2f} | {ours_ms:.2f} | "
+                    f"{flash_ms / ours_ms:.2f}x | {flash_err:.2e} | {ours_err:.2e} | {used} |")
+    table = "\n".join([
+        "| q, k, v | flash ms | matmul backward ms | speed-up | flash grad error | "
+        "matmul backward grad error | taken in training |",
+        "|---|---|---|---|---|---|---|", *rows])
+    print(table)
+    if args.write:
+        header = (f"\n## Attention backward in bf16 with AMX ({datetime.date.today()})\n\n"
+                  f"Machine: {platform.machine()} CPU ({cpu_name()}), torch CPU capability "
+                  f"{torch.backends.cpu.get_cpu_capability()}, bf16 matmuls "
+                  f"{cpu_matrix_support(torch.bfloat16)}, {args.threads} threads, torch "
+                  f"{torch.__version__}. Command: `python benchmarks/bench_cpu_attention.py "
+                  f"--rounds {args.rounds} --steps {args.steps} --write`. Causal attention "
+                  "forward and backward per call (median of the alternating blocks); gradient "
+                  "error: relative Frobenius error of the q, k, v gradients against fp64.\n\n")
+        with open(Path(__file__).with_name("RESULTS.md"), "a") as f:
+            f.write(header + table + "\n")
+
+
+if __name__ == "__main__":
+    main()
