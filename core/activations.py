@@ -26,7 +26,10 @@ class ActivationShape:
     of an activation element (fp32 4, bf16/fp16 2); ``mask_bytes``: bytes of a dropout-mask
     element (CUDA keeps bool masks, CPU kernels masks of the activation dtype); ``cuda``: the
     run is on GPUs (which attention kernel runs); ``sequence_parallel`` with ``tp``: the
-    residual stream is split over tp.
+    residual stream is split over tp; ``dtype``: the activations' dtype by name (``"fp32"``,
+    ``"bf16"``, ``"fp16"``; empty where unknown), for kernels whose saved tensors depend on
+    more than its width (on a CPU without matrix instructions for a half dtype the local
+    backend's attention computes in fp32: its ``CoreAttention.kernel_dtype_bytes``).
     """
 
     micro_batch_size: int
@@ -37,6 +40,7 @@ class ActivationShape:
     dtype_bytes: int = 4
     mask_bytes: int = 4
     cuda: bool = False
+    dtype: str = ""
 
     @property
     def tokens(self) -> int:

@@ -97,6 +97,10 @@ def _dtype_bytes(config) -> int:
     return 2 if (config.training.bf16 or config.training.fp16) else 4
 
 
+def _dtype_name(config) -> str:
+    return "bf16" if config.training.bf16 else "fp16" if config.training.fp16 else "fp32"
+
+
 def _finalized(config, world_size: int):
     """A copy with the plugins' sections and the padded vocabulary (which the dataset fixes in
     a run: here the tokenizer it would use)."""
@@ -185,7 +189,7 @@ def activation_shape(config, cuda: bool) -> ActivationShape:
         seq_length=m.seq_length // p.context_parallel_size, context_length=m.seq_length,
         tp=p.tensor_model_parallel_size,
         sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
-        dtype_bytes=e, mask_bytes=1 if cuda else e, cuda=cuda)
+        dtype_bytes=e, mask_bytes=1 if cuda else e, cuda=cuda, dtype=_dtype_name(config))
 
 
 def _chunk_activations(chunk, shape) -> tuple[ChunkActivations, bool]:

@@ -43,51 +43,73 @@ def _tiny_gpt(**flags):
     return config, model.train(), shape
 
 
+def _rotary(model, config, shape):
+    """The rotation's frequencies per sample (as with --reset-position-ids), or None."""
+    if not model.use_rotary:
+        return None
+    from plugtron_gpt.rope import rotary_freqs_at
+
+    positions = torch.arange(shape.seq_length).expand(shape.micro_batch_size, -1)
+    return rotary_freqs_at(positions, model.head_dim, config.model.rotary_base, None)
+
+
 @pytest.mark.parametrize("flags", [
     {}, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, {"swiglu": True},
     {"position_embedding_type": "rope", "normalization": "RMSNorm"},
+    {"position_embedding_type": "rope", "num_query_groups": 2},
+    {"recompute_granularity": "selective", "position_embedding_type": "rope"},
     {"recompute_granularity": "selective"},
     {"recompute_granularity": "selective", "recompute_modules": ["mlp,core_attn"],
      "hidden_dropout": 0.1, "attention_dropout": 0.1},
-], ids=["plain", "dropout", "swiglu", "rope-rms", "sel-core", "sel-mlp-dropout"])
+], ids=["plain", "dropout", "swiglu", "rope-rms", "rope-gqa", "sel-rope", "sel-core",
+        "sel-mlp-dropout"])
 def test_layer_bytes_are_what_autograd_saves(flags):
     config, model, shape = _tiny_gpt(**flags)
     layer = model.decoder.layers["0"]
     hidden = torch.randn(shape.micro_batch_size, shape.seq_length, config.model.hidden_size,
                          requires_grad=True)
-    rotary = None
-    if model.use_rotary:
-        from plugtron_gpt.rope import rotary_freqs_at
-
-        positions = torch.arange(shape.seq_length).expand(shape.micro_batch_size, -1)
-        rotary = rotary_freqs_at(positions, model.head_dim, config.model.rotary_base, None)
-    saved = saved_activation_bytes(layer, hidden, rotary)
+    saved = saved_activation_bytes(layer, hidden, _rotary(model, config, shape))
     said = module_activation_bytes(layer, shape)
     assert said == pytest.approx(saved, rel=0.05), (said, saved)
 
 
-def test_bf16_layer_bytes_with_the_amx_attention_backward(monkeypatch):
-    """bf16 on a CPU with AMX (pinned, so any machine checks it): the attention keeps q, k, v
-    and the log-sum-exp for its matmul backward (plugins/layer_backends/cpu_attention.py), and
-    its output lives on as the output projection's input: what the flash kernel keeps."""
+_HALF_FLAGS = [{}, {"hidden_dropout": 0.1, "attention_dropout": 0.1},
+               {"position_embedding_type": "rope", "num_query_groups": 2},
+               {"recompute_granularity": "selective", "position_embedding_type": "rope"}]
+
+
+@pytest.mark.parametrize("flags", _HALF_FLAGS, ids=["plain", "dropout", "rope-gqa", "sel-rope"])
+@pytest.mark.parametrize("features, dtype, amx_attention", [
+    ({"avx2"}, torch.bfloat16, False),
+    ({"avx2", "avx512_bf16", "avx512_fp16", "amx_bf16"}, torch.float16, False),
+    ({"avx2", "avx512_bf16", "amx_bf16"}, torch.bfloat16, True),
+], ids=["bf16-avx2", "fp16-avx512", "bf16-amx"])
+def test_half_precision_layer_bytes_on_each_kind_of_cpu(monkeypatch, flags, features, dtype,
+                                                        amx_attention):
+    """The CPU's features pinned, so any machine checks all three: without AMX for the dtype
+    the attention computes in fp32 and keeps fp32 copies of q, k, v and its output (the rotated
+    q and k of the model dtype are then not kept); with AMX-BF16 causal attention takes the
+    matmul backward (plugins/layer_backends/cpu_attention.py), which keeps what flash keeps."""
     from plugtron.core import cpu_features
     from plugtron.plugins.layer_backends import cpu_attention
 
-    monkeypatch.setattr(cpu_features, "_features",
-                        lambda: frozenset({"avx2", "avx512_bf16", "amx_bf16"}))
+    monkeypatch.setattr(cpu_features, "_features", lambda: frozenset(features))
     calls = []
     real = cpu_attention.causal_attention
     monkeypatch.setattr(cpu_attention, "causal_attention",
                         lambda *args: calls.append(1) or real(*args))
-    config, model, shape = _tiny_gpt()
-    layer = model.decoder.layers["0"].to(torch.bfloat16)
+    config, model, shape = _tiny_gpt(**flags)
+    layer = model.decoder.layers["0"].to(dtype)
     shape = ActivationShape(shape.micro_batch_size, shape.seq_length, shape.context_length,
-                            dtype_bytes=2, mask_bytes=2)
+                            dtype_bytes=2, mask_bytes=2,
+                            dtype="bf16" if dtype == torch.bfloat16 else "fp16")
     hidden = torch.randn(shape.micro_batch_size, shape.seq_length, config.model.hidden_size,
-                         dtype=torch.bfloat16, requires_grad=True)
-    saved = saved_activation_bytes(layer, hidden, None)
+                         dtype=dtype, requires_grad=True)
+    saved = saved_activation_bytes(layer, hidden, _rotary(model, config, shape))
     said = module_activation_bytes(layer, shape)
-    assert calls, "the layer did not take the AMX attention"
+    # the matmul backward takes causal attention without dropout or grouped queries
+    takes_it = not (flags.get("attention_dropout") or "num_query_groups" in flags)
+    assert bool(calls) == (amx_attention and takes_it)
     assert said == pytest.approx(saved, rel=0.05), (said, saved)
 
 
@@ -205,8 +227,8 @@ def pool():
 
 
 @pytest.mark.parametrize("flags,world_size", [
-    ({}, 1), ({"tp": 2}, 2), ({"use_distributed_optimizer": True}, 2)],
-    ids=["1-rank", "tp2", "dp2-distopt"])
+    ({}, 1), ({"tp": 2}, 2), ({"use_distributed_optimizer": True}, 2), ({"bf16": True}, 1)],
+    ids=["1-rank", "tp2", "dp2-distopt", "bf16-1-rank"])
 def test_estimate_within_15_percent_of_measured_peak(pool, flags, world_size):
     for result in pool.run(_measure_on_rank, flags, world_size=world_size):
         print(f"measured {result['measured'] / 2**20:.1f} MiB, estimated "

@@ -14,26 +14,41 @@ _NORM_STATS = {"LayerNorm": 2, "RMSNorm": 1}
 
 def norm_bytes(shape, width: int, normalization: str, recomputed: bool = False) -> int:
     """A norm's input (kept either way: a recomputed norm keeps it as the recompute's input)
-    and, unless recomputed, its per-token statistics."""
-    stats = 0 if recomputed else shape.residual(_NORM_STATS.get(normalization, 2), 4)
+    and, unless recomputed, its per-token statistics. torch's CPU RMSNorm is composite: it
+    keeps an fp32 copy of the input and the normalized input (for the weight's gradient), both
+    fp32 whatever the dtype."""
+    if recomputed:
+        return shape.residual(width)
+    stats = shape.residual(_NORM_STATS.get(normalization, 2), 4)
+    if normalization == "RMSNorm" and not shape.cuda:
+        return 2 * shape.residual(width, 4) + stats
     return shape.residual(width) + stats
 
 
-def math_attention(shape, heads: int, head_dim: int, dropout: float) -> int:
+def math_attention(shape, heads: int, head_dim: int, dropout: float,
+                   kernel_bytes: int | None = None) -> int:
     """torch's math kernel (CPU with dropout or a mask): q, k, v (keys repeated per query head),
-    the probabilities, and with dropout the mask and the dropped probabilities."""
+    the probabilities, and with dropout the mask and the dropped probabilities, all in
+    ``kernel_bytes`` per element (the activations' own unless the kernel runs in fp32)."""
+    e = shape.dtype_bytes if kernel_bytes is None else kernel_bytes
     scores = shape.micro_batch_size * heads * shape.seq_length * shape.context_length
-    kept = 3 * shape.tensor(heads * head_dim) + scores * shape.dtype_bytes
+    kept = 3 * shape.tensor(heads * head_dim, e) + scores * e
     if dropout > 0:
-        kept += scores * (shape.mask_bytes + shape.dtype_bytes)
+        kept += scores * ((shape.mask_bytes if e == shape.dtype_bytes else e) + e)
     return kept
 
 
-def fused_attention(shape, heads: int, groups: int, head_dim: int) -> int:
+def fused_attention(shape, heads: int, groups: int, head_dim: int,
+                    kernel_bytes: int | None = None) -> int:
     """Flash/fused kernels: q, k, v, the output (the output projection's input, the same
-    tensor) and the fp32 log-sum-exp per query."""
-    return (shape.tensor((heads + 2 * groups) * head_dim) + shape.tensor(heads * head_dim)
+    tensor) and the fp32 log-sum-exp per query. A kernel run in fp32 on half activations keeps
+    fp32 copies of q, k, v and its fp32 output; the output projection keeps the cast back."""
+    e = shape.dtype_bytes if kernel_bytes is None else kernel_bytes
+    kept = (shape.tensor((heads + 2 * groups) * head_dim, e) + shape.tensor(heads * head_dim, e)
             + shape.tensor(heads, 4))
+    if e != shape.dtype_bytes:
+        kept += shape.tensor(heads * head_dim)
+    return kept
 
 
 def attention_layer_bytes(layer, shape) -> int:
@@ -46,16 +61,24 @@ def attention_layer_bytes(layer, shape) -> int:
     total += shape.residual(h)  # linear_qkv's input (sequence shard under sp)
     dropout = getattr(core, "dropout", 0.0)
     math_kernel = (not shape.cuda and dropout > 0) or getattr(core, "window_size", None)
+    # torch's math kernel computes half precision in fp32 (and keeps fp32 copies) everywhere;
+    # the local backend's other kernels do so on CPUs without AMX for the dtype
+    kernel_bytes = 4 if math_kernel else getattr(core, "kernel_dtype_bytes",
+                                                 lambda _: shape.dtype_bytes)(shape)
     if attn.recompute_core:  # keeps its inputs (views of the QKV output) and its output
         total += shape.tensor((heads + 2 * groups) * d) + shape.tensor(heads * d)
     elif math_kernel:
-        total += math_attention(shape, heads, d, dropout) + shape.tensor(heads * d)
+        total += math_attention(shape, heads, d, dropout, kernel_bytes) + shape.tensor(heads * d)
     else:
-        total += fused_attention(shape, heads, groups, d)
+        total += fused_attention(shape, heads, groups, d, kernel_bytes)
     if attn.q_layernorm is not None:  # per-head norms of q and k: their inputs and stats
         total += shape.tensor((heads + groups) * d) + shape.tensor(2 * (heads + groups), 4)
-    if layer.rotary:  # rotation keeps q, its rotate-half and k's; attention gets new q, k
-        total += shape.tensor((3 * heads + 2 * groups) * d)
+    if layer.rotary:  # the rotation keeps its cos and sin (for q and k; per sample at most)
+        total += shape.tensor(4 * d)
+        if attn.recompute_core or kernel_bytes == shape.dtype_bytes:
+            # attention gets the rotated q and k, new tensors, besides the QKV output that v
+            # views (an fp32 kernel keeps its copies instead, counted above)
+            total += shape.tensor((heads + groups) * d)
     return total + shape.dropout_mask(h, layer.hidden_dropout)
 
 

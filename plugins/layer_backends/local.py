@@ -173,6 +173,15 @@ class CoreAttention(torch.nn.Module):
         self._parallel, self.cp_comm_type = parallel, cp_comm_type
         self.window_size = window_size
 
+    def kernel_dtype_bytes(self, shape) -> int:
+        """Bytes of an element of the q, k, v and output that attention keeps for backward
+        (``plugtron estimate``): 4 where :func:`_training_attention` computes a half dtype in
+        fp32 (a CPU without AMX for it), else the activations' own."""
+        half = _HALF_DTYPES.get(shape.dtype)
+        if not shape.cuda and half is not None and cpu_matrix_support(half) != "amx":
+            return 4
+        return shape.dtype_bytes
+
     def forward(self, q, k, v):
         p = self.dropout if self.training else 0.0
         context = current_forward_context()
@@ -198,6 +207,9 @@ class CoreAttention(torch.nn.Module):
                                       dropout_p=p,
                                       enable_gqa=self.num_query_groups != self.num_heads)
         return out.transpose(1, 2).reshape(b, s, -1)
+
+
+_HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _training_attention(q, k, v, **kwargs):
