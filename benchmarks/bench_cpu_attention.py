@@ -4,8 +4,9 @@ blocks of steps; and each one's gradient error against the fp64 computation.
 
     python benchmarks/bench_cpu_attention.py [--rounds 5] [--write]
 
-q, k and v are strided views of one ``[b, s, 3, heads, d]`` tensor, as the model makes them,
-and the sizes keep ``b x s`` at 2048 tokens (the issue model's microbatch). Where the CPU has
+q, k and v are strided views of one ``[b, s, groups, heads / groups + 2, d]`` tensor, as the
+model's attention makes them, and the sizes keep ``b x s`` at 2048 tokens and ``heads x d`` at
+256 (the issue model's microbatch); the last row has grouped queries (``--num-query-groups``). Where the CPU has
 no AMX for bf16 the matmuls are emulated: the numbers hold, the timings do not apply.
 """
 
@@ -24,12 +25,14 @@ from bench_foundation import cpu_name
 from plugtron.api import cpu_matrix_support
 from plugtron.plugins.layer_backends import cpu_attention
 
-SIZES = [(8, 256), (4, 512), (2, 1024), (1, 2048)]
-HEADS, HEAD_DIM = 4, 64
+#: (micro batch, sequence, query heads, key/value groups)
+SIZES = [(8, 256, 4, 4), (4, 512, 4, 4), (2, 1024, 4, 4), (1, 2048, 4, 4), (8, 256, 4, 2)]
+HEAD_DIM = 64
 
 
 def _flash(q, k, v):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _ours(q, k, v):
@@ -37,7 +40,11 @@ def _ours(q, k, v):
 
 
 def _views(qkv):
-    return [t.transpose(1, 2) for t in qkv.unbind(2)]
+    """``[b, heads, s, d]`` q and ``[b, groups, s, d]`` k, v of the packed projection."""
+    b, s, groups, per_group, d = qkv.shape
+    q, k, v = qkv.split([per_group - 2, 1, 1], dim=3)
+    q = q.reshape(b, s, groups * (per_group - 2), d)
+    return [t.transpose(1, 2) for t in (q, k.squeeze(3), v.squeeze(3))]
 
 
 def _step_ms(attention, qkv, grad, steps):
@@ -54,10 +61,11 @@ def _gradient_error(attention, qkv, grad, truth):
     return ((x.grad.double() - truth).norm() / truth.norm()).item()
 
 
-def measure(b, s, rounds, steps):
+def measure(b, s, heads, groups, rounds, steps):
     gen = torch.Generator().manual_seed(0)
-    qkv = torch.randn(b, s, 3, HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16)
-    grad = torch.randn(b, HEADS, s, HEAD_DIM, generator=gen).to(torch.bfloat16)
+    qkv = torch.randn(b, s, groups, heads // groups + 2, HEAD_DIM,
+                      generator=gen).to(torch.bfloat16)
+    grad = torch.randn(b, heads, s, HEAD_DIM, generator=gen).to(torch.bfloat16)
     exact = qkv.double().requires_grad_()
     _flash(*_views(exact)).backward(grad.double())
     errors = [_gradient_error(f, qkv, grad, exact.grad) for f in (_flash, _ours)]
@@ -80,10 +88,12 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = []
-    for b, s in SIZES:
-        (flash_ms, ours_ms), (flash_err, ours_err) = measure(b, s, args.rounds, args.steps)
+    for b, s, heads, groups in SIZES:
+        (flash_ms, ours_ms), (flash_err, ours_err) = measure(b, s, heads, groups, args.rounds,
+                                                             args.steps)
         used = "yes" if s <= cpu_attention.MAX_SEQ_LENGTH else "no (flash)"
-        rows.append(f"| [{b}, {HEADS}, {s}, {HEAD_DIM}] | {flash_ms:.2f} | {ours_ms:.2f} | "
+        kv = f", k, v [{b}, {groups}, {s}, {HEAD_DIM}]" if groups != heads else ""
+        rows.append(f"| [{b}, {heads}, {s}, {HEAD_DIM}]{kv} | {flash_ms:.2f} | {ours_ms:.2f} | "
                     f"{flash_ms / ours_ms:.2f}x | {flash_err:.2e} | {ours_err:.2e} | {used} |")
     table = "\n".join([
         "| q, k, v | flash ms | matmul backward ms | speed-up | flash grad error | "

@@ -57,6 +57,35 @@ def test_gradients_as_exact_as_flash(monkeypatch, s, block, score_elements, magn
     assert flash_error < 2e-2
 
 
+@pytest.mark.parametrize("heads, groups, block", [(4, 2, 256), (6, 2, 16), (4, 1, 256)])
+def test_grouped_queries(monkeypatch, heads, groups, block):
+    """Grouped queries (query head i reads key/value head i // (heads / groups), as SDPA's
+    ``enable_gqa``): the same flash forward, gradients as exact as flash's, the shared heads'
+    gradients summed over their query heads."""
+    monkeypatch.setattr(cpu_attention, "QUERY_BLOCK", block)
+    gen = torch.Generator().manual_seed(3)
+    b, s, d = 2, 40, 16
+    q = torch.randn(b, heads, s, d, generator=gen).to(torch.bfloat16)
+    k, v = (torch.randn(b, groups, s, d, generator=gen).to(torch.bfloat16) for _ in range(2))
+    grad = torch.randn(b, heads, s, d, generator=gen).to(torch.bfloat16)
+
+    def grads(attention, dtype):
+        inputs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
+        out = attention(*inputs)
+        out.backward(grad.to(dtype))
+        return out.detach(), torch.cat([t.grad.double().flatten() for t in inputs])
+
+    def sdpa(*inputs):
+        return F.scaled_dot_product_attention(*inputs, is_causal=True, enable_gqa=True)
+
+    assert cpu_attention.applies(q, k, v.requires_grad_(), is_causal=True, enable_gqa=True)
+    _, truth = grads(sdpa, torch.float64)
+    flash_out, flash = grads(sdpa, torch.bfloat16)
+    out, mine = grads(cpu_attention.causal_attention, torch.bfloat16)
+    assert torch.equal(out, flash_out)
+    assert _relative_error(mine, truth) <= 1.25 * _relative_error(flash, truth)
+
+
 def test_blocks_and_chunks_do_not_change_the_numbers(monkeypatch):
     """Query blocks sum key/value gradients in fp32 and row chunks are independent: to bf16
     rounding the same gradients (the query gradient exactly)."""
@@ -96,7 +125,9 @@ def test_applies_only_to_what_it_computes():
     assert not cpu_attention.applies(q, k, v, is_causal=False)
     assert not cpu_attention.applies(q, k, v, is_causal=True, dropout_p=0.1)
     assert not cpu_attention.applies(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool))
-    assert not cpu_attention.applies(q, k[:, :1], v[:, :1], is_causal=True, enable_gqa=True)
+    assert cpu_attention.applies(q, k[:, :1], v[:, :1], is_causal=True, enable_gqa=True)
+    assert not cpu_attention.applies(q, k[:, :1], v[:, :1], is_causal=True)  # SDPA refuses it
+    assert not cpu_attention.applies(q, k[:, :1], v, is_causal=True, enable_gqa=True)
     assert not cpu_attention.applies(*_qkv(torch.float16), is_causal=True)
     assert not cpu_attention.applies(*_qkv(torch.float32), is_causal=True)
     assert not cpu_attention.applies(*_qkv(requires_grad=False), is_causal=True)

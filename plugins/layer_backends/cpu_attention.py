@@ -42,18 +42,22 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask=None
             dropout_p: float = 0.0, is_causal: bool = False, enable_gqa: bool = False,
             scale=None) -> bool:
     """Whether :func:`causal_attention` computes this SDPA call: causal self-attention without
-    mask, dropout or grouped queries, of bf16 CPU tensors that need gradients."""
-    return (_flash_forward is not None and is_causal and attn_mask is None and not dropout_p
-            and not enable_gqa and q.device.type == "cpu" and q.dtype == torch.bfloat16
-            and q.shape == k.shape == v.shape and q.shape[2] <= MAX_SEQ_LENGTH
-            and torch.is_grad_enabled()
-            and any(t.requires_grad for t in (q, k, v)))
+    mask or dropout (grouped queries included), of bf16 CPU tensors that need gradients."""
+    if not (_flash_forward is not None and is_causal and attn_mask is None and not dropout_p
+            and q.device.type == "cpu" and q.dtype == torch.bfloat16
+            and q.shape[2] <= MAX_SEQ_LENGTH and torch.is_grad_enabled()
+            and any(t.requires_grad for t in (q, k, v))):
+        return False
+    groups = k.shape[1]
+    return (k.shape == v.shape and q.shape[::2] == k.shape[::2] and q.shape[3] == k.shape[3]
+            and (q.shape[1] == groups or (enable_gqa and q.shape[1] % groups == 0)))
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      scale: float | None = None) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` for ``[b, heads, s, d]``
-    tensors, with the backward described in the module docstring."""
+    """``F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)`` for
+    ``[b, heads, s, d]`` queries and ``[b, groups, s, d]`` keys and values, with the backward
+    described in the module docstring."""
     return _CausalAttention.apply(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
@@ -69,6 +73,9 @@ class _CausalAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, lse = ctx.saved_tensors
         b, heads, s, d = q.shape
+        groups = k.shape[1]
+        if groups != heads:  # each key/value head serves heads / groups query heads in turn
+            k, v = (t.repeat_interleave(heads // groups, dim=1) for t in (k, v))
         rows = b * heads
         q, k, v, grad_out = (t.reshape(rows, s, d) for t in (q, k, v, grad_out))
         neg_lse = lse.reshape(rows, s, 1).neg()
@@ -78,7 +85,12 @@ class _CausalAttention(torch.autograd.Function):
             part = slice(start, start + chunk)
             _backward_rows(q[part], k[part], v[part], grad_out[part], neg_lse[part], ctx.scale,
                            *(g[part] for g in grads))
-        return (*(g.view(b, heads, s, d) for g in grads), None)
+        grad_q, grad_k, grad_v = (g.view(b, heads, s, d) for g in grads)
+        if groups != heads:  # a shared head's gradient sums its query heads' (in fp32)
+            grad_k, grad_v = (g.view(b, groups, heads // groups, s, d)
+                              .sum(2, dtype=torch.float32).to(q.dtype)
+                              for g in (grad_k, grad_v))
+        return grad_q, grad_k, grad_v, None
 
 
 def _backward_rows(q, k, v, grad_out, neg_lse, scale, grad_q, grad_k, grad_v):
