@@ -34,7 +34,8 @@ def math_attention(shape, heads: int, head_dim: int, dropout: float,
     scores = shape.micro_batch_size * heads * shape.seq_length * shape.context_length
     kept = 3 * shape.tensor(heads * head_dim, e) + scores * e
     if dropout > 0:
-        kept += scores * ((shape.mask_bytes if e == shape.dtype_bytes else e) + e)
+        # CUDA keeps bool masks; CPU masks of the dtype the kernel computes in
+        kept += scores * ((shape.mask_bytes if shape.cuda else e) + e)
     return kept
 
 
