@@ -86,6 +86,41 @@ def test_grouped_queries(monkeypatch, heads, groups, block):
     assert _relative_error(mine, truth) <= 1.25 * _relative_error(flash, truth)
 
 
+def _document_and_window_masks(b, s):
+    from plugtron.plugins.layer_backends.attention_mask import attention_mask
+
+    documents = torch.zeros(b, s, dtype=torch.long)
+    documents[0, s // 3:] = 1
+    documents[1:, s // 2:] = 1
+    documents[:, s - 5:] = 2
+    return {"documents": attention_mask(s, s, document_ids=documents),
+            "window": attention_mask(s, s, window=(7, 0)),
+            "both": attention_mask(s, s, document_ids=documents, window=(7, 0))}
+
+
+@pytest.mark.parametrize("kind", ["documents", "window", "both"])
+@pytest.mark.parametrize("block", [256, 16])
+def test_masks_within_the_causal_one(monkeypatch, kind, block):
+    """Packed documents and sliding windows (the local backend's ``attention_mask``): the
+    forward is SDPA's with that mask bit for bit, the gradients as exact as flash's."""
+    monkeypatch.setattr(cpu_attention, "QUERY_BLOCK", block)
+    qkv, grad = _inputs(2, 3, 40, 16, seed=4)
+    mask = _document_and_window_masks(2, 40)[kind]
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def mine(q, k, v):
+        assert cpu_attention.applies(q, k, v, attn_mask=mask)
+        return cpu_attention.causal_attention(q, k, v, mask=mask)
+
+    _, truth = _grads(sdpa, qkv, grad, torch.float64)
+    flash_out, flash = _grads(sdpa, qkv, grad, torch.bfloat16)
+    out, grads = _grads(mine, qkv, grad, torch.bfloat16)
+    assert torch.equal(out, flash_out)
+    assert _relative_error(grads, truth) <= 1.25 * _relative_error(flash, truth)
+
+
 def test_blocks_and_chunks_do_not_change_the_numbers(monkeypatch):
     """Query blocks sum key/value gradients in fp32 and row chunks are independent: to bf16
     rounding the same gradients (the query gradient exactly)."""
@@ -125,6 +160,12 @@ def test_applies_only_to_what_it_computes():
     assert not cpu_attention.applies(q, k, v, is_causal=False)
     assert not cpu_attention.applies(q, k, v, is_causal=True, dropout_p=0.1)
     assert not cpu_attention.applies(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool))
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()[None, None]
+    assert cpu_attention.applies(q, k, v, attn_mask=causal)
+    assert not cpu_attention.applies(q, k, v, attn_mask=causal, is_causal=True)  # SDPA: one
+    assert not cpu_attention.applies(q, k, v, attn_mask=torch.ones_like(causal))  # sees ahead
+    assert not cpu_attention.applies(q, k, v, attn_mask=causal.float())  # additive masks
+    assert not cpu_attention.applies(q, k, v, attn_mask=causal.expand(3, 1, 16, 16))  # b is 2
     assert cpu_attention.applies(q, k[:, :1], v[:, :1], is_causal=True, enable_gqa=True)
     assert not cpu_attention.applies(q, k[:, :1], v[:, :1], is_causal=True)  # SDPA refuses it
     assert not cpu_attention.applies(q, k[:, :1], v, is_causal=True, enable_gqa=True)
@@ -146,4 +187,7 @@ def test_local_backend_takes_it_only_with_amx(monkeypatch, cpu, expected):
     features = {"avx512": {"avx2", "avx512_bf16"}, "amx": {"avx2", "avx512_bf16", "amx_bf16"}}
     monkeypatch.setattr(cpu_features, "_features", lambda: frozenset(features[cpu]))
     out = _training_attention(*_qkv(), is_causal=True)
+    assert type(out.grad_fn).__name__ == expected
+    documents = _document_and_window_masks(2, 16)["documents"]
+    out = _training_attention(*_qkv(), attn_mask=documents, is_causal=False)
     assert type(out.grad_fn).__name__ == expected

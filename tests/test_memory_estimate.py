@@ -58,11 +58,12 @@ def _rotary(model, config, shape):
     {"position_embedding_type": "rope", "normalization": "RMSNorm"},
     {"position_embedding_type": "rope", "num_query_groups": 2},
     {"recompute_granularity": "selective", "position_embedding_type": "rope"},
+    {"window_size": [7, 0]},
     {"recompute_granularity": "selective"},
     {"recompute_granularity": "selective", "recompute_modules": ["mlp,core_attn"],
      "hidden_dropout": 0.1, "attention_dropout": 0.1},
-], ids=["plain", "dropout", "swiglu", "rope-rms", "rope-gqa", "sel-rope", "sel-core",
-        "sel-mlp-dropout"])
+], ids=["plain", "dropout", "swiglu", "rope-rms", "rope-gqa", "sel-rope", "window",
+        "sel-core", "sel-mlp-dropout"])
 def test_layer_bytes_are_what_autograd_saves(flags):
     config, model, shape = _tiny_gpt(**flags)
     layer = model.decoder.layers["0"]
@@ -75,10 +76,12 @@ def test_layer_bytes_are_what_autograd_saves(flags):
 
 _HALF_FLAGS = [{}, {"hidden_dropout": 0.1, "attention_dropout": 0.1},
                {"position_embedding_type": "rope", "num_query_groups": 2},
-               {"recompute_granularity": "selective", "position_embedding_type": "rope"}]
+               {"recompute_granularity": "selective", "position_embedding_type": "rope"},
+               {"window_size": [7, 0]}]
 
 
-@pytest.mark.parametrize("flags", _HALF_FLAGS, ids=["plain", "dropout", "rope-gqa", "sel-rope"])
+@pytest.mark.parametrize("flags", _HALF_FLAGS,
+                         ids=["plain", "dropout", "rope-gqa", "sel-rope", "window"])
 @pytest.mark.parametrize("features, dtype, amx_attention", [
     ({"avx2"}, torch.bfloat16, False),
     ({"avx2", "avx512_bf16", "avx512_fp16", "amx_bf16"}, torch.float16, False),
@@ -89,7 +92,8 @@ def test_half_precision_layer_bytes_on_each_kind_of_cpu(monkeypatch, flags, feat
     """The CPU's features pinned, so any machine checks all three: without AMX for the dtype
     the attention computes in fp32 and keeps fp32 copies of q, k, v and its output (the rotated
     q and k of the model dtype are then not kept); with AMX-BF16 causal attention takes the
-    matmul backward (plugins/layer_backends/cpu_attention.py), which keeps what flash keeps."""
+    matmul backward (plugins/layer_backends/cpu_attention.py), which keeps what flash keeps
+    (a sliding window's mask as booleans where flash keeps it additive)."""
     from plugtron.core import cpu_features
     from plugtron.plugins.layer_backends import cpu_attention
 

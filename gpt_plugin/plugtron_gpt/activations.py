@@ -61,7 +61,9 @@ def attention_layer_bytes(layer, shape) -> int:
     total = norm_bytes(shape, h, layer.normalization, layer.recompute_norm)
     total += shape.residual(h)  # linear_qkv's input (sequence shard under sp)
     dropout = getattr(core, "dropout", 0.0)
-    math_kernel = (not shape.cuda and dropout > 0) or getattr(core, "window_size", None)
+    math_kernel = not shape.cuda and dropout > 0  # masks alone run fused kernels too
+    window = getattr(core, "window_size", None)
+    windowed = window is not None and window[0] < shape.context_length - 1
     # torch's math kernel computes half precision in fp32 (and keeps fp32 copies) everywhere;
     # the local backend's other kernels do so on CPUs without AMX for the dtype
     kernel_bytes = 4 if math_kernel else getattr(core, "kernel_dtype_bytes",
@@ -72,6 +74,8 @@ def attention_layer_bytes(layer, shape) -> int:
         total += math_attention(shape, heads, d, dropout, kernel_bytes) + shape.tensor(heads * d)
     else:
         total += fused_attention(shape, heads, groups, d, kernel_bytes)
+        if windowed:  # each layer builds the window's [s, s] mask; SDPA keeps its additive form
+            total += shape.seq_length * shape.context_length * kernel_bytes
     if attn.q_layernorm is not None:  # per-head norms of q and k: their inputs and stats
         total += shape.tensor((heads + groups) * d) + shape.tensor(2 * (heads + groups), 4)
     if layer.rotary:  # the rotation keeps its cos and sin (for q and k; per sample at most)
