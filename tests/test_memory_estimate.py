@@ -53,23 +53,36 @@ def _rotary(model, config, shape):
     return rotary_freqs_at(positions, model.head_dim, config.model.rotary_base, None)
 
 
+def _saved_by_layer(layer, hidden, model, config, shape):
+    """What autograd saves in the layer's forward; with --reset-attention-mask two packed
+    documents per sample, as the model's forward context would give them."""
+    from plugtron.core.forward_context import forward_context
+
+    documents = None
+    if config.samples.reset_attention_mask:
+        documents = torch.zeros(shape.micro_batch_size, shape.seq_length, dtype=torch.long)
+        documents[:, shape.seq_length // 3:] = 1
+    with forward_context(document_ids=documents):
+        return saved_activation_bytes(layer, hidden, _rotary(model, config, shape))
+
+
 @pytest.mark.parametrize("flags", [
     {}, {"hidden_dropout": 0.1, "attention_dropout": 0.1}, {"swiglu": True},
     {"position_embedding_type": "rope", "normalization": "RMSNorm"},
     {"position_embedding_type": "rope", "num_query_groups": 2},
     {"recompute_granularity": "selective", "position_embedding_type": "rope"},
-    {"window_size": [7, 0]},
+    {"window_size": [7, 0]}, {"reset_attention_mask": True},
     {"recompute_granularity": "selective"},
     {"recompute_granularity": "selective", "recompute_modules": ["mlp,core_attn"],
      "hidden_dropout": 0.1, "attention_dropout": 0.1},
 ], ids=["plain", "dropout", "swiglu", "rope-rms", "rope-gqa", "sel-rope", "window",
-        "sel-core", "sel-mlp-dropout"])
+        "documents", "sel-core", "sel-mlp-dropout"])
 def test_layer_bytes_are_what_autograd_saves(flags):
     config, model, shape = _tiny_gpt(**flags)
     layer = model.decoder.layers["0"]
     hidden = torch.randn(shape.micro_batch_size, shape.seq_length, config.model.hidden_size,
                          requires_grad=True)
-    saved = saved_activation_bytes(layer, hidden, _rotary(model, config, shape))
+    saved = _saved_by_layer(layer, hidden, model, config, shape)
     said = module_activation_bytes(layer, shape)
     assert said == pytest.approx(saved, rel=0.05), (said, saved)
 
@@ -77,11 +90,11 @@ def test_layer_bytes_are_what_autograd_saves(flags):
 _HALF_FLAGS = [{}, {"hidden_dropout": 0.1, "attention_dropout": 0.1},
                {"position_embedding_type": "rope", "num_query_groups": 2},
                {"recompute_granularity": "selective", "position_embedding_type": "rope"},
-               {"window_size": [7, 0]}]
+               {"window_size": [7, 0]}, {"reset_attention_mask": True}]
 
 
 @pytest.mark.parametrize("flags", _HALF_FLAGS,
-                         ids=["plain", "dropout", "rope-gqa", "sel-rope", "window"])
+                         ids=["plain", "dropout", "rope-gqa", "sel-rope", "window", "documents"])
 @pytest.mark.parametrize("features, dtype, amx_attention", [
     ({"avx2"}, torch.bfloat16, False),
     ({"avx2", "avx512_bf16", "avx512_fp16", "amx_bf16"}, torch.float16, False),
@@ -93,7 +106,8 @@ def test_half_precision_layer_bytes_on_each_kind_of_cpu(monkeypatch, flags, feat
     the attention computes in fp32 and keeps fp32 copies of q, k, v and its output (the rotated
     q and k of the model dtype are then not kept); with AMX-BF16 causal attention takes the
     matmul backward (plugins/layer_backends/cpu_attention.py), which keeps what flash keeps
-    (a sliding window's mask as booleans where flash keeps it additive)."""
+    (a mask, of a sliding window or packed documents, as booleans where flash keeps it
+    additive)."""
     from plugtron.core import cpu_features
     from plugtron.plugins.layer_backends import cpu_attention
 
@@ -109,7 +123,7 @@ def test_half_precision_layer_bytes_on_each_kind_of_cpu(monkeypatch, flags, feat
                             dtype="bf16" if dtype == torch.bfloat16 else "fp16")
     hidden = torch.randn(shape.micro_batch_size, shape.seq_length, config.model.hidden_size,
                          dtype=dtype, requires_grad=True)
-    saved = saved_activation_bytes(layer, hidden, _rotary(model, config, shape))
+    saved = _saved_by_layer(layer, hidden, model, config, shape)
     said = module_activation_bytes(layer, shape)
     takes_it = not flags.get("attention_dropout")  # causal attention without dropout
     assert bool(calls) == (amx_attention and takes_it)

@@ -74,8 +74,11 @@ def attention_layer_bytes(layer, shape) -> int:
         total += math_attention(shape, heads, d, dropout, kernel_bytes) + shape.tensor(heads * d)
     else:
         total += fused_attention(shape, heads, groups, d, kernel_bytes)
-        if windowed:  # each layer builds the window's [s, s] mask; SDPA keeps its additive form
-            total += shape.seq_length * shape.context_length * kernel_bytes
+        documents = getattr(layer, "document_masks", False)
+        if documents or windowed:  # each layer builds its mask ([b, 1, s, s] with packed
+            # documents, else [1, 1, s, s]); SDPA keeps it in its additive form
+            total += ((shape.micro_batch_size if documents else 1) * shape.seq_length
+                      * shape.context_length * kernel_bytes)
     if attn.q_layernorm is not None:  # per-head norms of q and k: their inputs and stats
         total += shape.tensor((heads + groups) * d) + shape.tensor(2 * (heads + groups), 4)
     if layer.rotary:  # the rotation keeps its cos and sin (for q and k; per sample at most)

@@ -124,6 +124,8 @@ class SelfAttentionLayer(torch.nn.Module):
         self.recompute_norm = recompute_module(config, "layernorm")
         self.normalization = m.normalization
         self.rotary = m.position_embedding_type == "rope"
+        samples = getattr(config, "samples", None)  # the datasets' section, when installed
+        self.document_masks = bool(samples is not None and samples.reset_attention_mask)
 
     def activation_bytes(self, shape) -> int:
         """Bytes kept for backward per microbatch (``plugtron estimate``)."""
