@@ -178,9 +178,8 @@ class CoreAttention(torch.nn.Module):
         (``plugtron estimate``): 4 where :func:`_training_attention` computes a half dtype in
         fp32 (a CPU without AMX for it), else the activations' own."""
         half = _HALF_DTYPES.get(shape.dtype)
-        if not shape.cuda and half is not None and cpu_matrix_support(half) != "amx":
-            return 4
-        return shape.dtype_bytes
+        return 4 if not shape.cuda and half is not None and _fp32_on_cpu(half) \
+            else shape.dtype_bytes
 
     def forward(self, q, k, v):
         p = self.dropout if self.training else 0.0
@@ -212,6 +211,11 @@ class CoreAttention(torch.nn.Module):
 _HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _fp32_on_cpu(half: torch.dtype) -> bool:
+    """Whether training attention in ``half`` runs in fp32 on this CPU (no AMX for it)."""
+    return cpu_matrix_support(half) != "amx"
+
+
 def _training_attention(q, k, v, **kwargs):
     """SDPA; on CPU in half precision without AMX for the dtype it runs in fp32 and casts back.
     Without native bf16/fp16 matrix instructions, torch's CPU flash-attention backward in half
@@ -221,9 +225,9 @@ def _training_attention(q, k, v, **kwargs):
     exact of the two. The price is fp32 copies of q, k and v held for backward. With AMX, causal
     bf16 attention (packed documents and sliding windows included) keeps the flash forward but
     takes the matmul backward of cpu_attention.py (6 ms instead of 8-9 forward and backward)."""
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) \
+    if q.device.type == "cpu" and q.dtype in _HALF_DTYPES.values() \
             and torch.is_grad_enabled() and q.requires_grad:
-        if cpu_matrix_support(q.dtype) != "amx":
+        if _fp32_on_cpu(q.dtype):
             out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs)
             return out.to(q.dtype)
         if cpu_attention.applies(q, k, v, **kwargs):
