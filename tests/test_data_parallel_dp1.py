@@ -11,7 +11,9 @@ from plugtron.core.training import setup
 from tests.distributed.dp_helpers import (
     DP_BASE,
     UnevenLossMask,
+    bf16_ulps,
     losses,
+    main_params,
     max_param_diff,
     max_rel_diff,
     one_thread,
@@ -99,8 +101,15 @@ def test_fp16_state_carries_the_loss_scaler():
 def test_state_round_trip_between_optimizers(source, target, bf16):
     world, run_length = single_process(), {"train_iters": 4, "bf16": bf16}
     state, params, _ = state_after({**run_length, "optimizer": source}, 3, world)
-    resumed, final = resume_run({**run_length, "optimizer": target}, state, params, 3, world)
-    records, expected, _ = train_run({**run_length, "optimizer": target}, world)
+    resumed, final, final_main = resume_run({**run_length, "optimizer": target}, state, params,
+                                            3, world)
+    records, expected, run = train_run({**run_length, "optimizer": target}, world)
     assert [r["iteration"] for r in resumed] == [4]
     assert max_rel_diff(losses(resumed), losses(records)[3:]) < TOL
-    assert max_param_diff(final, expected) < TOL
+    # The fp32 tolerance holds for what the optimizers compute: their fp32 main params. The
+    # bf16 params only round those, and two main params 3e-6 apart (adam and distributed-adam
+    # lay out their buffers differently; oneDNN's AVX512-BF16 kernels, without AMX, then sum in
+    # another order) can round to neighbouring bf16 values, 3.05e-5 apart near 0.004.
+    assert max_param_diff(final_main, main_params(run)) < TOL
+    if bf16:
+        assert bf16_ulps(final, expected) <= 1

@@ -79,6 +79,24 @@ def params_of(run) -> dict[str, torch.Tensor]:
     return {name: p.detach().float().clone() for name, p in named_params(run.model_chunks)}
 
 
+def main_params(run) -> dict[str, torch.Tensor]:
+    """The fp32 values the optimizer steps: its main params under bf16/fp16, else the params."""
+    state = run.optimizer.sharded_state_dict()
+    return {name: state[name].get("main_param", p.detach()).float().clone()
+            for name, p in named_params(run.model_chunks)}
+
+
+def bf16_ulps(a: dict, b: dict) -> int:
+    """Largest distance between a and b in bf16 steps (0: equal in bf16, 1: neighbours)."""
+    assert sorted(a) == sorted(b)
+
+    def ordinal(t: torch.Tensor) -> torch.Tensor:  # bf16 bit patterns in the order of values
+        bits = t.to(torch.bfloat16).view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return max(int((ordinal(a[k]) - ordinal(b[k])).abs().max()) for k in a)
+
+
 def train_run(overrides: dict, world=None, masked: bool = True, before_train=None,
               stop_after: int | None = None):
     """Train ``tiny_config(DP_BASE | overrides)``, stopping after ``stop_after`` iterations
@@ -119,7 +137,7 @@ def state_after(overrides: dict, iterations: int, world=None):
 
 def resume_run(overrides: dict, state: dict, params: dict, done: int, world=None):
     """Load ``params`` and optimizer ``state`` saved after ``done`` steps and train the rest of
-    the run; returns (records of the new steps, params)."""
+    the run; returns (records of the new steps, params, the optimizer's main params)."""
     config = tiny_config(**{**DP_BASE, **overrides})
     recorder = StepRecorder()
     run = setup(config, extra_plugins=[recorder, UnevenLossMask()], world=world)
@@ -130,7 +148,7 @@ def resume_run(overrides: dict, state: dict, params: dict, done: int, world=None
     run.state.iteration = done
     run.state.consumed_samples = done * config.training.global_batch_size
     train(run, MetricsLogger(config, rank=1))
-    return recorder.records, params_of(run)
+    return recorder.records, params_of(run), main_params(run)
 
 
 def one_thread():
@@ -164,5 +182,5 @@ def pool_state_after(rank, world_size, overrides, iterations):
 
 
 def pool_resume(rank, world_size, overrides, state, params, done):
-    records, final = resume_run(overrides, state, params, done)
+    records, final, _ = resume_run(overrides, state, params, done)
     return losses(records), final

@@ -174,7 +174,7 @@ def test_distributed_state_from_dp2_resumes_as_adam_on_one_rank(pool):
     for name, tensors in saved[1][0].items():  # every rank gathered the same full state
         if isinstance(tensors, dict) and name != "__optimizer__":
             assert all((tensors[k] - state[name][k]).abs().max() == 0 for k in tensors)
-    resumed, final = resume_run({**RUN, "optimizer": "adam"}, state, params, 3,
+    resumed, final, _ = resume_run({**RUN, "optimizer": "adam"}, state, params, 3,
                                 single_process())
     assert max_rel_diff(losses(resumed), expected["losses"][3:]) < TOL
     assert max_param_diff(final, expected["params"]) < TOL
