@@ -24,8 +24,8 @@ import time
 import torch
 from plugtron.core.checkpoint import Checkpointer, load_checkpoint
 from plugtron.core.config import TrainConfig, apply_values
-from plugtron.core.distributed import single_process
-from plugtron.core.training import setup
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.loop import setup
 
 MODELS = {
     "default": {},

@@ -20,9 +20,9 @@ import time
 import torch
 from bench_foundation import MODELS, SIZES, median
 from plugtron.core.config import TrainConfig, apply_values
-from plugtron.core.distributed import single_process
-from plugtron.core.metrics import MetricsLogger
-from plugtron.core.training import data_iterators, setup, train_step
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.loop import data_iterators, setup, train_step
 
 
 def build(args, rounds):

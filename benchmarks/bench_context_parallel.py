@@ -52,10 +52,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from plugtron.core import cp_attention  # noqa: E402
-from plugtron.core.context_parallel import split_tensor  # noqa: E402
-from plugtron.core.hookspecs import hookimpl  # noqa: E402
-from plugtron.core.parallel_context import ParallelContext  # noqa: E402
+from plugtron.core.contracts.hookspecs import hookimpl  # noqa: E402
+from plugtron.core.parallel import cp_attention  # noqa: E402
+from plugtron.core.parallel.context import ParallelContext  # noqa: E402
+from plugtron.core.parallel.context_parallel import split_tensor  # noqa: E402
 
 from tests.distributed.harness import DistributedPool, worker_cache  # noqa: E402
 
@@ -252,8 +252,8 @@ class _SecondStep:
 def _rank_model_step(rank, world_size, seq, comm_type, cuda):
     """Two training steps of the MODEL_FLAGS GPT at sequence ``seq`` over cp = world size:
     (seconds, peak bytes) of the second."""
-    from plugtron.core.metrics import MetricsLogger
-    from plugtron.core.training import setup, train
+    from plugtron.core.monitoring.metrics import MetricsLogger
+    from plugtron.core.training.loop import setup, train
 
     from tests.utils import tiny_config
 

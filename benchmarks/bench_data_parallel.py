@@ -36,9 +36,9 @@ def _train(rank, world_size, overrides: dict, iters: int) -> dict:
     """In each pool rank: a short run; its median step time and optimizer-state bytes."""
     import torch
     from plugtron.core.config import TrainConfig, apply_values
-    from plugtron.core.hookspecs import hookimpl
-    from plugtron.core.metrics import MetricsLogger
-    from plugtron.core.training import setup, train
+    from plugtron.core.contracts.hookspecs import hookimpl
+    from plugtron.core.monitoring.metrics import MetricsLogger
+    from plugtron.core.training.loop import setup, train
 
     class Recorder:
         def __init__(self):

@@ -25,10 +25,10 @@ import time
 import torch
 import torch.nn.functional as F
 from plugtron.core.config import TrainConfig, apply_values
-from plugtron.core.data import microbatch_iterator
-from plugtron.core.distributed import single_process
-from plugtron.core.metrics import MetricsLogger
-from plugtron.core.training import data_iterators, setup, train_step
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.data import microbatch_iterator
+from plugtron.core.training.loop import data_iterators, setup, train_step
 
 SIZES = {"progress": False, "log-interval": 0, "eval-interval": 0, "hidden-dropout": 0.0,
          "attention-dropout": 0.0}

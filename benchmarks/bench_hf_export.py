@@ -30,7 +30,7 @@ import json, sys
 import torch
 from plugtron.core.checkpoint import hf, hf_export
 from plugtron.core.checkpoint.reader import CheckpointReader
-from plugtron.core.plugin_options import config_from_dict
+from plugtron.core.plugins.options import config_from_dict
 from safetensors.torch import save_file
 
 def status(key):
@@ -85,7 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     import torch
     import transformers
-    from plugtron.core.checkpoint.hf import import_hf
+    from plugtron.core.interchange.hf import import_hf
 
     root = tempfile.mkdtemp(prefix="bench-hf-export-")
     try:

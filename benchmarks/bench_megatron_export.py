@@ -33,8 +33,8 @@ CHILD = r"""
 import json, sys, threading, time
 import torch
 from plugtron.core.checkpoint import megatron, writer
-from plugtron.core.checkpoint.hf import converter_for_config
-from plugtron.core.checkpoint.torch_dist import read_torch_dist, write_torch_dist
+from plugtron.core.interchange.hf import converter_for_config
+from plugtron.core.interchange.torch_dist import read_torch_dist, write_torch_dist
 from plugtron.core.config import padded_vocab_size
 
 def status(key):
@@ -90,9 +90,9 @@ def main() -> None:
     args = parser.parse_args()
     import torch
     from plugtron.core.checkpoint import checkpointer
-    from plugtron.core.distributed import single_process
-    from plugtron.core.plugin_options import config_from_flags
-    from plugtron.core.training import setup
+    from plugtron.core.parallel.distributed import single_process
+    from plugtron.core.plugins.options import config_from_flags
+    from plugtron.core.training.loop import setup
 
     root = tempfile.mkdtemp(prefix="bench-megatron-export-")
     try:
@@ -110,7 +110,7 @@ def main() -> None:
         checkpointer(run).save(0)
         del run
         exported = os.path.join(root, "exported")
-        megatron_export = __import__("plugtron.core.checkpoint.megatron",
+        megatron_export = __import__("plugtron.core.interchange.megatron",
                                      fromlist=["export_megatron"]).export_megatron
         megatron_export(ckpt, exported)
         size_mb = params * 4 / 2**20

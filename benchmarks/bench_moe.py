@@ -113,9 +113,9 @@ BALANCE_RUNS = {"none": {}, "aux loss 1e-2": {"moe-aux-loss-coeff": 1e-2},
 def balance(steps: int) -> dict:
     """``{variant: [per-seed list of max/mean load per step]}`` (same seeds for every
     variant: one seed alone is within run-to-run noise at coefficient 1e-2)."""
-    from plugtron.core.distributed import single_process
-    from plugtron.core.metrics import MetricsLogger
-    from plugtron.core.training import setup, train
+    from plugtron.core.monitoring.metrics import MetricsLogger
+    from plugtron.core.parallel.distributed import single_process
+    from plugtron.core.training.loop import setup, train
     from plugtron.testing import make_config
 
     flags = {"num-experts": 8, "moe-router-topk": 2, "train-iters": steps, "num-layers": 2,

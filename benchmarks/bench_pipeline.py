@@ -37,8 +37,8 @@ MICROBATCHES = 8
 
 def build_run(rank: int, vp: int | None):
     from plugtron.core.config import TrainConfig, apply_values
-    from plugtron.core.distributed import WorldInfo
-    from plugtron.core.training import setup
+    from plugtron.core.parallel.distributed import WorldInfo
+    from plugtron.core.training.loop import setup
 
     config = TrainConfig()
     apply_values(config, dict(MODEL, **({"vp": vp} if vp else {})), "benchmark")
@@ -98,8 +98,8 @@ def batches(run):
 
 
 def plugtron_step(run, micro):
-    from plugtron.core import pipeline_executor
-    from plugtron.core.training import run_schedule
+    from plugtron.core.pipeline import executor as pipeline_executor
+    from plugtron.core.training.loop import run_schedule
 
     for chunk in run.model_chunks:
         chunk.zero_grad_buffer()
@@ -180,7 +180,7 @@ def worker(rank, init_file, steps, queue):
 
 
 def simulated_bubble(vp: int) -> float:
-    from plugtron.core.schedule_plan import bubble_fraction, simulate
+    from plugtron.core.pipeline.plan import bubble_fraction, simulate
     from plugtron.plugins.schedules.interleaved import interleaved_actions
     from plugtron.plugins.schedules.one_f_one_b import one_f_one_b_actions
 

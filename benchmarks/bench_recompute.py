@@ -20,9 +20,9 @@ import time
 import weakref
 
 import torch
-from plugtron.core.distributed import single_process
-from plugtron.core.plugin_options import config_from_flags
-from plugtron.core.training import data_iterators, setup, train_step
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins.options import config_from_flags
+from plugtron.core.training.loop import data_iterators, setup, train_step
 
 BASE = {"num-layers": 8, "hidden-size": 256, "num-attention-heads": 4, "seq-length": 512,
         "max-position-embeddings": 512, "micro-batch-size": 4, "global-batch-size": 4,

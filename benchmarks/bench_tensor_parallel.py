@@ -52,7 +52,7 @@ def _train_rate(rank, world_size, overrides):
 
 
 def throughput() -> dict:
-    from plugtron.core.distributed import single_process
+    from plugtron.core.parallel.distributed import single_process
 
     runs = {"tp1": [], "tp1_1thread": [], "tp2": []}
     with DistributedPool(2, timeout=600) as pool:
@@ -67,8 +67,8 @@ def throughput() -> dict:
 
 
 def _memory(rank, world_size, tp, sp):
-    from plugtron.core.sharding import is_tensor_parallel
-    from plugtron.core.training import data_iterators, setup
+    from plugtron.core.parallel.sharding import is_tensor_parallel
+    from plugtron.core.training.loop import data_iterators, setup
 
     # One microbatch per dp rank: the memory of one microbatch does not depend on dp.
     layout = {"tp": tp, "sequence_parallel": sp, "train_iters": 1,

@@ -18,10 +18,10 @@ import collections
 import torch
 from bench_foundation import MODELS, SIZES, plain_stepper
 from plugtron.core.config import TrainConfig, apply_values
-from plugtron.core.data import microbatch_iterator
-from plugtron.core.distributed import single_process
-from plugtron.core.metrics import MetricsLogger
-from plugtron.core.training import data_iterators, setup, train_step
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.data import microbatch_iterator
+from plugtron.core.training.loop import data_iterators, setup, train_step
 from torch.profiler import ProfilerActivity, profile
 
 

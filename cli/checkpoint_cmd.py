@@ -21,7 +21,7 @@ def checkpoint():
 def inspect(path, as_json):
     """Iteration, the layout it was saved with, config, plugins, and every tensor's global
     shape and dtype. PATH is a checkpoint or a directory of them (the newest complete one)."""
-    from plugtron.core.checkpoint.inspect import describe
+    from plugtron.core.tools.checkpoint_inspect import describe
 
     info = describe(path)
     if as_json:

@@ -1,6 +1,6 @@
 """``plugtron convert import-hf`` / ``export-hf``: Hugging Face (config.json +
 model.safetensors) to and from plugtron checkpoints; ``import-megatron`` / ``export-megatron``:
-Megatron-Core torch_dist checkpoints (core/checkpoint/megatron.py)."""
+Megatron-Core torch_dist checkpoints (core/interchange/megatron.py)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def convert():
 def import_hf(hf_dir, out_dir, model, dtype):
     """Write a weights-only plugtron checkpoint (iteration 0) from HF_DIR into OUT_DIR, and
     print the model flags to train or evaluate it with (--load OUT_DIR)."""
-    from plugtron.core.checkpoint.hf import import_hf as run_import
+    from plugtron.core.interchange.hf import import_hf as run_import
 
     path, config = run_import(hf_dir, out_dir, model, _dtype(dtype))
     _print_flags(path, config)
@@ -72,7 +72,7 @@ def export_hf(checkpoint, out_dir, dtype, max_shard_size):
     """Write the model of CHECKPOINT (any layout; a directory of them: the newest) as a Hugging
     Face directory OUT_DIR: config.json and generation_config.json (with bos/eos/pad ids),
     the tokenizer files when the checkpoint names a tokenizer, safetensors shards."""
-    from plugtron.core.checkpoint.hf import export_hf as run_export
+    from plugtron.core.interchange.hf import export_hf as run_export
 
     click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype), max_shard_size)}")
 
@@ -81,10 +81,10 @@ def export_hf(checkpoint, out_dir, dtype, max_shard_size):
 def _model_flags(extra: tuple, model: str) -> dict:
     """``--flag value`` / ``--flag`` pairs after ``--`` (model flags for a checkpoint that saved
     no args): the core's model section and the options of ``model``'s layers."""
-    from plugtron.core.checkpoint.megatron import model_option_sections
     from plugtron.core.config import flag_fields
     from plugtron.core.errors import ConfigError
-    from plugtron.core.plugin_options import config_from_flags
+    from plugtron.core.interchange.megatron import model_option_sections
+    from plugtron.core.plugins.options import config_from_flags
 
     config = config_from_flags({"model": model}, "--model")
     sections = model_option_sections(config)
@@ -125,7 +125,7 @@ def import_megatron(megatron_dir, out_dir, model_flags, model, dtype):
     (MEGATRON_DIR: the --save directory or one iter_XXXXXXX in it). The model flags come from
     the checkpoint's saved args; model flags given after the directories override them (needed
     only for a checkpoint saved without args)."""
-    from plugtron.core.checkpoint.megatron import import_megatron as run_import
+    from plugtron.core.interchange.megatron import import_megatron as run_import
 
     path, config = run_import(megatron_dir, out_dir, model, _model_flags(model_flags, model),
                               _dtype(dtype))
@@ -141,6 +141,6 @@ def export_megatron(checkpoint, out_dir, dtype):
     """Write the model of CHECKPOINT as a Megatron-Core torch_dist save directory OUT_DIR
     (local layer spec names, layers stacked; load it with --ckpt-format torch_dist
     --no-load-optim --no-load-rng)."""
-    from plugtron.core.checkpoint.megatron import export_megatron as run_export
+    from plugtron.core.interchange.megatron import export_megatron as run_export
 
     click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype))}")

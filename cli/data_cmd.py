@@ -14,8 +14,8 @@ import json
 import sys
 
 import click
-from plugtron.core import registry
 from plugtron.core.errors import ConfigError
+from plugtron.core.plugins import registry
 
 from .errors import user_errors
 from .options import (
@@ -92,11 +92,11 @@ def preprocess(inputs, json_keys, tokenizer_type, tokenizer_model, vocab_size, o
 def run_datasets(config):
     """The run's (train, valid, test) as its provider builds them, and its tokenizer (or
     ``None``), on one process."""
-    from plugtron.core.parallel_context import ParallelContext
-    from plugtron.core.plugin_manager import build_plugin_manager
-    from plugtron.core.plugin_options import with_plugin_sections
-    from plugtron.core.tokenizers import build_tokenizer
-    from plugtron.core.training import split_sizes
+    from plugtron.core.parallel.context import ParallelContext
+    from plugtron.core.plugins.manager import build_plugin_manager
+    from plugtron.core.plugins.options import with_plugin_sections
+    from plugtron.core.plugins.tokenizers import build_tokenizer
+    from plugtron.core.training.loop import split_sizes
 
     from .train import check_data_paths, check_plugins
 
@@ -185,7 +185,7 @@ def _inspect(config, as_json, split_name, num_samples, start):
 def _stats(config, as_json):
     """Documents, tokens, document-length histogram and epochs of each split, and a blend's
     effective weights over the samples the run draws, for the run these flags describe."""
-    from plugtron.core.training import split_sizes
+    from plugtron.core.training.loop import split_sizes
     from plugtron.plugins.datasets.inspection import format_stats, split_stats
 
     datasets, _ = run_datasets(config)

@@ -1,12 +1,12 @@
 """``plugtron estimate <the run's flags>``: memory per rank, without starting a rank
-(core/memory_estimate.py; how to read it: docs/performance.md)."""
+(core/tools/estimate.py; how to read it: docs/performance.md)."""
 
 from __future__ import annotations
 
 import json
 
 import click
-from plugtron.core.validate import validate
+from plugtron.core.training.validate import validate
 
 from .errors import user_errors
 from .options import config_options
@@ -32,7 +32,7 @@ def make_estimate_command(args: list[str]) -> click.Command:
         gradients, optimizer state (replicated and distributed), activations per microbatch
         and in flight under the schedule, recompute and backward workspace, in MiB. Starts no
         rank and allocates no weights."""
-        from plugtron.core.memory_estimate import available_memory_per_rank, estimate_memory
+        from plugtron.core.tools.estimate import available_memory_per_rank, estimate_memory
 
         config = run.config(params, config_file, preset)
         world = world_size or nproc_per_node

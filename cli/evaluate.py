@@ -6,9 +6,9 @@ import os
 
 import click
 from plugtron.core.config import CheckpointConfig, LoggingConfig, ParallelConfig, TrainConfig
-from plugtron.core.distributed import launched_externally
 from plugtron.core.errors import ConfigError, PlugtronError
-from plugtron.core.validate import validate
+from plugtron.core.parallel.distributed import launched_externally
+from plugtron.core.training.validate import validate
 
 from .errors import user_errors
 from .launch import launch_local_ranks
@@ -31,8 +31,9 @@ def checkpoint_base(load: str | None, model: str = "gpt") -> TrainConfig:
     """The checkpoint's own settings (model, data, seed, plugin sections), with the layout,
     checkpoint and logging sections reset. A Hugging Face directory is imported (cached) and
     read as its checkpoint."""
-    from plugtron.core.checkpoint import CheckpointReader, hf_load
-    from plugtron.core.plugin_options import config_from_dict
+    from plugtron.core.checkpoint import CheckpointReader
+    from plugtron.core.interchange import hf_load
+    from plugtron.core.plugins.options import config_from_dict
 
     if not load:
         raise ConfigError("plugtron evaluate needs --load DIR (a checkpoint or a directory of "
@@ -108,7 +109,7 @@ def make_evaluate_command(args: list[str]) -> click.Command:
         check_data_paths(config)
         if not no_memory_check:
             check_memory(config, world_size, ranks_on_node(external, nproc_per_node))
-        from plugtron.core.tokenizers import check_checkpoint_tokenizer
+        from plugtron.core.plugins.tokenizers import check_checkpoint_tokenizer
 
         check_checkpoint_tokenizer(config)  # the checkpoint's own unless flags name another
         if nproc_per_node > 1 and not external:
@@ -118,7 +119,7 @@ def make_evaluate_command(args: list[str]) -> click.Command:
             finally:
                 os.environ.pop(JSON_ENV, None)
             return
-        from plugtron.core.checkpoint.evaluate import evaluate_checkpoint
+        from plugtron.core.tools.evaluate import evaluate_checkpoint
 
         evaluate_checkpoint(config, as_json=as_json)
 

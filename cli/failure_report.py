@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 import signal
 
-from plugtron.core import run_status
+from plugtron.core.monitoring import run_status
 
 _OUR_FRAME = re.compile(r'File "[^"]*/(core|plugins|cli|plugtron_gpt)/([^"]+)", line (\d+), in (\w+)')
 

@@ -4,7 +4,7 @@ Checked here, before any rank starts (exit 2): the checkpoint, the prompts (text
 checkpoint's tokenizer; none may be empty), the sampling values and the layout (tp must divide
 the heads; pp > 1 is refused: generation runs whole models on each rank of one tp group). Then
 the model is loaded in this process, or in ``--nproc-per-node`` ranks for ``--tp``, and
-:func:`plugtron.core.generation.generate` runs; rank 0 prints.
+:func:`plugtron.core.tools.generation.generate` runs; rank 0 prints.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import tempfile
 from types import SimpleNamespace
 
 import click
-from plugtron.core.distributed import launched_externally
 from plugtron.core.errors import ConfigError
+from plugtron.core.parallel.distributed import launched_externally
 
 from .errors import user_errors
 
@@ -36,7 +36,7 @@ def _prompt_ids(text: str) -> list[int]:
 def _tokenizer(tokenizer_type, tokenizer_model, vocab_size):
     if not tokenizer_type:
         return None
-    from plugtron.core.tokenizers import build_tokenizer
+    from plugtron.core.plugins.tokenizers import build_tokenizer
 
     return build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
 
@@ -87,7 +87,7 @@ def build_request(load, prompts, prompt_file, prompt_ids, **values) -> dict:
         raise ConfigError(f"--top-k must be >= 0 (0: off), got {values['top_k']}")
     if not 0 < values["top_p"] <= 1:
         raise ConfigError(f"--top-p must be in (0, 1], got {values['top_p']}")
-    from plugtron.core.generation import position_limit
+    from plugtron.core.tools.generation import position_limit
 
     limit = position_limit(SimpleNamespace(**{k: model.get(k) for k in (
         "position_embedding_type", "max_position_embeddings", "seq_length")}))
@@ -161,8 +161,8 @@ class Printer:
 def run_generation(request: dict, world=None) -> None:
     """In every rank (or the one process): load, generate, print on rank 0."""
     import torch
-    from plugtron.core.generation import generate
-    from plugtron.core.inference import load_model
+    from plugtron.core.tools.generation import generate
+    from plugtron.core.tools.inference import load_model
 
     tp = request["tp"]
     device = request["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -239,7 +239,7 @@ def generate(load, prompts, prompt_file, prompt_ids, as_json, **values):
 
 def rank_main(config) -> None:
     """``plugtron.cli.rank generate``: the request the launcher left, on this rank's world."""
-    from plugtron.core.distributed import init_distributed
+    from plugtron.core.parallel.distributed import init_distributed
 
     with open(os.environ[REQUEST_ENV]) as f:
         request = json.load(f)

@@ -9,8 +9,8 @@ import sys
 import tempfile
 import time
 
-from plugtron.core import run_status
 from plugtron.core.errors import PlugtronError
+from plugtron.core.monitoring import run_status
 
 from .rank_reaper import RankReaper, children
 
@@ -40,7 +40,9 @@ class _Signals:
     every process of the job, preemption.is_abort)."""
 
     def __init__(self):
-        from plugtron.core.preemption import is_abort  # imported here, never in the handler
+        from plugtron.core.training.preemption import (
+            is_abort,  # imported here, never in the handler
+        )
 
         self.is_abort = is_abort
         self.received = None

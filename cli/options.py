@@ -106,7 +106,7 @@ def prescan(args: list[str], base: TrainConfig | None = None) -> TrainConfig:
 
 def declared_sections(config: TrainConfig) -> list:
     """The plugin sections of a run of ``config`` (broken plugins skipped with a warning)."""
-    from plugtron.core.plugin_options import collect_sections
+    from plugtron.core.plugins.options import collect_sections
 
     try:
         return collect_sections(config)
@@ -116,8 +116,8 @@ def declared_sections(config: TrainConfig) -> list:
 
 def model_presets(config: TrainConfig) -> dict:
     """The selected model plugin's presets (``model_presets``), or none."""
-    from plugtron.core import registry
-    from plugtron.core.plugin_objects import PluginObject, call_declared
+    from plugtron.core.plugins import registry
+    from plugtron.core.plugins.objects import PluginObject, call_declared
 
     try:
         obj = registry.instantiate(registry.load("model", config.plugins.model))

@@ -16,8 +16,8 @@ from importlib import resources
 from string import Template
 
 import click
-from plugtron.core import registry
 from plugtron.core.config import SECTIONS, TrainConfig, flag_fields
+from plugtron.core.plugins import registry
 
 from .errors import UserError
 

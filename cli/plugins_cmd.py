@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import click
-from plugtron.core import plugin_check, registry
+from plugtron.core.plugins import check as plugin_check
+from plugtron.core.plugins import registry
 
 from .errors import UserError
 

@@ -51,10 +51,10 @@ def check_writable_file(path: str | None, flag: str) -> None:
 
 
 def check_memory(config, world_size: int, ranks_on_node: int) -> None:
-    """Refuse a run whose largest rank cannot fit (core/memory_estimate.py; ``plugtron
+    """Refuse a run whose largest rank cannot fit (core/tools/estimate.py; ``plugtron
     estimate`` prints the table). A model that cannot be estimated (a meta build it does not
     support, a vocabulary only its data knows) is launched unchecked, with a warning."""
-    from plugtron.core.memory_estimate import check_fits, estimate_memory
+    from plugtron.core.tools.estimate import check_fits, estimate_memory
 
     try:
         estimate = estimate_memory(config, world_size)

@@ -7,22 +7,23 @@ import os
 import sys
 import traceback
 
-from plugtron.core import preemption, run_status
-from plugtron.core.distributed import init_distributed, shutdown, timeout_seconds
 from plugtron.core.errors import PlugtronError
+from plugtron.core.monitoring import run_status
+from plugtron.core.parallel.distributed import init_distributed, shutdown, timeout_seconds
+from plugtron.core.training import preemption
 
 from .launch import report_user_error
 from .lifeline import tie_to_parent
 
 
 def _train(config):
-    from plugtron.core.training import pretrain
+    from plugtron.core.training.loop import pretrain
 
     pretrain(config)
 
 
 def _evaluate(config):
-    from plugtron.core.checkpoint.evaluate import evaluate_checkpoint
+    from plugtron.core.tools.evaluate import evaluate_checkpoint
 
     from .evaluate import JSON_ENV
 
@@ -45,7 +46,7 @@ def main(argv: list[str]) -> int:
     command, path = argv
     under_launcher = bool(os.environ.get(run_status.STATUS_DIR_ENV))
     try:
-        from plugtron.core.plugin_options import config_from_dict
+        from plugtron.core.plugins.options import config_from_dict
 
         with open(path) as f:
             config = config_from_dict(json.load(f))

@@ -4,7 +4,7 @@ A rank that fails leaves its peers waiting in a collective (until --distributed-
 or frozen (SIGSTOP). torch's agent does end them, but with a grace of 30 s that its public
 ``--shutdown-timeout`` does not reach on this path (its ``_stop_workers`` uses the default), and
 a frozen rank does not see the SIGTERM of that grace anyway. So the launcher watches its ranks
-itself, with nothing but /proc and the ranks' status files (core/run_status.py): once a rank
+itself, with nothing but /proc and the ranks' status files (core/monitoring/run_status.py): once a rank
 has failed (an error file, or the process gone in a phase other than done/stopped), the ones
 still alive are killed after :data:`GRACE_S`. A run that ends cleanly never trips it: every
 rank records ``done`` or ``stopped`` before it leaves.
@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 
-from plugtron.core import run_status
+from plugtron.core.monitoring import run_status
 
 GRACE_S = 5.0
 POLL_S = 0.2

@@ -5,19 +5,19 @@ from __future__ import annotations
 import json
 
 import click
-from plugtron.core import registry
 from plugtron.core.config import TrainConfig
 from plugtron.core.errors import ConfigError
-from plugtron.core.parallel_context import validate_sizes
-from plugtron.core.plugin_manager import resolve_schedule
-from plugtron.core.plugin_options import with_plugin_sections
-from plugtron.core.schedule_plan import (
+from plugtron.core.parallel.context import validate_sizes
+from plugtron.core.pipeline.plan import (
     Action,
     bubble_fraction,
     check_schedule,
     peak_stored,
     simulate,
 )
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.manager import resolve_schedule
+from plugtron.core.plugins.options import with_plugin_sections
 
 from .errors import user_errors
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import click
-from plugtron.core.parallel_context import rank_groups, validate_sizes
+from plugtron.core.parallel.context import rank_groups, validate_sizes
 
 from .errors import user_errors
 

@@ -6,11 +6,11 @@ import copy
 import os
 
 import click
-from plugtron.core import registry
-from plugtron.core.distributed import launched_externally
 from plugtron.core.errors import ConfigError
-from plugtron.core.plugin_manager import selected_drivers
-from plugtron.core.validate import validate
+from plugtron.core.parallel.distributed import launched_externally
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.manager import selected_drivers
+from plugtron.core.training.validate import validate
 
 from .errors import user_errors
 from .launch import JobStopped, launch_local_ranks
@@ -58,7 +58,7 @@ def check_load(config) -> None:
     if save and os.path.abspath(save) == os.path.abspath(path) and not layout.has_checkpoint(path):
         return  # --load equal to --save with nothing saved yet: a fresh start
     CheckpointReader(path).close()
-    from plugtron.core.tokenizers import check_checkpoint_tokenizer
+    from plugtron.core.plugins.tokenizers import check_checkpoint_tokenizer
 
     check_checkpoint_tokenizer(config)
 
@@ -85,8 +85,8 @@ class HFLoad:
     imported (reported when the command runs, not while click builds it)."""
 
     def __init__(self, args: list[str], model: str):
-        from plugtron.core.checkpoint import hf_load
         from plugtron.core.errors import PlugtronError
+        from plugtron.core.interchange import hf_load
 
         self.dir, self.base, self.flags, self.error = load_argument(args), None, {}, None
         if not hf_load.is_hf_dir(self.dir):
@@ -104,7 +104,7 @@ class HFLoad:
 
     def finish(self, config) -> None:
         """--load points at the cached checkpoint; nothing contradicts config.json."""
-        from plugtron.core.checkpoint.hf_load import check_agrees, is_hf_dir
+        from plugtron.core.interchange.hf_load import check_agrees, is_hf_dir
 
         if self.base is not None:
             config.checkpoint.load = self.base.checkpoint.load
@@ -185,9 +185,9 @@ def make_train_command(args: list[str]) -> click.Command:
         if nproc_per_node > 1:
             launch_local_ranks(config.to_json(), nproc_per_node)
             return
-        from plugtron.core import preemption
-        from plugtron.core.distributed import init_distributed, timeout_seconds
-        from plugtron.core.training import pretrain
+        from plugtron.core.parallel.distributed import init_distributed, timeout_seconds
+        from plugtron.core.training import preemption
+        from plugtron.core.training.loop import pretrain
 
         preemption.install(extra=config.training.exit_signal_handler)
         init_distributed(timeout_seconds(config))

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from plugtron.core.errors import ConfigError
 
 
 def opt(default: Any, flag: str, help: str, aliases: tuple[str, ...] = (), choices=None,
@@ -164,7 +164,7 @@ class TrainingConfig:
     loss_scale_window: int = opt(1000, "--loss-scale-window",
                                  "fp16: steps without overflow before the scale grows.")
     hysteresis: int = opt(2, "--hysteresis", "fp16: overflows tolerated before backing off.")
-    # Clean stops (core/preemption.py); SIGTERM/SIGINT are always handled.
+    # Clean stops (core/training/preemption.py); SIGTERM/SIGINT are always handled.
     exit_signal_handler: bool = opt(False, "--exit-signal-handler",
                                     "Also stop cleanly (finish the step, save) on SIGUSR1.",
                                     is_flag=True)
@@ -172,7 +172,7 @@ class TrainingConfig:
                                               "Stop cleanly (and save) after this many minutes.")
     exit_interval: int | None = opt(None, "--exit-interval",
                                     "Stop cleanly (and save) at an iteration divisible by N.")
-    # Activation recompute (core/recompute.py).
+    # Activation recompute (core/training/recompute.py).
     recompute_granularity: str | None = opt(
         None, "--recompute-granularity", "Recompute activations in backward: full (whole "
         "layers) or selective (the parts --recompute-modules names).",

@@ -16,7 +16,7 @@ import ctypes
 import gc
 import re
 
-from plugtron.core.hookspecs import hookimpl
+from plugtron.core.contracts.hookspecs import hookimpl
 
 
 def _status_kib(key: str) -> int:
@@ -45,9 +45,9 @@ def measure_training(config, world=None) -> dict:
     """Train ``config`` on this process's world; the measured peak and the estimate."""
     import copy
 
-    from plugtron.core.memory_estimate import estimate_memory
-    from plugtron.core.metrics import MetricsLogger
-    from plugtron.core.training import setup, train
+    from plugtron.core.monitoring.metrics import MetricsLogger
+    from plugtron.core.tools.estimate import estimate_memory
+    from plugtron.core.training.loop import setup, train
 
     warm = copy.deepcopy(config)
     warm.model.num_layers, warm.training.train_iters = 1, 1

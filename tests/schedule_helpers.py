@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import random
 
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.pipeline_executor import ActionListSchedule
-from plugtron.core.schedule_plan import Action, dependencies, virtual_stage
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.pipeline.executor import ActionListSchedule
+from plugtron.core.pipeline.plan import Action, dependencies, virtual_stage
 
 
 def random_valid_orders(pp: int, chunks: int, microbatches: int, seed: int) -> list[list]:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core.distributed import single_process
-from plugtron.core.training import setup
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.loop import setup
 from plugtron.testing import make_config
 
 TINY = ["--preset", "tiny", "--data", "mock", "--vocab-size", "64", "--train-iters", "1",

@@ -1,4 +1,4 @@
-"""core/attention_blocks.py on one process: with rows cut into many tiles (TILE_ELEMENTS made
+"""core/parallel/attention_blocks.py on one process: with rows cut into many tiles (TILE_ELEMENTS made
 tiny; in real runs only long sequences tile), one block over the whole sequence equals
 torch's causal attention, forward and backward (fp32, 1e-5), with and without GQA."""
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from plugtron.core import attention_blocks
+from plugtron.core.parallel import attention_blocks
 
 TOL = 1e-5
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from plugtron.core.checkpoint.pieces import ShardSpec
-from plugtron.core.sharding import block_sizes, shard_of, unshard
+from plugtron.core.parallel.sharding import block_sizes, shard_of, unshard
 
 BLOCKS = (8, 8, 4, 4, 2)
 

@@ -6,17 +6,17 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core.context_parallel import (
+from plugtron.core.blocks.layer_stack import ComposedLayer
+from plugtron.core.errors import ConfigError
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.context_parallel import (
     check_built_layers,
     check_context_parallel_layers,
     check_support,
     local_positions,
     split_context_parallel_batch,
 )
-from plugtron.core.errors import ConfigError
-from plugtron.core.layer_stack import ComposedLayer
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.validate import validate
+from plugtron.core.training.validate import validate
 from plugtron.plugins.extensions.console_log import ConsoleLog
 
 from .utils import tiny_config

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from plugtron.core import registry
-from plugtron.core.distributed import single_process
+from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.errors import PluginError
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.optimizer import StepResult
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.plugin_manager import build_plugin_manager, wants_sharded_gradients
-from plugtron.core.training import finalize_model_config, setup, split_sizes
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.manager import build_plugin_manager, wants_sharded_gradients
+from plugtron.core.training.loop import finalize_model_config, setup, split_sizes
+from plugtron.core.training.optimizer import StepResult
 
 from .fake_plugins import install_fake_distribution, remove_path
 from .utils import tiny_config, train_in_process
@@ -81,12 +81,12 @@ def test_hook_loss_func():
 
 def test_hook_forward_backward():
     config, run = _built()
-    from plugtron.core.training import data_iterators, run_schedule
+    from plugtron.core.training.loop import data_iterators, run_schedule
 
     reports = run_schedule(run, data_iterators(run, run.datasets[0], 0), forward_only=False)
     assert len(reports) == run.num_microbatches == 4
     assert all(r["num_tokens"].item() == 2 * 16 for r in reports)
-    from plugtron.core.grads import grad_of
+    from plugtron.core.training.grads import grad_of
 
     # Gradients accumulate into the data-parallel buffer (main_grad).
     assert all(grad_of(p) is not None and grad_of(p).abs().sum() > 0
@@ -116,8 +116,8 @@ def test_hook_build_optimizer():
 
 TORCH_OPTIMIZER_PLUGIN = """
 import torch
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.optimizer import named_params
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.training.optimizer import named_params
 
 class BareSGD:
     @hookimpl
@@ -137,8 +137,8 @@ def test_build_optimizer_must_return_an_optimizer(tmp_path):
         remove_path(tmp_path)
     assert str(err.value) == (
         "optimizer 'bare-sgd' from bare-optimizers 0.9: build_optimizer returned "
-        "torch.optim.sgd.SGD, not a plugtron.core.optimizer.Optimizer (subclass it, or wrap a "
-        "torch optimizer in plugtron.core.optimizer.TorchOptimizer)")
+        "torch.optim.sgd.SGD, not a plugtron.core.training.optimizer.Optimizer (subclass it, or wrap a "
+        "torch optimizer in plugtron.core.training.optimizer.TorchOptimizer)")
 
 
 def test_hook_optimizer_shards_gradients():
@@ -186,7 +186,7 @@ class Recorder:
 
 
 def _lifecycle_calls():
-    from plugtron.core.training import pretrain
+    from plugtron.core.training.loop import pretrain
 
     recorder = Recorder()
     pretrain(tiny_config(train_iters=2), extra_plugins=[recorder], world=single_process())
@@ -221,7 +221,7 @@ def test_hook_plugtron_step_end():
 
 def test_hook_plugtron_evaluation_end():
     """Fires after each evaluation with the metrics file's valid_* line."""
-    from plugtron.core.training import pretrain
+    from plugtron.core.training.loop import pretrain
 
     class Evaluations:
         def __init__(self):
@@ -246,7 +246,7 @@ def test_hook_plugtron_checkpoint_saved(tmp_path):
     """Fires once per complete checkpoint, after it was renamed into place (sync and async)."""
     import os
 
-    from plugtron.core.training import pretrain
+    from plugtron.core.training.loop import pretrain
 
     class Saved:
         def __init__(self):

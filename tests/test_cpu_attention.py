@@ -181,7 +181,7 @@ def test_applies_only_to_what_it_computes():
 @pytest.mark.parametrize("cpu, expected", [("amx", "_CausalAttentionBackward"),
                                            ("avx512", "ToCopyBackward0")])
 def test_local_backend_takes_it_only_with_amx(monkeypatch, cpu, expected):
-    from plugtron.core import cpu_features
+    from plugtron.core.blocks import cpu_features
     from plugtron.plugins.layer_backends.local import _training_attention
 
     features = {"avx512": {"avx2", "avx512_bf16"}, "amx": {"avx2", "avx512_bf16", "amx_bf16"}}

@@ -7,7 +7,7 @@ from itertools import chain
 import pytest
 import torch
 from plugtron.core.config import TrainConfig
-from plugtron.core.data import collate, microbatch_iterator
+from plugtron.core.training.data import collate, microbatch_iterator
 from plugtron.plugins.datasets.mock import MockDataset
 
 SEQ = 4

@@ -3,10 +3,10 @@ run, the token-weighted loss, and the optimizer's sharded state (contract and ro
 
 import pytest
 import torch
-from plugtron.core.data import collate
-from plugtron.core.distributed import single_process
-from plugtron.core.optimizer import OPTIMIZER_STATE_KEY
-from plugtron.core.training import setup
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.data import collate
+from plugtron.core.training.loop import setup
+from plugtron.core.training.optimizer import OPTIMIZER_STATE_KEY
 
 from tests.distributed.dp_helpers import (
     DP_BASE,

@@ -9,8 +9,8 @@ import numpy as np
 import pluggy
 import pytest
 import torch
-from plugtron.core import hookspecs
 from plugtron.core.config import TrainConfig
+from plugtron.core.contracts import hookspecs
 from plugtron.core.errors import ConfigError
 from plugtron.plugins.datasets.common import (
     BlockWindowDataset,

@@ -72,7 +72,7 @@ def test_context_parallel_is_refused_with_exit_2():
 
 
 def test_te_backend_is_refused_with_exit_2():
-    from plugtron.core.validate import validate
+    from plugtron.core.training.validate import validate
 
     from .utils import tiny_config
 

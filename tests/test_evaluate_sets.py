@@ -8,9 +8,10 @@ import math
 
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core import checkpoint, training
-from plugtron.core.distributed import single_process
-from plugtron.core.metrics import MetricsLogger
+from plugtron.core import checkpoint
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training import loop as training
 
 from .utils import tiny_config
 

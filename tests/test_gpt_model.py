@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
-from plugtron.core import registry
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.step_info import NonFiniteLossError
-from plugtron.core.training import finalize_model_config
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.plugins import registry
+from plugtron.core.training.loop import finalize_model_config
+from plugtron.core.training.step_info import NonFiniteLossError
 
 from .utils import tiny_config
 
@@ -134,7 +134,7 @@ def test_loss_masking():
 
 
 def test_nan_loss_names_iteration_and_rank():
-    from plugtron.core import step_info
+    from plugtron.core.training import step_info
 
     _, _, gpt = build()
     step_info.current.iteration = 7

@@ -7,10 +7,10 @@ import contextlib
 
 import pytest
 import torch
-from plugtron.core import registry
-from plugtron.core.layer_stack import ComposedLayer
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.training import finalize_model_config
+from plugtron.core.blocks.layer_stack import ComposedLayer
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.plugins import registry
+from plugtron.core.training.loop import finalize_model_config
 
 from . import fake_transformer_engine
 from .utils import tiny_config

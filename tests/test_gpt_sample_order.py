@@ -256,7 +256,7 @@ def megatron_datasets(blend, split, sizes, seq, seed, cache, blend_per_split=Non
 def plugtron_datasets(tmp_path, data_path, sizes, seq, seed, split="969,30,1", per_split=None,
                       **flags):
     from plugtron.core.config import TrainConfig
-    from plugtron.core.plugin_options import with_plugin_sections
+    from plugtron.core.plugins.options import with_plugin_sections
     from plugtron.plugins.datasets.indexed import IndexedDataset
 
     config = TrainConfig()

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from plugtron.core.ddp import DistributedDataParallel
 from plugtron.core.errors import ConfigError
-from plugtron.core.grad_buffer import default_bucket_size, plan_buckets, shard_alignment
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.validate import validate
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.ddp import DistributedDataParallel
+from plugtron.core.parallel.grad_buffer import default_bucket_size, plan_buckets, shard_alignment
+from plugtron.core.training.validate import validate
 
 from tests.utils import tiny_config
 
@@ -148,7 +148,7 @@ def test_bad_settings_fail_clearly(overrides, message):
 
 def test_a_whole_gradient_optimizer_refuses_sharded_buffers():
     from plugtron.core.errors import PluginError
-    from plugtron.core.optimizer import TorchOptimizer
+    from plugtron.core.training.optimizer import TorchOptimizer
 
     ddp = _wrap(_toy(), sharded=True)
     with pytest.raises(PluginError, match="sharded"):

@@ -1,7 +1,7 @@
 """CPU half precision: the linear whose backward matmuls take the fast operand layout
-(core/linear.py) and the local backend's attention computed in fp32. Both must give what the
+(core/blocks/linear.py) and the local backend's attention computed in fp32. Both must give what the
 plain ops give (to the precision's rounding), and the layouts must be the fast ones. Both apply
-only where the CPU emulates the dtype (core/cpu_features.py): the tests pin the CPU's features,
+only where the CPU emulates the dtype (core/blocks/cpu_features.py): the tests pin the CPU's features,
 so they check the same paths on an AVX2 machine and on one with AMX."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ CPUS = {"avx2": frozenset({"avx2"}),
 
 
 def _pin_cpu(monkeypatch, name):
-    from plugtron.core import cpu_features
+    from plugtron.core.blocks import cpu_features
 
     monkeypatch.setattr(cpu_features, "_features", lambda: CPUS[name])
 

@@ -8,7 +8,7 @@ import re
 
 import pluggy
 import pytest
-from plugtron.core import hookspecs
+from plugtron.core.contracts import hookspecs
 
 TESTS = pathlib.Path(__file__).parent
 

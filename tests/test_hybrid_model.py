@@ -7,10 +7,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core import registry
 from plugtron.core.errors import ConfigError
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.training import finalize_model_config
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.plugins import registry
+from plugtron.core.training.loop import finalize_model_config
 from plugtron.testing import make_config
 from plugtron_gpt.hybrid_pattern import chunk_of
 from plugtron_gpt.hybrid_sizes import validate_hybrid

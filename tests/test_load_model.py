@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from plugtron.api import load_model
-from plugtron.core import checkpoint, training
-from plugtron.core.distributed import single_process
-from plugtron.core.metrics import MetricsLogger
+from plugtron.core import checkpoint
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training import loop as training
 
 from .utils import tiny_config
 

@@ -1,4 +1,4 @@
-"""``plugtron estimate`` (core/memory_estimate.py): exact parameter counts, activation bytes
+"""``plugtron estimate`` (core/tools/estimate.py): exact parameter counts, activation bytes
 equal to what autograd saves, the schedule's in-flight count, and the total within 15% of the
 measured peak on CPU for the default model at three layouts (tests/memory_probe.py says what
 "measured peak" is)."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
-from plugtron.core.activations import ActivationShape, module_activation_bytes
-from plugtron.core.memory_estimate import estimate_memory
-from plugtron.core.plugin_options import config_from_flags
+from plugtron.core.contracts.activations import ActivationShape, module_activation_bytes
+from plugtron.core.plugins.options import config_from_flags
+from plugtron.core.tools.estimate import estimate_memory
 from plugtron.testing import assert_activation_bytes_match, saved_activation_bytes
 
 from tests.memory_probe import measure_training
@@ -27,9 +27,9 @@ DEFAULT_RUN = {"data": "mock", "vocab-size": 257, "progress": False, "log-interv
 
 
 def _tiny_gpt(**flags):
-    from plugtron.core import registry
     from plugtron.core.config import padded_vocab_size
-    from plugtron.core.parallel_context import ParallelContext
+    from plugtron.core.parallel.context import ParallelContext
+    from plugtron.core.plugins import registry
 
     config = tiny_config(**flags)
     m = config.model
@@ -56,7 +56,7 @@ def _rotary(model, config, shape):
 def _saved_by_layer(layer, hidden, model, config, shape):
     """What autograd saves in the layer's forward; with --reset-attention-mask two packed
     documents per sample, as the model's forward context would give them."""
-    from plugtron.core.forward_context import forward_context
+    from plugtron.core.blocks.forward_context import forward_context
 
     documents = None
     if config.samples.reset_attention_mask:
@@ -108,7 +108,7 @@ def test_half_precision_layer_bytes_on_each_kind_of_cpu(monkeypatch, flags, feat
     matmul backward (plugins/layer_backends/cpu_attention.py), which keeps what flash keeps
     (a mask, of a sliding window or packed documents, as booleans where flash keeps it
     additive)."""
-    from plugtron.core import cpu_features
+    from plugtron.core.blocks import cpu_features
     from plugtron.plugins.layer_backends import cpu_attention
 
     monkeypatch.setattr(cpu_features, "_features", lambda: frozenset(features))
@@ -199,7 +199,7 @@ def test_parameter_counts_and_optimizer_columns():
 
 def test_estimate_command_and_the_refusal(monkeypatch):
     from plugtron.cli.main import cli
-    from plugtron.core import memory_estimate
+    from plugtron.core.tools import estimate as memory_estimate
 
     runner = CliRunner()
     out = runner.invoke(cli, ["estimate", "--data", "mock", "--vocab-size", "257",

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-from plugtron.core.distributed import single_process
-from plugtron.core.loss_scaler import DynamicLossScaler, unscale_and_check
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.loss_scaler import DynamicLossScaler, unscale_and_check
 
 from tests.distributed.dp_helpers import (
     InjectNonFinite,

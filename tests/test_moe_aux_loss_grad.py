@@ -3,7 +3,7 @@ scale, on every microbatch (the check the balance benchmark's anomaly asked for)
 
 With the coefficient on or off the forward pass is the same, so the difference of the last MoE
 router's gradient between the two runs is the aux loss's own gradient. The objective is
-``sum_m n_m aux_m / N`` (core/aux_losses.py): with equal microbatches the mean over microbatches
+``sum_m n_m aux_m / N`` (core/training/aux_losses.py): with equal microbatches the mean over microbatches
 of ``coeff x E / (k T^2) x sum_i P_i c_i``, which the test recomputes from the router's inputs
 by plain autograd, with counts taken from the top-k of the softmax scores. The last layer's
 router is used because its weight reaches no later layer's aux loss.
@@ -12,9 +12,9 @@ router is used because its weight reaches no later layer's aux loss.
 from __future__ import annotations
 
 import torch
-from plugtron.core.grads import grad_of
-from plugtron.core.optimizer import StepResult
-from plugtron.core.training import data_iterators, setup, train_step
+from plugtron.core.training.grads import grad_of
+from plugtron.core.training.loop import data_iterators, setup, train_step
+from plugtron.core.training.optimizer import StepResult
 from plugtron_moe.router import TopKRouter
 
 from .utils import tiny_config

@@ -7,8 +7,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core.layers import substitute_symbols
-from plugtron.core.training import setup
+from plugtron.core.contracts.layers import substitute_symbols
+from plugtron.core.training.loop import setup
 from plugtron_moe.options import moe_layer_pattern
 
 from .fake_plugins import install_fake_distribution, remove_path
@@ -206,7 +206,7 @@ def test_every_collective_gets_tensors_on_the_tokens_device(dispatcher, device, 
     be on the tokens' device. (Only a CUDA machine can catch a CPU tensor here.)"""
     import importlib
 
-    from plugtron.core.distributed import single_process
+    from plugtron.core.parallel.distributed import single_process
 
     seen = []
 

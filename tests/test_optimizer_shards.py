@@ -8,11 +8,11 @@ import re
 
 import pytest
 import torch
-from plugtron.core.ddp import DistributedDataParallel
 from plugtron.core.errors import PluginError
-from plugtron.core.grad_buffer import GradBuffer
-from plugtron.core.optimizer_shards import bucket_shard
-from plugtron.core.parallel_context import ParallelContext
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.ddp import DistributedDataParallel
+from plugtron.core.parallel.grad_buffer import GradBuffer
+from plugtron.core.training.optimizer_shards import bucket_shard
 
 from tests.utils import tiny_config
 

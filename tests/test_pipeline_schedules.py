@@ -11,16 +11,16 @@ import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.errors import ConfigError
-from plugtron.core.pipeline_executor import communication_plan, plan_for
-from plugtron.core.pipeline_layout import chunk_layers
-from plugtron.core.schedule_plan import (
+from plugtron.core.pipeline.executor import communication_plan, plan_for
+from plugtron.core.pipeline.layout import chunk_layers
+from plugtron.core.pipeline.plan import (
     Action,
     bubble_fraction,
     check_actions,
     peak_stored,
     simulate,
 )
-from plugtron.core.validate import validate
+from plugtron.core.training.validate import validate
 from plugtron.plugins.schedules.gpipe import GPipe
 from plugtron.plugins.schedules.interleaved import interleaved_actions
 from plugtron.plugins.schedules.one_f_one_b import one_f_one_b_actions
@@ -215,8 +215,8 @@ def _forward_step(data_iterator, model):
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_executor_on_one_stage(schedule):
-    from plugtron.core import pipeline_executor
-    from plugtron.core.parallel_context import ParallelContext
+    from plugtron.core.parallel.context import ParallelContext
+    from plugtron.core.pipeline import executor as pipeline_executor
 
     parallel = ParallelContext.build(1, 0)
     chunk = _Chunk()

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core import plugin_check
+from plugtron.core.plugins import check as plugin_check
 
 from .fake_plugins import install_fake_distribution, remove_path
 
 PLUGINS = '''
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.pipeline_executor import ActionListSchedule
-from plugtron.core.schedule_plan import Action
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.pipeline.executor import ActionListSchedule
+from plugtron.core.pipeline.plan import Action
 
 
 class InheritsForwardBackward(ActionListSchedule):

@@ -4,9 +4,9 @@ contract hook."""
 from __future__ import annotations
 
 import pytest
+from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.errors import ConfigError, PluginError
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.plugin_manager import (
+from plugtron.core.plugins.manager import (
     AUTOLOAD_ENV,
     build_plugin_manager,
     new_plugin_manager,
@@ -18,7 +18,7 @@ from .fake_plugins import install_fake_distribution, remove_path
 from .utils import tiny_config
 
 EXTENSION = """
-from plugtron.core.hookspecs import hookimpl
+from plugtron.core.contracts.hookspecs import hookimpl
 
 class Hello:
     @hookimpl

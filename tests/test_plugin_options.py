@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core.distributed import single_process
-from plugtron.core.plugin_options import config_from_dict, config_from_flags
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins.options import config_from_dict, config_from_flags
 
 from .fake_plugins import install_fake_distribution, remove_path
 from .utils import TINY
@@ -131,8 +131,8 @@ def test_a_broken_extension_fails_the_run_by_name_but_not_the_help(extensions):
 
 def test_hook_model_info():
     """The GPT plugin names its main loss and the settings a resume must match."""
-    from plugtron.core import registry
-    from plugtron.core.model_info import ModelInfo
+    from plugtron.core.contracts.model_info import ModelInfo
+    from plugtron.core.plugins import registry
 
     gpt = registry.instantiate(registry.load("model", "gpt"))
     info = gpt.model_info(config_from_flags(TINY))
@@ -153,12 +153,12 @@ def test_hook_model_presets():
 
 def test_gpt_size_rules_live_in_the_gpt_plugin():
     from plugtron.core.errors import ConfigError
-    from plugtron.core.validate import validate
+    from plugtron.core.training.validate import validate
 
     with pytest.raises(ConfigError, match="not divisible by --num-attention-heads 4"):
         validate(config_from_flags({**TINY, "hidden_size": 30}), 1)
     # The core alone has no opinion about heads: a config for another model passes.
-    from plugtron.core.validate import validate_tensor_parallel
+    from plugtron.core.training.validate import validate_tensor_parallel
 
     validate_tensor_parallel(config_from_flags({**TINY, "hidden_size": 30}), 1)
 
@@ -178,8 +178,8 @@ def test_a_report_without_lm_loss_trains(capsys):
     also when the model's main key is missing from them."""
     import torch
     from plugtron.api import hookimpl
-    from plugtron.core.metrics import MetricsLogger
-    from plugtron.core.training import reduce_reports, setup, train
+    from plugtron.core.monitoring.metrics import MetricsLogger
+    from plugtron.core.training.loop import reduce_reports, setup, train
 
     from .utils import tiny_config
 

@@ -48,10 +48,10 @@ def test_builtin_plugins_import_the_core_only_through_plugtron_api(path):
 
 def test_the_check_catches_an_internal_import(tmp_path):
     sample = tmp_path / "p.py"
-    sample.write_text("from plugtron.core.optimizer import TorchOptimizer\n"
-                      "import plugtron.core.comm as comm\nfrom plugtron.api import hookimpl\n")
+    sample.write_text("from plugtron.core.training.optimizer import TorchOptimizer\n"
+                      "import plugtron.core.parallel.comm as comm\nfrom plugtron.api import hookimpl\n")
     names = [n for _, n in plugtron_imports(sample) if not n.startswith(ALLOWED)]
-    assert names == ["plugtron.core.optimizer", "plugtron.core.comm"]
+    assert names == ["plugtron.core.training.optimizer", "plugtron.core.parallel.comm"]
 
 
 def test_every_exported_name_exists_and_is_documented():

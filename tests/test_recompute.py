@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from plugtron.core.errors import ConfigError
-from plugtron.core.recompute import recompute_plan
-from plugtron.core.validate import validate
+from plugtron.core.training.recompute import recompute_plan
+from plugtron.core.training.validate import validate
 from plugtron.testing import train_run
 
 from tests.utils import tiny_config
@@ -60,7 +60,7 @@ def test_hybrid_and_rope_layers_recompute_bitwise(pool):
 
 def _saved_bytes(config) -> int:
     """Bytes autograd keeps for backward over one forward of the model."""
-    from plugtron.core.training import setup
+    from plugtron.core.training.loop import setup
 
     run = setup(config)
     model = run.model_chunks[0]

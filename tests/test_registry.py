@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from plugtron.core import registry
 from plugtron.core.errors import PluginError
+from plugtron.core.plugins import registry
 
 from .fake_plugins import install_fake_distribution, remove_path
 
 GOOD = """
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.schedule_plan import Action
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.pipeline.plan import Action
 
 class FakeSchedule:
     @hookimpl

@@ -17,7 +17,7 @@ import sys
 import textwrap
 
 import pytest
-from plugtron.core import registry
+from plugtron.core.plugins import registry
 
 # It pip-installs into the venv every other test reads its plugins from: run it alone.
 pytestmark = pytest.mark.serial
@@ -27,7 +27,7 @@ PACKAGE = "plugtron_reinstall_probe"
 GROUP = "plugtron.optimizers"
 
 MODULE = """
-from plugtron.core.hookspecs import hookimpl
+from plugtron.core.contracts.hookspecs import hookimpl
 
 
 class {cls}:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-from plugtron.core import aux_losses, training
+from plugtron.core.training import aux_losses
+from plugtron.core.training import loop as training
 
 
 def test_added_loss_weight_is_never_read_on_the_host():

@@ -6,9 +6,9 @@ from unittest import mock
 
 import pytest
 import torch
-from plugtron.core import registry
 from plugtron.core.errors import ConfigError, PluginError
-from plugtron.core.parallel_context import ParallelContext
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.plugins import registry
 
 from tests.utils import tiny_config, train_in_process
 
@@ -38,7 +38,7 @@ def test_te_without_cuda_says_cuda_is_needed():
 
 @pytest.mark.skipif(not (HAVE_TE and HAVE_GPU), reason="needs transformer-engine and a CUDA GPU")
 def test_te_trains_like_local_on_one_gpu():
-    from plugtron.core.distributed import single_process
+    from plugtron.core.parallel.distributed import single_process
 
     losses = {}
     for backend in ("local", "te"):
@@ -65,7 +65,7 @@ def test_cli_rejects_te_before_launching_ranks():
 def test_plugtron_cp_fallback_draws_attention_dropout_from_the_layer_stream():
     """A TE without its own cp runs plugtron's context_parallel_attention; its dropout seed must
     come from the layer's dropout stream (as local.CoreAttention), not the default stream."""
-    from plugtron.core.random import MODEL_PARALLEL_RNG
+    from plugtron.core.parallel.random import MODEL_PARALLEL_RNG
     from plugtron.plugins.layer_backends import te
 
     from tests import fake_transformer_engine

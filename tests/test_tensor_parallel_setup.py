@@ -3,12 +3,21 @@ initialisation of the shards, the random-stream tracker and the sharding helpers
 
 import pytest
 import torch
+from plugtron.core.blocks.init import normal_init
 from plugtron.core.errors import ConfigError
-from plugtron.core.init import normal_init
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_rng_tracker
-from plugtron.core.sharding import full_named_tensors, gather_tensor_parallel, shard_of, unshard
-from plugtron.core.validate import validate
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.random import (
+    MODEL_PARALLEL_RNG,
+    RNGStatesTracker,
+    model_parallel_rng_tracker,
+)
+from plugtron.core.parallel.sharding import (
+    full_named_tensors,
+    gather_tensor_parallel,
+    shard_of,
+    unshard,
+)
+from plugtron.core.training.validate import validate
 from plugtron.plugins.layer_backends.local import LocalBackend
 
 from tests.utils import tiny_config
@@ -39,8 +48,8 @@ def test_backend_checks_sizes_for_in_process_runs():
     """A run that skips the CLI's validate still fails before anything is built: setup runs
     every plugin's checks (the GPT plugin owns the head and group rules)."""
     import torch
-    from plugtron.core.distributed import WorldInfo
-    from plugtron.core.training import setup
+    from plugtron.core.parallel.distributed import WorldInfo
+    from plugtron.core.training.loop import setup
 
     config = tiny_config(tp=2, num_attention_heads=4, num_query_groups=1)
     with pytest.raises(ConfigError, match="--num-query-groups 1 is not divisible by --tp 2"):

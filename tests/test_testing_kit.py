@@ -9,9 +9,9 @@ Tolerances are the kit's defaults, stated in each function's docstring.
 from __future__ import annotations
 
 import pytest
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.pipeline_executor import ActionListSchedule
-from plugtron.core.schedule_plan import Action
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.pipeline.executor import ActionListSchedule
+from plugtron.core.pipeline.plan import Action
 from plugtron.testing import (
     assert_checkpoint_reshards,
     assert_layouts_match,

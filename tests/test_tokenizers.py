@@ -8,11 +8,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core import registry
 from plugtron.core.checkpoint.loader import check_tokenizer
 from plugtron.core.config import TrainConfig
 from plugtron.core.errors import CheckpointError, ConfigError, PluginError
-from plugtron.core.tokenizers import build_tokenizer, tokenizer_for
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.tokenizers import build_tokenizer, tokenizer_for
 from plugtron.plugins.datasets.text import TextDataset
 
 from .tokenizer_helpers import WORDS, save_tiny_hf_tokenizer

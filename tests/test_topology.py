@@ -4,7 +4,7 @@ import json
 
 import pytest
 from plugtron.core.errors import ConfigError
-from plugtron.core.parallel_context import ParallelContext, rank_groups, validate_sizes
+from plugtron.core.parallel.context import ParallelContext, rank_groups, validate_sizes
 
 
 def test_tp2_pp2_dp2():

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from plugtron.core.distributed import single_process
-from plugtron.core.lr_schedule import LRScheduler
-from plugtron.core.metrics import MetricsLogger
-from plugtron.core.training import evaluate, setup, train
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.loop import evaluate, setup, train
+from plugtron.core.training.lr_schedule import LRScheduler
 
 from .utils import tiny_config, train_in_process
 
@@ -84,7 +84,7 @@ def test_lr_schedule(style, step, expected):
 
 def test_evaluation_runs_on_the_validation_split():
     config = tiny_config(train_iters=2, eval_interval=1, eval_iters=2)
-    from plugtron.core.training import evaluate
+    from plugtron.core.training.loop import evaluate
 
     _, _, run = losses(config)
     value = evaluate(run)

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import torch
-from plugtron.core.distributed import single_process
+from plugtron.core.parallel.distributed import single_process
 
 from tests.distributed.harness import DistributedPool
 from tests.utils import tiny_config, train_in_process
@@ -89,8 +89,9 @@ def _run(rank, world_size, flags, site, save=None, load=None):
     extra = {"save": save, "save_interval": 2} if save else {}
     if load:
         extra["load"] = load
-    from plugtron.core import checkpoint, training
-    from plugtron.core.metrics import MetricsLogger
+    from plugtron.core import checkpoint
+    from plugtron.core.monitoring.metrics import MetricsLogger
+    from plugtron.core.training import loop as training
 
     from tests.utils import StepRecorder
 

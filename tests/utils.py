@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from plugtron.core.config import TrainConfig
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.metrics import MetricsLogger
-from plugtron.core.plugin_options import config_from_flags
-from plugtron.core.training import setup, train
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.plugins.options import config_from_flags
+from plugtron.core.training.loop import setup, train
 
 TINY = {
     "num-layers": 2, "hidden-size": 32, "num-attention-heads": 4, "seq-length": 16,

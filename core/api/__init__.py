@@ -7,10 +7,29 @@ version; *provisional* ones may still change in a minor version, with a note in
 docs/migration.md.
 """
 
-from plugtron.core.activations import ActivationShape, ChunkActivations, decoder_activations
-from plugtron.core.aux_losses import add_loss
+from plugtron.core.blocks.cpu_features import cpu_matrix_support
+from plugtron.core.blocks.forward_context import (
+    ForwardContext,
+    current_forward_context,
+    forward_context,
+    use_forward_context,
+)
+from plugtron.core.blocks.init import InitMethod, normal_init, scaled_normal_init
+from plugtron.core.blocks.layer_stack import ComposedLayer
+from plugtron.core.blocks.linear import linear
 from plugtron.core.checkpoint.saved_config import saved_config
-from plugtron.core.comm import (
+from plugtron.core.config import ConfigSection, TrainConfig, opt
+from plugtron.core.contracts.activations import (
+    ActivationShape,
+    ChunkActivations,
+    decoder_activations,
+)
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.contracts.layer_backend import LayerBackend
+from plugtron.core.contracts.layers import load_layer_types, substitute_symbols
+from plugtron.core.contracts.model_info import ModelInfo, model_info_for
+from plugtron.core.errors import CheckpointError, ConfigError, PluginError, PlugtronError
+from plugtron.core.parallel.comm import (
     all_gather_tensor,
     all_reduce,
     broadcast,
@@ -18,40 +37,63 @@ from plugtron.core.comm import (
     group_size,
     reduce_scatter_tensor,
 )
-from plugtron.core.config import ConfigSection, TrainConfig, opt
-from plugtron.core.context_parallel import (
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.context_parallel import (
     check_context_parallel_layers,
     local_positions,
     split_context_parallel_batch,
 )
-from plugtron.core.cp_attention import (
+from plugtron.core.parallel.cp_attention import (
     all_gather_attention,
     all_to_all_attention,
     context_parallel_attention,
     ring_attention,
 )
-from plugtron.core.cpu_features import cpu_matrix_support
-from plugtron.core.data import collate
-from plugtron.core.ddp import DistributedDataParallel
-from plugtron.core.errors import CheckpointError, ConfigError, PluginError, PlugtronError
-from plugtron.core.expert_comm import all_to_all, all_to_all_counts
-from plugtron.core.forward_context import (
-    ForwardContext,
-    current_forward_context,
-    forward_context,
-    use_forward_context,
+from plugtron.core.parallel.ddp import DistributedDataParallel
+from plugtron.core.parallel.expert_comm import all_to_all, all_to_all_counts
+from plugtron.core.parallel.random import (
+    EXPERT_PARALLEL_RNG,
+    RNGStatesTracker,
+    model_parallel_rng_tracker,
 )
-from plugtron.core.generation import InferenceState, generate
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.inference import load_model
-from plugtron.core.init import InitMethod, normal_init, scaled_normal_init
-from plugtron.core.layer_backend import LayerBackend
-from plugtron.core.layer_stack import ComposedLayer
-from plugtron.core.layers import load_layer_types, substitute_symbols
-from plugtron.core.linear import linear
-from plugtron.core.memory_estimate import estimate_memory
-from plugtron.core.model_info import ModelInfo, model_info_for
-from plugtron.core.optimizer import (
+from plugtron.core.parallel.sharding import (
+    block_sizes,
+    is_tensor_parallel,
+    mark_sequence_parallel,
+    set_tensor_parallel,
+    shard_of,
+)
+from plugtron.core.parallel.shared_params import share_parameter
+from plugtron.core.parallel.tensor_parallel import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+    sequence_parallel_linear,
+)
+from plugtron.core.parallel.vocab_parallel import (
+    VocabParallelEmbedding,
+    parallel_logits,
+    vocab_parallel_cross_entropy,
+)
+from plugtron.core.pipeline.executor import ActionListSchedule, execute_actions
+from plugtron.core.pipeline.layout import chunk_layers, stage_layer_counts
+from plugtron.core.pipeline.plan import Action
+from plugtron.core.pipeline.steps import backward_step as schedule_backward_step
+from plugtron.core.pipeline.steps import forward_step as schedule_forward_step
+from plugtron.core.pipeline.steps import sync_context
+from plugtron.core.plugins.manager import selected_drivers
+from plugtron.core.plugins.registry import load as load_plugin
+from plugtron.core.plugins.tokenizers import build_tokenizer, tokenizer_for
+from plugtron.core.tools.estimate import estimate_memory
+from plugtron.core.tools.generation import InferenceState, generate
+from plugtron.core.tools.inference import load_model
+from plugtron.core.training.aux_losses import add_loss
+from plugtron.core.training.data import collate
+from plugtron.core.training.optimizer import (
     OPTIMIZER_STATE_KEY,
     MixedPrecisionOptimizer,
     Optimizer,
@@ -62,43 +104,9 @@ from plugtron.core.optimizer import (
     no_weight_decay,
     param_groups_for,
 )
-from plugtron.core.optimizer_shards import BucketShard, ParamShard
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.pipeline_executor import ActionListSchedule, execute_actions
-from plugtron.core.pipeline_layout import chunk_layers, stage_layer_counts
-from plugtron.core.plugin_manager import selected_drivers
-from plugtron.core.random import EXPERT_PARALLEL_RNG, RNGStatesTracker, model_parallel_rng_tracker
-from plugtron.core.recompute import is_recomputing, recompute, recompute_module, run_layers
-from plugtron.core.registry import load as load_plugin
-from plugtron.core.schedule_plan import Action
-from plugtron.core.schedule_utils import backward_step as schedule_backward_step
-from plugtron.core.schedule_utils import forward_step as schedule_forward_step
-from plugtron.core.schedule_utils import sync_context
-from plugtron.core.sharding import (
-    block_sizes,
-    is_tensor_parallel,
-    mark_sequence_parallel,
-    set_tensor_parallel,
-    shard_of,
-)
-from plugtron.core.shared_params import share_parameter
-from plugtron.core.step_info import check_finite
-from plugtron.core.tensor_parallel import (
-    copy_to_tensor_parallel_region,
-    gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region,
-    reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_sequence_parallel_region,
-    scatter_to_tensor_parallel_region,
-    sequence_parallel_linear,
-)
-from plugtron.core.tokenizers import build_tokenizer, tokenizer_for
-from plugtron.core.vocab_parallel import (
-    VocabParallelEmbedding,
-    parallel_logits,
-    vocab_parallel_cross_entropy,
-)
+from plugtron.core.training.optimizer_shards import BucketShard, ParamShard
+from plugtron.core.training.recompute import is_recomputing, recompute, recompute_module, run_layers
+from plugtron.core.training.step_info import check_finite
 
 __all__ = [
     # plugins and their options

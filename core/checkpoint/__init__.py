@@ -1,6 +1,6 @@
 """Checkpoints: the whole training state in safetensors + JSON, loadable into any layout.
 
-The training loop calls four functions (core/training.py):
+The training loop calls four functions (core/training/loop.py):
 
 * :func:`load_if_requested` after ``setup()``: ``--load``;
 * :func:`after_step` after every iteration: ``--save-interval``;
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 
-from ..errors import CheckpointError
-from . import layout
-from .loader import load_checkpoint
-from .reader import CheckpointReader
-from .saver import Checkpointer
+from plugtron.core.checkpoint import layout
+from plugtron.core.checkpoint.loader import load_checkpoint
+from plugtron.core.checkpoint.reader import CheckpointReader
+from plugtron.core.checkpoint.saver import Checkpointer
+from plugtron.core.errors import CheckpointError
 
 __all__ = [
     "CheckpointError",

@@ -19,8 +19,8 @@ import os
 import shutil
 import socket
 
-from ..errors import CheckpointError
-from . import layout
+from plugtron.core.checkpoint import layout
+from plugtron.core.errors import CheckpointError
 
 LOCK = ".lock"
 #: Set by plugtron's launcher for its ranks: the save directory whose lock it holds for them.
@@ -128,7 +128,7 @@ def recover(parent: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
     latest = layout.read_latest(parent)
     if latest is not None and not layout.is_checkpoint(os.path.join(parent, latest)):
-        from .writer import write_latest
+        from plugtron.core.checkpoint.writer import write_latest
 
         # The newest complete one not newer than what ``latest`` named: never another run's.
         named = layout.iteration_of(latest)

@@ -16,9 +16,8 @@ import zlib
 
 import numpy as np
 import torch
-
-from ..errors import CheckpointError
-from .safe_files import open_regular, read_small, regular_file_size
+from plugtron.core.checkpoint.safe_files import open_regular, read_small, regular_file_size
+from plugtron.core.errors import CheckpointError
 
 _TENSOR_TAG = "__tensor__"
 
@@ -52,7 +51,7 @@ def decode(value, where: str = "checkpoint"):
 
 
 def _decode_tensor(value: dict, where: str) -> torch.Tensor:
-    from .st_header import TORCH_DTYPES, is_shape
+    from plugtron.core.checkpoint.st_header import TORCH_DTYPES, is_shape
 
     name, shape, data = value[_TENSOR_TAG], value.get("shape"), value.get("data")
     if not isinstance(name, str) or name not in TORCH_DTYPES or not is_shape(shape) or not isinstance(data, str):

@@ -18,7 +18,7 @@ import os
 import re
 import sys
 
-from ..errors import CheckpointError
+from plugtron.core.errors import CheckpointError
 
 METADATA = "metadata.json"
 LATEST = "latest"
@@ -75,7 +75,7 @@ def complete_checkpoints(parent: str) -> list[tuple[int, str]]:
 def read_latest(parent: str) -> str | None:
     """The directory name ``parent/latest`` holds; None when there is no ``latest``. Read
     through the safe readers: a FIFO or device named ``latest`` would block a plain open()."""
-    from .safe_files import read_small
+    from plugtron.core.checkpoint.safe_files import read_small
 
     path = os.path.join(parent, LATEST)
     if not os.path.lexists(path):

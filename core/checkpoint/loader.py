@@ -8,7 +8,7 @@ iteration, consumed samples (the data position) and RNG state.
 RNG: under the same layout (world size, tp, pp, vp, cp, ep, etp) every rank gets back its own
 saved state, and a resumed run is bitwise identical to an uninterrupted one. Under another
 layout the saved states have no one-to-one owner, so every rank is reseeded with
-``resume_seed(seed, iteration)`` (core/random.py): deterministic, but dropout masks after the
+``resume_seed(seed, iteration)`` (core/parallel/random.py): deterministic, but dropout masks after the
 resume differ from the uninterrupted run.
 """
 
@@ -17,13 +17,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
-from .. import random as random_module
-from ..errors import CheckpointError
-from ..random import resume_seed, seed_everything, set_rng_state
-from . import jsonio, state
-from .pieces import ShardSpec
-from .reader import CheckpointReader
+from plugtron.core.checkpoint import jsonio, state
+from plugtron.core.checkpoint.pieces import ShardSpec
+from plugtron.core.checkpoint.reader import CheckpointReader
+from plugtron.core.errors import CheckpointError
+from plugtron.core.parallel import random as random_module
+from plugtron.core.parallel.random import resume_seed, seed_everything, set_rng_state
 
 
 @contextlib.contextmanager
@@ -49,9 +48,9 @@ def check_compatible(saved_config: dict, run) -> None:
         raise CheckpointError(f"the checkpoint holds a {saved_model!r} model; this run builds "
                               f"--model {config.plugins.model!r}")
     check_tokenizer(saved_config, config)
-    from .. import registry
-    from ..model_info import ModelInfo, model_info_of
-    from ..plugin_options import config_from_dict
+    from plugtron.core.contracts.model_info import ModelInfo, model_info_of
+    from plugtron.core.plugins import registry
+    from plugtron.core.plugins.options import config_from_dict
 
     pm = getattr(run, "pm", None)
 

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-from ..sharding import block_sizes, is_tensor_parallel
+from plugtron.core.parallel.sharding import block_sizes, is_tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,7 @@ class ShardSpec:
 
     @classmethod
     def of_param(cls, param: torch.Tensor, tp_rank: int, tp_size: int) -> ShardSpec:
-        """Read the sharding a layer declared on ``param`` (core/sharding.py)."""
+        """Read the sharding a layer declared on ``param`` (core/parallel/sharding.py)."""
         shape = tuple(param.shape)
         if not is_tensor_parallel(param) or tp_size == 1:
             return cls(shape)

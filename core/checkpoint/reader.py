@@ -13,13 +13,12 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from plugtron.core.checkpoint import jsonio, layout, schema
+from plugtron.core.checkpoint.pieces import Piece, ShardSpec, fill_shard
+from plugtron.core.checkpoint.safe_files import check_plain_name, regular_file_size
+from plugtron.core.checkpoint.st_header import read_header
+from plugtron.core.errors import CheckpointError
 from safetensors import SafetensorError, safe_open
-
-from ..errors import CheckpointError
-from . import jsonio, layout, schema
-from .pieces import Piece, ShardSpec, fill_shard
-from .safe_files import check_plain_name, regular_file_size
-from .st_header import read_header
 
 FORMAT = "plugtron-checkpoint"
 VERSION = 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import stat
 
-from ..errors import CheckpointError
+from plugtron.core.errors import CheckpointError
 
 #: JSON files of a checkpoint are small; anything bigger is not one of ours (bounds memory).
 MAX_JSON_BYTES = 1 << 30

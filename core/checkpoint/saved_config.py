@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from . import jsonio, layout
+from plugtron.core.checkpoint import jsonio, layout
 
 
 def saved_config(path: str | None) -> dict | None:

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-from .. import run_status
-from ..errors import CheckpointError
-from . import layout, state, writer
+from plugtron.core.checkpoint import layout, state, writer
+from plugtron.core.errors import CheckpointError
+from plugtron.core.monitoring import run_status
 
 
 @dataclass

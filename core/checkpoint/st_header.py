@@ -14,8 +14,8 @@ import math
 import os
 from dataclasses import dataclass
 
-from ..errors import CheckpointError
-from .safe_files import open_regular
+from plugtron.core.checkpoint.safe_files import open_regular
+from plugtron.core.errors import CheckpointError
 
 #: safetensors dtype -> (torch dtype name, bytes per element)
 DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2),

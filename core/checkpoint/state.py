@@ -4,7 +4,7 @@ is sharded, and the JSON side (layout, config, plugins, scheduler).
 Rules (the contracts in docs/checkpoints.md):
 
 * Model tensors are every chunk's ``state_dict`` entry (parameters and persistent buffers) under
-  its global name; sharding is what the layer declared on the tensor (core/sharding.py).
+  its global name; sharding is what the layer declared on the tensor (core/parallel/sharding.py).
 * Data-parallel replicas are identical: only dp-cp rank 0 writes (expert tensors, which differ
   across ep ranks: expert-data-parallel rank 0). Tensor-parallel replicas
   (tensors that are not tp-sharded) are written by tp rank 0 only; expert tensors are split
@@ -21,13 +21,12 @@ from __future__ import annotations
 import time
 
 import torch
-
-from .. import shared_params
-from ..errors import CheckpointError
-from ..random import get_rng_state
-from ..sharding import is_expert, tp_split_of
-from .pieces import ShardSpec, local_boxes_of
-from .writer import RankSnapshot, TensorEntry
+from plugtron.core.checkpoint.pieces import ShardSpec, local_boxes_of
+from plugtron.core.checkpoint.writer import RankSnapshot, TensorEntry
+from plugtron.core.errors import CheckpointError
+from plugtron.core.parallel import shared_params
+from plugtron.core.parallel.random import get_rng_state
+from plugtron.core.parallel.sharding import is_expert, tp_split_of
 
 OPTIMIZER_GLOBAL_KEY = "__optimizer__"
 
@@ -145,7 +144,7 @@ def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot
 
 def layout_of(run) -> dict:
     p = run.parallel
-    from ..plugin_manager import resolve_optimizer, resolve_schedule
+    from plugtron.core.plugins.manager import resolve_optimizer, resolve_schedule
 
     return {"world_size": p.world_size, "tp": p.tp_size, "pp": p.pp_size, "vp": p.vp_size,
             "cp": p.cp_size, "ep": p.ep_size, "etp": p.etp_size, "dp": p.dp_size,
@@ -181,8 +180,8 @@ def rng_source_rank(saved: dict, manifests: dict[int, dict], run) -> int | None:
 
 def plugin_versions(config) -> dict:
     """The plugins the run selected, each with its distribution and version."""
-    from .. import registry
-    from ..plugin_manager import selected_drivers
+    from plugtron.core.plugins import registry
+    from plugtron.core.plugins.manager import selected_drivers
 
     chosen = dict(selected_drivers(config))
     chosen["layer_backend"] = config.plugins.layer_backend
@@ -207,7 +206,7 @@ def plugtron_version() -> str:
 
 def base_metadata(config, iteration: int, consumed_samples: int, layout: dict,
                   contents: dict) -> dict:
-    from .reader import FORMAT, VERSION
+    from plugtron.core.checkpoint.reader import FORMAT, VERSION
 
     return {"format": FORMAT, "version": VERSION, "iteration": iteration,
             "consumed_samples": consumed_samples, "layout": layout,
@@ -217,7 +216,7 @@ def base_metadata(config, iteration: int, consumed_samples: int, layout: dict,
 
 
 def run_metadata(run, optimizer_state: dict, iteration: int | None = None) -> dict:
-    from .jsonio import encode
+    from plugtron.core.checkpoint.jsonio import encode
 
     iteration = run.state.iteration if iteration is None else iteration
     meta = base_metadata(run.config, iteration, run.state.consumed_samples,

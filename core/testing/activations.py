@@ -1,7 +1,7 @@
 """Is a layer's ``activation_bytes`` what autograd really keeps?
 
 ``plugtron estimate`` and train's memory check add up what each layer says it keeps for
-backward (``activation_bytes(shape)``, core/activations.py). These compare that with the tensors
+backward (``activation_bytes(shape)``, core/contracts/activations.py). These compare that with the tensors
 autograd saves during one forward, the same way the built-in layers are held to it.
 """
 

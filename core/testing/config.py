@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 from plugtron.core.config import TrainConfig
-from plugtron.core.plugin_options import config_from_flags
+from plugtron.core.plugins.options import config_from_flags
 
 #: Tiny settings under which a run takes well under a second per iteration on one CPU core:
 #: fp32, mock data, no dropout, no evaluation or logging unless asked. The vocabulary (128, a

@@ -13,12 +13,13 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from plugtron.core import checkpoint, training
+from plugtron.core import checkpoint
 from plugtron.core.checkpoint.state import stored_name
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.metrics import MetricsLogger
-from plugtron.core.plugin_manager import resolve_schedule
-from plugtron.core.sharding import gather_tensor_parallel, is_expert, tp_split_of
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.parallel.sharding import gather_tensor_parallel, is_expert, tp_split_of
+from plugtron.core.plugins.manager import resolve_schedule
+from plugtron.core.training import loop as training
 
 from .config import make_config, merge_flags, world_size_of
 from .pool import DistributedPool
@@ -135,7 +136,7 @@ def train_run(flags: dict, world_size: int | None = None, pool: DistributedPool 
     call). ``plugins``: extra pluggy plugin objects registered in every rank (picklable: they
     travel to the ranks). ``schedule``: a schedule plugin object used instead of the one the
     flags select (its ``schedule_actions`` is not checked here; see
-    ``plugtron.core.schedule_plan.check_schedule``). ``gather_params``: also return every
+    ``plugtron.core.pipeline.plan.check_schedule``). ``gather_params``: also return every
     parameter as a full tensor. ``evaluate``: run one forward-only evaluation after training.
     ``stop_at``: stop after that many iterations (with the final ``--save`` when one is set).
     """

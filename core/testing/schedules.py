@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from plugtron.core import registry
 from plugtron.core.config import section_flag_fields
 from plugtron.core.errors import ConfigError, PluginError
-from plugtron.core.plugin_options import collect_sections
-from plugtron.core.schedule_plan import check_schedule
+from plugtron.core.pipeline.plan import check_schedule
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.options import collect_sections
 
 from .compare import assert_records_close, assert_value_close
 from .config import canonical, make_config, merge_flags
@@ -43,7 +43,7 @@ def assert_schedule_matches_1f1b(schedule, pp: int = 2, vp: int | None = None,
 
     ``schedule`` is an entry-point name (group ``plugtron.schedules``) or a schedule plugin
     object (a picklable instance with ``schedule_actions`` and ``forward_backward``, e.g. a
-    ``plugtron.core.pipeline_executor.ActionListSchedule`` subclass). First, without starting any
+    ``plugtron.core.pipeline.executor.ActionListSchedule`` subclass). First, without starting any
     rank, ``core.schedule_plan.check_schedule`` plays its lists for ``pp`` ranks, ``vp`` chunks
     and ``microbatches`` microbatches, for training and for forward-only (evaluation); lists
     that miss, repeat or misorder an action, or wait on each other forever, fail the check with

@@ -337,7 +337,7 @@ class GPTConverter:
             return gpt2_to_hf(config, tensors)
         return llama_to_hf(config, tensors)
 
-    # Megatron-Core torch_dist checkpoints (core/checkpoint/megatron.py calls these).
+    # Megatron-Core torch_dist checkpoints (core/interchange/megatron.py calls these).
     def import_megatron(self, args, given, tensors, flag_names):
         from .megatron_convert import import_megatron
 

@@ -5,7 +5,7 @@ machines without it are unaffected. Selecting it without CUDA is a ConfigError; 
 transformer-engine a PluginError that says what to install.
 
 Design choice: TE computes (fused GEMMs, fused norms, fused attention) but plugtron's own
-collectives (core/tensor_parallel.py) do the tensor- and sequence-parallel communication. TE's
+collectives (core/parallel/tensor_parallel.py) do the tensor- and sequence-parallel communication. TE's
 built-in sequence parallelism splits dimension 0 of sequence-first ``[s, b, h]`` activations,
 while plugtron's activations are batch-first ``[b, s, h]``; keeping TE's modules local
 (``parallel_mode=None``) keeps one set of communication semantics for every backend.

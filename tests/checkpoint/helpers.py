@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from plugtron.core import checkpoint
-from plugtron.core.metrics import MetricsLogger
-from plugtron.core.training import setup, train
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.training.loop import setup, train
 
 from tests.utils import StepRecorder, tiny_config
 

@@ -11,9 +11,9 @@ from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.checkpoint import CheckpointReader, load_checkpoint
 from plugtron.core.config import apply_values
-from plugtron.core.distributed import single_process
-from plugtron.core.plugin_options import config_from_dict
-from plugtron.core.training import setup
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins.options import config_from_dict
+from plugtron.core.training.loop import setup
 
 
 def randomize(model) -> None:

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import torch
 from plugtron.core.checkpoint import state, writer
 from plugtron.core.config import padded_vocab_size
-from plugtron.core.distributed import WorldInfo
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.pipeline_layout import chunk_layers
-from plugtron.core.sharding import set_tensor_parallel, shard_of
-from plugtron.core.training import TrainState
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.distributed import WorldInfo
+from plugtron.core.parallel.sharding import set_tensor_parallel, shard_of
+from plugtron.core.pipeline.layout import chunk_layers
+from plugtron.core.training.loop import TrainState
 
 from tests.utils import tiny_config
 

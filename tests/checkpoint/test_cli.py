@@ -8,8 +8,8 @@ import pytest
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.checkpoint import load_checkpoint
-from plugtron.core.distributed import single_process
-from plugtron.core.training import evaluate, setup
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.loop import evaluate, setup
 
 from .helpers import ckpt_config, train_resumable
 

@@ -8,9 +8,10 @@ import tempfile
 
 import pytest
 import torch
-from plugtron.core import checkpoint, training
+from plugtron.core import checkpoint
 from plugtron.core.checkpoint.layout import iteration_dirname
 from plugtron.core.checkpoint.reader import CheckpointReader
+from plugtron.core.training import loop as training
 from plugtron.testing import assert_checkpoint_reshards, make_config, train_run
 
 GPT = {"model": "gpt", "position-embedding-type": "rope"}

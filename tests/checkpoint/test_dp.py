@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from plugtron.core import registry
-from plugtron.core.distributed import single_process
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins import registry
 
 from .helpers import ckpt_config, train_resumable
 
@@ -82,7 +82,7 @@ def test_distributed_optimizer_resume(pool, uninterrupted, tmp_path):
 
 
 def _evaluate(rank, world_size, load, single=False, **settings):
-    from plugtron.core.checkpoint.evaluate import evaluate_checkpoint
+    from plugtron.core.tools.evaluate import evaluate_checkpoint
 
     if single and rank != 0:
         return None

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.checkpoint import checkpointer
-from plugtron.core.distributed import single_process
-from plugtron.core.training import setup
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.loop import setup
 
 from .helpers import ckpt_config
 from .hf_models import (

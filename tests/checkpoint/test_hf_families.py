@@ -14,9 +14,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core.distributed import single_process
-from plugtron.core.plugin_options import config_from_dict
-from plugtron.core.training import setup
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins.options import config_from_dict
+from plugtron.core.training.loop import setup
 
 from .hf_models import (
     assert_exports_back,

@@ -12,8 +12,8 @@ import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.checkpoint import CheckpointReader
-from plugtron.core.distributed import single_process
-from plugtron.core.inference import load_model
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.tools.inference import load_model
 from safetensors.torch import load_file
 
 from ..tokenizer_helpers import save_tiny_hf_tokenizer

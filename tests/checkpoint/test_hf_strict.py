@@ -1,4 +1,4 @@
-"""Strict Hugging Face import (core/checkpoint/hf_strict.py): a file that disagrees with its
+"""Strict Hugging Face import (core/interchange/hf_strict.py): a file that disagrees with its
 config.json is refused with exit 2 and a message naming the tensor (or the file and the key),
 never converted silently and never a traceback. One tiny Llama (vocabulary 1000, GQA) is made
 once; each case edits a copy of it."""
@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.checkpoint import CheckpointReader
 from plugtron.core.errors import ConfigError
-from plugtron.core.validate import validate
+from plugtron.core.training.validate import validate
 from safetensors.torch import load_file, save_file
 
 from ..utils import tiny_config

@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 
 import pytest
-from plugtron.core import registry
-from plugtron.core.distributed import single_process
 from plugtron.core.errors import ConfigError, PluginError
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.plugin_manager import resolve_schedule
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.manager import resolve_schedule
 
 from .helpers import ckpt_config, train_resumable
 
@@ -115,14 +115,14 @@ def test_distributed_optimizer_reshards(request, tmp_path):
 
 
 def _evaluate(rank, world_size, load, **settings):
-    from plugtron.core.checkpoint.evaluate import evaluate_checkpoint
+    from plugtron.core.tools.evaluate import evaluate_checkpoint
 
     return evaluate_checkpoint(ckpt_config(**MODEL, load=load, eval_iters=2, **settings))
 
 
 def test_evaluate_under_tp2_pp2(saved_tp2_pp2, request):
     """The tp 2 x pp 2 checkpoint evaluated in one process and under tp 2 x pp 2."""
-    from plugtron.core.checkpoint.evaluate import evaluate_checkpoint
+    from plugtron.core.tools.evaluate import evaluate_checkpoint
 
     save, _ = saved_tp2_pp2
     alone = evaluate_checkpoint(ckpt_config(**MODEL, load=save, eval_iters=2),

@@ -19,12 +19,12 @@ import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.checkpoint import CheckpointReader, checkpointer, load_checkpoint
-from plugtron.core.checkpoint.torch_dist import read_torch_dist
 from plugtron.core.config import apply_values
-from plugtron.core.distributed import single_process
 from plugtron.core.errors import CheckpointError
-from plugtron.core.plugin_options import config_from_dict
-from plugtron.core.training import setup
+from plugtron.core.interchange.torch_dist import read_torch_dist
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins.options import config_from_dict
+from plugtron.core.training.loop import setup
 from plugtron_gpt.attention_options import AttentionOptions
 
 from .helpers import ckpt_config, params_of

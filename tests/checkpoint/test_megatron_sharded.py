@@ -12,8 +12,8 @@ import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.checkpoint import CheckpointReader
-from plugtron.core.checkpoint.torch_dist import read_torch_dist
 from plugtron.core.errors import CheckpointError
+from plugtron.core.interchange.torch_dist import read_torch_dist
 
 from .megatron_sharded_fixtures import global_plan, save_sharded, write_common
 from .test_megatron_convert import (

@@ -8,7 +8,7 @@ import pytest
 import torch
 from plugtron.core.checkpoint import load_checkpoint
 from plugtron.core.checkpoint.pieces import Piece, ShardSpec, fill_shard, region
-from plugtron.core.sharding import shard_of, unshard
+from plugtron.core.parallel.sharding import shard_of, unshard
 
 from .synthetic import expected_shard, full_tensors, rank_run, save_layout
 

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 from plugtron.core.checkpoint import CheckpointReader, layout
-from plugtron.core.distributed import single_process
 from plugtron.core.errors import CheckpointError
+from plugtron.core.parallel.distributed import single_process
 
 from .helpers import ckpt_config, params_of, train_resumable
 
@@ -101,7 +101,7 @@ def test_load_errors(reference, tmp_path):
 
 def test_weights_only_load_keeps_fresh_optimizer(reference):
     from plugtron.core.checkpoint import load_checkpoint
-    from plugtron.core.training import setup
+    from plugtron.core.training.loop import setup
 
     save, _, params = reference
     run = setup(ckpt_config(), world=ONE)

@@ -13,9 +13,9 @@ import time
 import pytest
 from plugtron.core.checkpoint import CheckpointReader, layout, load_checkpoint
 from plugtron.core.checkpoint.writer import TEST_DELAY_ENV
-from plugtron.core.distributed import single_process
 from plugtron.core.errors import CheckpointError
-from plugtron.core.training import setup
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.loop import setup
 
 from .helpers import ckpt_config, train_resumable
 
@@ -93,8 +93,8 @@ def test_intact_copy_loads(saved, run, tmp_path):
 
 KILLED_RUN = """
 import sys
-from plugtron.core.distributed import single_process
-from plugtron.core.training import pretrain
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.loop import pretrain
 from tests.utils import tiny_config
 pretrain(tiny_config(train_iters=4, save=sys.argv[1], save_interval=2), world=single_process())
 """

@@ -4,11 +4,11 @@ losses and parameters (picklable, so pool workers can send them back)."""
 from __future__ import annotations
 
 import torch
-from plugtron.core import step_info
-from plugtron.core.hookspecs import hookimpl
-from plugtron.core.metrics import MetricsLogger
-from plugtron.core.optimizer import named_params
-from plugtron.core.training import setup, train
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.training import step_info
+from plugtron.core.training.loop import setup, train
+from plugtron.core.training.optimizer import named_params
 
 from tests.utils import StepRecorder, tiny_config
 

@@ -11,10 +11,10 @@ applying the same positional mask (attention_blocks.keep_mask) to the full atten
 import pytest
 import torch
 import torch.nn.functional as F
-from plugtron.core.attention_blocks import draw_dropout, keep_mask
-from plugtron.core.context_parallel import split_tensor
-from plugtron.core.cp_attention import context_parallel_attention
-from plugtron.core.parallel_context import ParallelContext
+from plugtron.core.parallel.attention_blocks import draw_dropout, keep_mask
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.context_parallel import split_tensor
+from plugtron.core.parallel.cp_attention import context_parallel_attention
 
 from tests.distributed.harness import worker_cache
 

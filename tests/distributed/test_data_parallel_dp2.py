@@ -4,7 +4,7 @@ with the same global batch, on data with uneven loss masks."""
 import math
 
 import pytest
-from plugtron.core.distributed import single_process
+from plugtron.core.parallel.distributed import single_process
 
 from tests.distributed.dp_helpers import (
     VARIANTS,
@@ -109,7 +109,7 @@ def test_without_overlap_reductions_start_after_backward(pool):
 def _observe_param_gathers(rank, world_size, overlap):
     """Two steps; how many parameter gathers are pending after the first step, and when the
     second backward starts (after the second forward)."""
-    from plugtron.core.hookspecs import hookimpl
+    from plugtron.core.contracts.hookspecs import hookimpl
 
     seen = {}
 

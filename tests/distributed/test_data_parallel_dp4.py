@@ -3,7 +3,7 @@ with the same global batch (one microbatch per rank), on data with uneven loss m
 distributed optimizer's memory: each rank keeps state for its quarter only."""
 
 import pytest
-from plugtron.core.distributed import single_process
+from plugtron.core.parallel.distributed import single_process
 
 from tests.distributed.dp_helpers import (
     VARIANTS,

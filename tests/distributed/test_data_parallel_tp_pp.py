@@ -6,10 +6,10 @@ neither (they are built in other branches and meet this one at the merge).
 """
 
 import pytest
-from plugtron.core import registry
-from plugtron.core.distributed import single_process
 from plugtron.core.errors import ConfigError, PluginError
-from plugtron.core.parallel_context import ParallelContext
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins import registry
 
 from tests.distributed.dp_helpers import losses, max_rel_diff, one_thread, pool_train, train_run
 from tests.utils import tiny_config

@@ -8,7 +8,7 @@ group per rank; chunk 6 does not divide the sequence of 16 (the padded last chun
 from __future__ import annotations
 
 import pytest
-from plugtron.core import registry
+from plugtron.core.plugins import registry
 from plugtron.testing import assert_checkpoint_reshards, assert_layouts_match
 
 MAMBA = {"model": "hybrid", "mamba-state-dim": 8, "mamba-head-dim": 8, "mamba-num-groups": 2,

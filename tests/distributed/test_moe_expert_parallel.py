@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from plugtron.core import step_info
 from plugtron.core.checkpoint import CheckpointReader
-from plugtron.core.hookspecs import hookimpl
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.training import step_info
 from plugtron.testing import assert_checkpoint_reshards, assert_records_close, train_run
 from plugtron.testing.config import merge_flags
 

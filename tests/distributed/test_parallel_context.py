@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from plugtron.core import comm
-from plugtron.core.parallel_context import ParallelContext, rank_groups
+from plugtron.core.parallel import comm
+from plugtron.core.parallel.context import ParallelContext, rank_groups
 
 from tests.distributed.harness import RankFailure, worker_cache
 

@@ -14,10 +14,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.core import pipeline_executor, training
-from plugtron.core.distributed import single_process
-from plugtron.core.p2p import P2PCommunicator
-from plugtron.core.parallel_context import ParallelContext
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.pipeline import executor as pipeline_executor
+from plugtron.core.pipeline.p2p import P2PCommunicator
+from plugtron.core.training import loop as training
 
 from tests.distributed.harness import worker_cache
 from tests.schedule_helpers import RandomOrderSchedule
@@ -62,7 +63,7 @@ def _train(rank, world_size, pp, vp, schedule, tied, **extra):
         run.pm.register(RandomOrderSchedule(seed=7))
         # Exercise the NCCL way on gloo: receives stay in the batch of their step.
         run.p2p.receives_run_ahead = False
-        from plugtron.core.metrics import MetricsLogger
+        from plugtron.core.monitoring.metrics import MetricsLogger
 
         from tests.utils import StepRecorder
         recorder = StepRecorder()

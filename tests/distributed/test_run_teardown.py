@@ -2,9 +2,9 @@
 model stays alive, so neither do their process groups (each gloo group holds threads and
 sockets). A process that trains several times (a notebook, a sweep, a test pool's rank) must
 not pile them up: a cache keyed by the run's ``schedule_actions`` hook caller once kept every
-run's plugin manager, and with it its groups, alive (core/signatures.py), and the gradient
+run's plugin manager, and with it its groups, alive (core/plugins/signatures.py), and the gradient
 hooks that held the data-parallel wrapper made every model an uncollectable cycle
-(core/ddp.py)."""
+(core/parallel/ddp.py)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ def _left_over(rank, world_size):
     import os
 
     import pluggy
-    from plugtron.core.ddp import DistributedDataParallel
-    from plugtron.core.parallel_context import ParallelContext
+    from plugtron.core.parallel.context import ParallelContext
+    from plugtron.core.parallel.ddp import DistributedDataParallel
 
     gc.collect()
     alive = {kind.__name__: sum(isinstance(o, kind) for o in gc.get_objects())

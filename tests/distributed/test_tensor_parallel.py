@@ -15,13 +15,13 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
-from plugtron.core import comm
-from plugtron.core import tensor_parallel as tpc
-from plugtron.core.init import normal_init
-from plugtron.core.parallel_context import ParallelContext
-from plugtron.core.random import model_parallel_rng_tracker
-from plugtron.core.sharding import full_named_tensors, is_tensor_parallel, shard_of
-from plugtron.core.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
+from plugtron.core.blocks.init import normal_init
+from plugtron.core.parallel import comm
+from plugtron.core.parallel import tensor_parallel as tpc
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.random import model_parallel_rng_tracker
+from plugtron.core.parallel.sharding import full_named_tensors, is_tensor_parallel, shard_of
+from plugtron.core.parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
 
 from tests.distributed.harness import worker_cache
 from tests.utils import tiny_config, train_in_process
@@ -136,8 +136,8 @@ def _sp_linear(rank, world_size, dtype=torch.float32, emulated=False):
     """The fused SP linear (keeps only the sequence shard) against gather + F.linear; errors
     relative to the largest reference value. In bf16 on a CPU that emulates it (``emulated``
     pins the CPU's features to AVX2 alone) the fused backward takes its own operand layouts
-    (core/linear.py); elsewhere plain matmuls."""
-    from plugtron.core import cpu_features
+    (core/blocks/linear.py); elsewhere plain matmuls."""
+    from plugtron.core.blocks import cpu_features
 
     probe = cpu_features._features
     if emulated:
@@ -330,7 +330,7 @@ REFERENCE_KEYS = [(v, e, None) for v in VARIANTS for e in EMBEDDINGS] + [("gqa",
 
 def _references(rank, world_size):
     """The single-process tp 1 runs, spread over the ranks."""
-    from plugtron.core.distributed import single_process
+    from plugtron.core.parallel.distributed import single_process
 
     out = {}
     for key in REFERENCE_KEYS[rank::world_size]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from plugtron.core.errors import CheckpointError
-from plugtron.core.training import pretrain
+from plugtron.core.training.loop import pretrain
 
 from tests.utils import tiny_config
 

@@ -18,7 +18,7 @@ from plugtron.core.checkpoint import layout, schema, writer
 from plugtron.core.checkpoint.pieces import Box, Piece
 from plugtron.core.checkpoint.reader import FORMAT, VERSION, CheckpointReader
 from plugtron.core.errors import CheckpointError
-from plugtron.core.metrics import MetricsLogger
+from plugtron.core.monitoring.metrics import MetricsLogger
 
 
 def _p(offset, shape):
@@ -146,7 +146,7 @@ def test_metrics_logger_writes_nan_and_inf_as_null(tmp_path):
 def test_a_second_sigint_within_a_second_is_the_same_stop():
     import signal
 
-    from plugtron.core.preemption import ABORT_AFTER_S, is_abort
+    from plugtron.core.training.preemption import ABORT_AFTER_S, is_abort
 
     now = time.monotonic()
     assert not is_abort(signal.SIGINT, now)  # direct + forwarded copy of one stop

@@ -1,0 +1,383 @@
+"""The contracts between plugtron's core and its plugins, as pluggy hookspecs.
+
+Three kinds of hooks live here:
+
+* **Contract hooks** (``dataset_provider``, ``model_provider``, ``forward_step``, ``loss_func``,
+  ``forward_backward``, ``schedule_actions``, ``build_optimizer``). Their names and signatures
+  follow Megatron-Core. For one run each must end up with exactly one implementation: the driver
+  that the run selected by entry-point name. They are ``firstresult`` hooks, so calling one
+  returns that implementation's value. Extension plugins may wrap them (``wrapper=True``).
+* **Optional driver hooks** (``optimizer_shards_gradients``): ``firstresult`` questions the core
+  asks the selected driver of one role; a driver that does not implement one gets the default
+  its docstring states.
+* **Lifecycle hooks** (prefixed ``plugtron_``). Any number of plugins may implement them; the
+  core calls them at fixed points of a run. ``historic`` ones are replayed to plugins that are
+  registered after the call.
+
+pluggy lets an implementation accept any subset of a hookspec's parameters, so a model plugin
+that only needs ``config`` and ``pre_process`` declares just those.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import pluggy
+
+PROJECT_NAME = "plugtron"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+#: Hooks that at most one selected driver implements (absent: the core's default).
+OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
+    "model_info": "model",
+    "model_presets": "model",
+    "optimizer_shards_gradients": "optimizer",
+}
+
+#: Hooks that exactly one selected driver implements, with the registry role that provides it.
+CONTRACT_HOOKS: dict[str, str] = {
+    "dataset_provider": "dataset",
+    "model_provider": "model",
+    "forward_step": "model",
+    "loss_func": "model",
+    "forward_backward": "schedule",
+    "schedule_actions": "schedule",
+    "build_optimizer": "optimizer",
+}
+
+
+# --------------------------------------------------------------------------- contracts
+
+
+@hookspec(firstresult=True)
+def dataset_provider(config: Any, split_sizes: tuple[int, int, int], parallel: Any) -> tuple:
+    """Build the train, validation and test datasets.
+
+    :param config: the run's ``TrainConfig``; ``config.data`` holds the data flags
+        (``data_path``, ``split``, ``seq_length`` comes from ``config.model``).
+    :param split_sizes: the number of samples the run will draw from each split
+        ``(train, valid, test)``; a provider may return datasets that are larger or that wrap
+        around, but never smaller than asked unless it can only give less.
+    :param parallel: the run's ``ParallelContext`` (for providers that build on one rank and
+        share).
+    :returns: ``(train, valid, test)``, each a map-style dataset (``__len__`` and
+        ``__getitem__``) or ``None``. A sample is a dict of 1-D tensors of length
+        ``seq_length``: ``tokens`` (int64), ``labels`` (int64), ``loss_mask`` (float32),
+        ``position_ids`` (int64), optionally ``attention_mask`` (int64, the document number of
+        each token: attention stays within a document, ``--reset-attention-mask``).
+
+    Called once per run on every rank, after process groups are ready and before the model is
+    built. A provider may set ``config.model.vocab_size`` when its tokenizer fixes it; the core
+    pads the vocabulary afterwards.
+    """
+
+
+@hookspec(firstresult=True)
+def model_provider(
+    config: Any,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None,
+    layer_backend: Any,
+    parallel: Any,
+) -> Any:
+    """Build one pipeline chunk of the model.
+
+    :param config: the run's ``TrainConfig`` (model sizes are in ``config.model``).
+    :param pre_process: this chunk is the first of the pipeline: it owns the embedding.
+    :param post_process: this chunk is the last: it owns the final norm, output layer and loss.
+    :param vp_stage: index of the virtual pipeline chunk on this rank, ``None`` without
+        interleaving.
+    :param layer_backend: the ``LayerBackend`` instance the run selected; the model builds its
+        tensor-parallel layers from it, never by importing a backend.
+    :param parallel: the run's ``ParallelContext``.
+    :returns: a ``torch.nn.Module`` with ``set_input_tensor(tensor)``; a chunk that is not
+        ``pre_process`` takes its input from the tensor set there.
+
+    Called on every rank, once per virtual chunk the rank holds, before the optimizer is built.
+    """
+
+
+@hookspec(firstresult=True)
+def forward_step(data_iterator: Iterator | None, model: Any) -> tuple[Any, Callable]:
+    """Run the forward pass of one microbatch on one pipeline chunk.
+
+    :param data_iterator: yields microbatches (dicts of batched tensors, see
+        ``dataset_provider``); stages that need no data may still draw from it so that every
+        stage stays on the same microbatch.
+    :param model: the chunk (as wrapped for data parallelism).
+    :returns: ``(output_tensor, loss_closure)``. ``output_tensor`` is the activation for the next
+        stage, or on the last stage the per-token loss or logits. ``loss_closure(output_tensor)``
+        returns what ``loss_func`` returns; the schedule calls it on the last stage only (this is
+        Megatron's ``partial(loss_func, loss_mask)``).
+
+    Called by the schedule, once per microbatch and chunk, on every pipeline stage.
+    """
+
+
+@hookspec(firstresult=True)
+def loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict]:
+    """Reduce a microbatch's per-token losses.
+
+    :param loss_mask: float tensor ``[batch, seq]``; 0 marks tokens that do not count.
+    :param output_tensor: per-token losses ``[batch, seq]`` from the last stage.
+    :returns: ``(loss_sum, num_tokens, report)``: the masked *sum* of per-token losses (a
+        scalar that backward starts from), the number of counted tokens (a tensor), and a report
+        dict such as ``{"lm loss": tensor([sum, count])}`` that the core sums over microbatches
+        and data-parallel ranks.
+
+    Must check the local loss for NaN/Inf before any reduction across ranks and name the
+    iteration and rank in the error. Called on the last pipeline stage only.
+    """
+
+
+@hookspec(firstresult=True)
+def forward_backward(
+    forward_step_func: Callable,
+    data_iterator: Any,
+    model: list,
+    num_microbatches: int,
+    seq_length: int,
+    micro_batch_size: int,
+    forward_only: bool,
+    parallel: Any,
+    config: Any,
+    p2p: Any,
+    loss_scale: float,
+) -> list[dict]:
+    """Run forward and backward over all microbatches of one global batch on this rank.
+
+    :param forward_step_func: call as ``forward_step_func(data_iterator, model_chunk)``; it is
+        the run's ``forward_step`` hook with any wrappers.
+    :param data_iterator: an iterator of microbatches, or a list with one per model chunk under
+        interleaving.
+    :param model: list of this rank's model chunks (one unless interleaved).
+    :param num_microbatches: microbatches per global batch on this data-parallel rank.
+    :param seq_length: tokens per sample; with ``micro_batch_size`` fixes P2P shapes.
+    :param micro_batch_size: samples per microbatch.
+    :param forward_only: evaluation: no backward, no grad sync.
+    :param parallel: the run's ``ParallelContext``.
+    :param config: the run's ``TrainConfig``.
+    :param p2p: the core's pipeline communicator (``None`` when pp is 1).
+    :param loss_scale: factor for the loss before backward (1.0 except under fp16 scaling).
+    :returns: the list of ``report`` dicts, one per microbatch, on the last pipeline stage; an
+        empty list on other stages. The report of each microbatch carries ``num_tokens`` too.
+
+    A schedule must: call ``model_chunk.set_input_tensor`` before each forward on stages after
+    the first; call the loss closure on the last stage; run backward from ``loss_sum *
+    loss_scale``; wrap all but the last microbatch of each chunk in the chunk's ``no_sync()``;
+    and execute its actions in the order that ``schedule_actions`` returns.
+    Called once per iteration on every rank.
+    """
+
+
+@hookspec(firstresult=True)
+def schedule_actions(
+    pp_rank: int, pp_size: int, num_chunks: int, num_microbatches: int, config: Any
+) -> list:
+    """Return the ordered actions one pipeline rank executes in one iteration.
+
+    :param pp_rank: the pipeline rank.
+    :param pp_size: number of pipeline stages.
+    :param num_chunks: model chunks per rank (the virtual pipeline size, 1 without it).
+    :param num_microbatches: microbatches per global batch on this data-parallel rank.
+    :param config: the run's ``TrainConfig`` (schedules read their own options from it).
+    :returns: a list of ``plugtron.core.pipeline.plan.Action`` (kind ``"F"`` or ``"B"``,
+        microbatch, chunk). ``plugtron schedule show`` prints exactly this list, and
+        ``forward_backward`` executes exactly it, so both share one source of truth.
+
+    Raises ``plugtron.core.errors.ConfigError`` for combinations the schedule does not support.
+    Called without process groups (by the CLI) and inside ``forward_backward``.
+    """
+
+
+@hookspec(firstresult=True)
+def build_optimizer(config: Any, model_chunks: list, parallel: Any) -> Any:
+    """Build the optimizer over all model chunks of this rank.
+
+    :param config: the run's ``TrainConfig`` (``config.training`` has lr, betas, weight decay,
+        clipping).
+    :param model_chunks: the rank's model chunks, wrapped for data parallelism.
+    :param parallel: the run's ``ParallelContext``.
+    :returns: a ``plugtron.core.training.optimizer.Optimizer``: ``step()`` returns
+        ``StepResult(stepped, grad_norm, num_zeros)``, ``zero_grad()``, ``param_groups`` for the
+        LR scheduler, and ``sharded_state_dict()`` / ``load_sharded_state_dict()`` for
+        checkpoints.
+
+    Weight decay is not applied to norms and biases. Called once per run on every rank.
+    """
+
+
+@hookspec(firstresult=True)
+def optimizer_shards_gradients(config: Any) -> bool:
+    """Say whether the optimizer shards gradients and parameters over data parallelism.
+
+    :param config: the run's ``TrainConfig``.
+    :returns: ``True`` when the optimizer keeps state only for this data-parallel rank's shard
+        of the gradients (ZeRO-1, as ``distributed-adam``): the core's
+        ``DistributedDataParallel`` then pads its buckets into equal shards, reduce-scatters
+        the gradients and all-gathers the parameters after the step, and the optimizer reaches
+        its shards through ``DistributedDataParallel.optimizer_shards()``. ``False``, or no
+        implementation at all: gradients are all-reduced whole.
+
+    Optional; implemented by the optimizer driver only. Called on every rank before the model
+    chunks are wrapped for data parallelism (so before ``build_optimizer``), and by the CLI
+    before launch to validate ``--overlap-param-gather``, without process groups.
+    """
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+@hookspec
+def plugtron_config_sections() -> list:
+    """Declare this plugin's options as typed config sections.
+
+    :returns: a list of ``plugtron.api.ConfigSection(name, cls)``; ``cls`` is a dataclass whose
+        fields are declared with ``plugtron.api.opt(default, "--flag", "help", ...)``. Each field
+        becomes a ``plugtron train`` flag listed under a heading naming the distribution, a
+        config-file key, and ``config.<name>.<field>`` in the run (typed); the checkpoint's
+        config keeps the section under ``name``.
+
+    Called when the CLI builds a command and when a rank reads its config, on the selected
+    drivers (model, schedule, optimizer, dataset), the selected
+    layer backend, every installed layer type and MoE dispatcher, and every enabled extension.
+    Layer types, dispatchers
+    and layer backends are classes: they declare it as a ``staticmethod``/``classmethod``. A
+    plugin that raises here, or whose names clash with another's, is skipped with a warning.
+    """
+
+
+@hookspec
+def plugtron_validate(config: Any, world_size: int) -> None:
+    """Check this plugin's part of the configuration before any rank is launched.
+
+    :param config: the whole ``TrainConfig`` (core and plugin sections), not yet finalised:
+        ``config.model.padded_vocab_size`` is still ``None``.
+    :param world_size: the number of ranks the run will have.
+    :raises plugtron.api.ConfigError: naming the flag, the value and the rule; the CLI prints
+        it once and exits with code 2.
+
+    Called by the CLI once before launching ranks, and by ``setup`` in every rank (so runs
+    started from Python are checked too), on the same plugins as ``plugtron_config_sections``.
+    The model plugin owns its size rules here (heads, groups, ffn, what tp must divide).
+    """
+
+
+@hookspec(firstresult=True)
+def model_info(config: Any) -> Any:
+    """Describe the model this config builds, for the core's logging and checkpoints.
+
+    :param config: the run's ``TrainConfig``.
+    :returns: a ``plugtron.api.ModelInfo``: ``main_loss`` (the report key that is the
+        model's loss, shown in the progress bar and summary; default ``"lm loss"``) and
+        ``architecture`` (``{flag: effective value}`` of every setting that changes tensor
+        shapes or what the weights compute; a checkpoint resumes only into a run that agrees
+        on all of them).
+
+    Optional, implemented by the model driver. Called on every rank in ``setup`` and when a
+    checkpoint is loaded (for the saved config too).
+    """
+
+
+@hookspec(firstresult=True)
+def model_presets() -> dict:
+    """Named sizes for ``--preset``.
+
+    :returns: ``{preset name: {flag name: value}}``, applied after the built-in defaults and
+        before the config file and the flags.
+
+    Optional, implemented by the model driver. Called by the CLI when it builds ``train``.
+    """
+
+
+@hookspec(historic=True)
+def plugtron_configure(config: Any) -> None:
+    """Inspect or adjust the run's configuration before anything is built.
+
+    :param config: the validated ``TrainConfig``; changes made here are seen by the whole run.
+
+    Called once per rank after the plugin manager is built.
+    """
+
+
+@hookspec(historic=True)
+def plugtron_process_groups_ready(parallel: Any) -> None:
+    """Hear that the process groups exist.
+
+    :param parallel: the run's ``ParallelContext``.
+
+    Called once per rank after ``ParallelContext`` is built.
+    """
+
+
+@hookspec
+def plugtron_model_built(config: Any, model_chunks: list, parallel: Any) -> None:
+    """Hear that this rank's model chunks are built and wrapped.
+
+    :param config: the run's ``TrainConfig``.
+    :param model_chunks: the rank's chunks, in virtual-stage order.
+    :param parallel: the run's ``ParallelContext``.
+
+    Called once per rank, before the optimizer is built.
+    """
+
+
+@hookspec
+def plugtron_train_start(config: Any, state: Any) -> None:
+    """Hear that the training loop starts.
+
+    :param config: the run's ``TrainConfig``.
+    :param state: the ``TrainState`` (iteration, consumed samples) the loop starts from.
+
+    Called once per rank.
+    """
+
+
+@hookspec
+def plugtron_step_end(iteration: int, metrics: dict) -> None:
+    """Hear the metrics of a finished training step.
+
+    :param iteration: the 1-based iteration that just finished.
+    :param metrics: the line written to ``--metrics-file`` (``lm_loss``, ``grad_norm``, ``lr``,
+        ``tokens_per_sec``, ``step_time_s``, ``consumed_samples`` ...).
+
+    Called on every rank after every iteration; only global rank 0 writes metrics.
+    """
+
+
+@hookspec
+def plugtron_evaluation_end(iteration: int, metrics: dict) -> None:
+    """Hear the result of an evaluation on the validation data.
+
+    :param iteration: the iteration after which it ran.
+    :param metrics: the line written to ``--metrics-file`` (``valid_<loss key>`` for every
+        loss the model reports).
+
+    Called on every rank after every evaluation during and at the end of training.
+    """
+
+
+@hookspec
+def plugtron_checkpoint_saved(iteration: int, path: str) -> None:
+    """Hear that a checkpoint is complete on disk.
+
+    :param iteration: the iteration the checkpoint holds.
+    :param path: its directory.
+
+    Called on every rank after the checkpoint was renamed into place.
+    """
+
+
+@hookspec
+def plugtron_train_end(config: Any, state: Any, summary: dict) -> None:
+    """Hear that the run finished.
+
+    :param config: the run's ``TrainConfig``.
+    :param state: the final ``TrainState``.
+    :param summary: the final summary line (iterations, final loss, tokens/s, time).
+
+    Called once per rank, after the last checkpoint.
+    """

@@ -1,0 +1,259 @@
+"""Hugging Face interchange: ``config.json`` + ``model.safetensors`` to and from a plugtron
+checkpoint.
+
+The core does the files; what maps onto what is model-specific and lives in the model's plugin,
+found by the model's plugin name in the entry-point group ``plugtron.converters`` (the core
+never imports a model). A converter implements :class:`Converter`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import sys
+from typing import Protocol
+
+import torch
+from plugtron.core.checkpoint import state, writer
+from plugtron.core.checkpoint.pieces import Box
+from plugtron.core.checkpoint.safe_files import check_plain_name, read_small, regular_file_size
+from plugtron.core.checkpoint.st_header import read_header
+from plugtron.core.config import TrainConfig, padded_vocab_size
+from plugtron.core.errors import CheckpointError, ConfigError
+from plugtron.core.interchange import hf_strict
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.options import config_from_flags
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+
+class Converter(Protocol):
+    """Model-specific mapping between Hugging Face tensors and plugtron's global tensors.
+
+    Tensors on the plugtron side are full (unsharded), named as the model's parameters are
+    (``decoder.layers.0.self_attention.linear_qkv.weight``), and vocabulary-sized tensors have
+    exactly ``vocab_size`` rows (the core adds and removes tp padding).
+    """
+
+    #: plugtron names whose first dimension is the vocabulary.
+    vocab_tensors: tuple[str, ...]
+
+    def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
+        """-> (plugtron settings as ``{flag name: value}``, ``{plugtron name: tensor}``).
+        Raise ``ConfigError`` for a model this converter cannot represent.
+
+        ``tensors`` is a read-only mapping that counts each ``tensors[name]``: the core then
+        requires every tensor of the files read exactly once and checks every shape
+        (hf_strict.py), so read through it (``in`` is free) rather than copying it."""
+
+    def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
+        """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``). A converter whose
+        ``export_hf`` also takes ``config`` gets the whole ``TrainConfig`` there (its model's
+        own option sections included, e.g. ``config.hybrid``)."""
+
+    # Optional: ``ignored_hf_tensors``, regular expressions of file tensors that carry no
+    # weights (GPT-2's causal-mask buffers), accepted unread by the strict import.
+    #
+    # Optional, for converters that another plugin ships for a model it extends (plugtron-moe's
+    # Mixtral for the ``gpt`` model):
+    #
+    # * ``model_types: tuple[str, ...]``: the HF ``model_type``\ s it reads; ``import_hf``
+    #   prefers it over the ``--model`` plugin's converter for those;
+    # * ``model: str``: the model plugin the imported checkpoint runs with (default: the
+    #   converter's entry-point name);
+    # * ``handles(config) -> bool`` (classmethod): ``export_hf`` uses it for a run config it
+    #   claims;
+    # * ``export_hf_from(config, tensors)``: like ``export_hf`` with the whole run config
+    #   (plugin sections included), preferred when present.
+
+
+def _plugin_info(role: str, name: str) -> dict:
+    info = next((i for i in registry.available(role) if i.name == name), None)
+    return {"name": name, "distribution": info.distribution if info else None,
+            "version": info.version if info else None}
+
+
+def load_converter(model: str) -> Converter:
+    return registry.instantiate(registry.load("converter", model))
+
+
+def _hf_json(path: str, name: str):
+    """A JSON object file of a Hugging Face directory (checked: plain regular file)."""
+    regular_file_size(path, name, path, name)
+    file = os.path.join(path, name)
+    try:
+        data = json.loads(read_small(file))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object")
+    return data
+
+
+def _installed_converters() -> list:
+    out = []
+    for info in registry.available("converter"):
+        try:
+            out.append(registry.load("converter", info.name))
+        except Exception:  # noqa: BLE001 - a broken converter must not break the others
+            continue
+    return out
+
+
+def converter_for_hf(model: str, hf_config: dict) -> Converter:
+    """An installed converter that declares this HF ``model_type``, else ``model``'s."""
+    kind = hf_config.get("model_type")
+    for cls in _installed_converters():
+        if kind in getattr(cls, "model_types", ()):
+            return registry.instantiate(cls)
+    return load_converter(model)
+
+
+def converter_for_config(config: TrainConfig) -> Converter:
+    """An installed converter that claims this run config (``handles``), else its model's."""
+    for cls in _installed_converters():
+        handles = getattr(cls, "handles", None)
+        if callable(handles) and handles(config):
+            return registry.instantiate(cls)
+    return load_converter(config.plugins.model)
+
+
+def read_hf_dir(path: str) -> tuple[dict, dict]:
+    """``config.json`` and every tensor of ``model.safetensors`` (or of the shards listed in
+    ``model.safetensors.index.json``). The directory is untrusted: shard names must be plain
+    file names of regular files in it, and each file's safetensors header is checked against
+    its size before it is loaded."""
+    if not os.path.lexists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path!r} has no config.json: not a Hugging Face model directory")
+    config = _hf_json(path, "config.json")
+    index_name = "model.safetensors.index.json"
+    if os.path.lexists(os.path.join(path, "model.safetensors")):
+        names = ["model.safetensors"]
+    elif os.path.lexists(os.path.join(path, index_name)):
+        weight_map = _hf_json(path, index_name).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{os.path.join(path, index_name)}: field weight_map must be "
+                                  f"an object of tensor name -> file name")
+        names = sorted({check_plain_name(v, os.path.join(path, index_name),
+                                         f"weight_map[{k!r}]") for k, v in weight_map.items()})
+    else:
+        raise CheckpointError(f"{path!r} has no model.safetensors (only safetensors weights "
+                              f"are read; pickled .bin files never are)")
+    tensors = {}
+    for name in names:
+        regular_file_size(path, name, path, name)
+        file = os.path.join(path, name)
+        read_header(file)  # offsets and sizes inside the file before safetensors maps it
+        try:
+            tensors.update(load_file(file))
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file} cannot be read: {exc}") from None
+    return config, tensors
+
+
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def special_token_flags(hf_dir: str, hf_config: dict) -> dict:
+    """bos/eos/pad ids of config.json (generation_config.json where config.json has none) as
+    plugtron flags. A list of eos ids (Llama 3) keeps its first: plugtron has one eod."""
+    sources = [hf_config]
+    if os.path.lexists(os.path.join(hf_dir, "generation_config.json")):
+        sources.append(_hf_json(hf_dir, "generation_config.json"))
+    flags = {}
+    for key in SPECIAL_TOKENS:
+        value = next((s[key] for s in sources if s.get(key) is not None), None)
+        if isinstance(value, list) and value:
+            value = value[0]
+        if value is None:
+            continue
+        vocab = hf_config.get("vocab_size")
+        if (not isinstance(value, int) or isinstance(value, bool) or value < 0
+                or isinstance(vocab, int) and value >= vocab):
+            # Some published configs carry e.g. pad_token_id -1; transformers tolerates them.
+            print(f"note: {os.path.join(hf_dir, 'config.json')}: field {key} {value!r} is not "
+                  f"a token id of the vocabulary; not recorded", file=sys.stderr)
+            continue
+        flags[key.replace("_", "-")] = value
+    return flags
+
+
+def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] >= rows:
+        return tensor[:rows]
+    pad = torch.zeros((rows - tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    return torch.cat([tensor, pad])
+
+
+def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
+              dtype: torch.dtype | None = None) -> tuple[str, TrainConfig]:
+    """Convert a Hugging Face model directory into a weights-only plugtron checkpoint at
+    ``out_dir`` (iteration 0, no optimizer state). Returns (path, the run config it implies)."""
+    hf_config, hf_tensors = read_hf_dir(hf_dir)
+    converter = converter_for_hf(model, hf_config)
+    where = os.path.join(hf_dir, "config.json")
+    source = hf_strict.SourceTensors(hf_tensors)
+    try:
+        flags, tensors = converter.import_hf(hf_config, source)
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError,
+            OverflowError) as exc:
+        raise CheckpointError(f"{where} does not describe the weight files "
+                              f"({type(exc).__name__}: {exc})") from None
+    hf_strict.check_reads(source, converter, flags, hf_dir)
+    flags = {**special_token_flags(hf_dir, hf_config), **flags}
+    model = getattr(converter, "model", model)
+    # With the options of the plugins the run selects (an MoE converter sets --num-experts).
+    try:
+        config = config_from_flags({**flags, "model": model}, "the settings it implies")
+    except ConfigError as exc:
+        raise CheckpointError(f"{where}: {exc}") from None
+    m = config.model
+    if not isinstance(m.vocab_size, int) or m.vocab_size < 1:
+        raise CheckpointError(f"{where}: field vocab_size must be a positive integer, got "
+                              f"{m.vocab_size!r}")
+    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    expected = hf_strict.expected_shapes(config, converter.vocab_tensors, flags, where)
+    exported = hf_strict.exported_shapes(converter, config, expected,
+                                         next(iter(hf_tensors.values())).dtype)
+    if exported is not None:
+        hf_strict.check_source_shapes(source, exported, hf_dir)
+    hf_strict.check_model_shapes(tensors, expected, hf_dir)
+    entries = []
+    for name, tensor in sorted(tensors.items()):
+        tensor = tensor.to(dtype) if dtype is not None else tensor
+        if name in converter.vocab_tensors:
+            tensor = _resize_rows(tensor, m.padded_vocab_size)
+        tensor = tensor.contiguous().clone()
+        shape = tuple(tensor.shape)
+        zeros = (0,) * len(shape)
+        entries.append(writer.TensorEntry(f"model/{name}", shape, [(Box(zeros, shape, zeros),
+                                                                    tensor)]))
+    layout = {"world_size": 1, "tp": 1, "pp": 1, "vp": None, "cp": 1, "ep": 1, "etp": 1,
+              "dp": 1}
+    metadata = state.base_metadata(config, 0, 0, layout,
+                                   {"model": True, "optimizer": False, "rng": False})
+    metadata["source"] = {"format": "huggingface", "path": os.path.abspath(hf_dir),
+                          "model_type": hf_config.get("model_type"), "flags": flags}
+    # Only the model plugin and its converter made this checkpoint; no run selected the others.
+    chosen = {"model": model, "converter": model}
+    metadata["plugins"] = {role: metadata["plugins"].get(role) or _plugin_info("converter", name)
+                           for role, name in chosen.items()}
+    return writer.write_single(out_dir, entries, metadata), config
+
+
+def run_export(converter, config: TrainConfig, tensors: dict) -> tuple[dict, dict]:
+    """The converter's export, called the way it declares (see :class:`Converter`)."""
+    if hasattr(converter, "export_hf_from"):
+        return converter.export_hf_from(config, tensors)
+    if "config" in inspect.signature(converter.export_hf).parameters:
+        return converter.export_hf(config.model, tensors, config=config)
+    return converter.export_hf(config.model, tensors)
+
+
+def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None,
+              max_shard_size=None) -> str:
+    """Write the model of checkpoint ``path`` as a Hugging Face directory (hf_export.py)."""
+    from plugtron.core.interchange.hf_export import export_hf as run
+
+    return run(path, out_dir, dtype, max_shard_size)

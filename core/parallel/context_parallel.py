@@ -1,0 +1,158 @@
+"""Context parallelism (cp): which tokens of a sample a cp rank holds, and who may run under cp.
+
+The split (Megatron's load-balanced layout for causal attention): every cp rank of a data-parallel
+rank draws the same samples; each is cut along the sequence into ``2 x cp`` equal chunks and cp
+rank ``r`` keeps chunks ``r`` and ``2 x cp - 1 - r``. Under the causal mask an early chunk is cheap
+and a late one dear, so pairing them gives every rank the same attention work. Every tensor of the
+microbatch whose sequence dimension has the full length travels the same way (tokens, labels, loss
+mask, position ids, the query rows of an attention mask), so the model sees the true position of
+each local token and RoPE or learned positions stay right.
+
+Who may run under cp > 1 is declared, never assumed (a layer written without cp in mind would
+silently attend only to its local tokens): the model plugin, the layer backend and every layer
+type the model builds carry ``supports_context_parallel = True``. :func:`check_support` runs before
+launch; :func:`check_built_layers` catches, once the model is built, a layer type that the model
+did not name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from plugtron.core.errors import ConfigError
+
+#: Attribute a model plugin, layer backend or layer type sets to True to run under ``--cp > 1``.
+SUPPORT_ATTRIBUTE = "supports_context_parallel"
+COMM_TYPES = ("p2p", "allgather", "a2a")
+
+
+def local_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:
+    """The two of the ``2 x cp`` sequence chunks that cp rank ``cp_rank`` holds, in order."""
+    return cp_rank, 2 * cp_size - 1 - cp_rank
+
+
+def local_positions(seq_length: int, cp_rank: int, cp_size: int,
+                    device=None) -> torch.Tensor:
+    """Indices into the full sequence of this rank's tokens (``[seq_length / cp]``, increasing)."""
+    chunk = seq_length // (2 * cp_size)
+    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device)
+                      for i in local_chunk_ids(cp_rank, cp_size)])
+
+
+def split_tensor(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """Keep chunks ``r`` and ``2cp-1-r`` of ``x`` along ``dim`` (cut into ``2 x cp``)."""
+    if cp_size == 1:
+        return x
+    if x.shape[dim] % (2 * cp_size):
+        raise ValueError(f"dimension {dim} of shape {tuple(x.shape)} is not divisible by "
+                         f"2 x cp = {2 * cp_size}")
+    chunks = x.chunk(2 * cp_size, dim=dim)
+    first, second = local_chunk_ids(cp_rank, cp_size)
+    return torch.cat([chunks[first], chunks[second]], dim=dim)
+
+
+def split_context_parallel_batch(batch: dict, seq_length: int, cp_rank: int, cp_size: int) -> dict:
+    """This cp rank's slice of a microbatch ``{key: [b, seq, ...]}``.
+
+    Tensors whose dimension 1 has ``seq_length`` entries are split along it; an
+    ``attention_mask`` ``[b, 1, s, s]`` keeps its query rows only (dimension 2: every key stays,
+    attention reaches them across ranks). Anything else passes through unchanged.
+    """
+    if cp_size == 1:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        dim = 2 if key == "attention_mask" else 1
+        if torch.is_tensor(value) and value.dim() > dim and value.shape[dim] == seq_length:
+            value = split_tensor(value, dim, cp_rank, cp_size)
+        out[key] = value
+    return out
+
+
+def local_microbatches(iterator: Iterable[dict], parallel, seq_length: int) -> Iterator[dict]:
+    """Wrap a microbatch iterator so each batch is cut to this cp rank's tokens (the identity
+    without cp)."""
+    if parallel.cp_size == 1:
+        yield from iterator
+        return
+    for batch in iterator:
+        yield split_context_parallel_batch(batch, seq_length, parallel.cp_rank, parallel.cp_size)
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+def declares_support(obj) -> bool:
+    return bool(getattr(obj, SUPPORT_ATTRIBUTE, False))
+
+
+def check_support(config, model=None, layer_backend=None) -> None:
+    """Before launch, with ``--cp > 1``: the sequence splits, the comm type fits the heads, and
+    the model plugin and layer backend (objects or classes) declare cp support."""
+    m, p = config.model, config.parallel
+    cp = p.context_parallel_size
+    if cp == 1:
+        return
+    comm_type = p.cp_comm_type
+    if comm_type not in COMM_TYPES:
+        raise ConfigError(f"--cp-comm-type {comm_type!r} is not one of {', '.join(COMM_TYPES)}")
+    tp = p.tensor_model_parallel_size
+    if m.seq_length % (2 * cp):
+        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by 2 x --cp {cp} = "
+                          f"{2 * cp}: context parallelism cuts each sample into 2 x cp equal "
+                          f"chunks")
+    if p.sequence_parallel and tp > 1 and m.seq_length % (2 * cp * tp):
+        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by 2 x --cp {cp} x "
+                          f"--tp {tp} = {2 * cp * tp}, which --sequence-parallel with context "
+                          f"parallelism needs")
+    if comm_type == "a2a":
+        heads = m.num_attention_heads // tp
+        groups = (m.num_query_groups or m.num_attention_heads) // tp
+        if heads % cp or groups % cp:
+            raise ConfigError(f"--cp-comm-type a2a trades the sequence split for a head split: "
+                              f"the {heads} heads and {groups} query groups per tp rank must "
+                              f"both be divisible by --cp {cp}; use p2p or allgather")
+    for what, obj in (("model", model), ("layer backend", layer_backend)):
+        if obj is not None and not declares_support(obj):
+            name = getattr(obj, "name", None) or type(obj).__name__
+            raise ConfigError(f"--cp {cp}: {what} {name!r} does not declare context-parallel "
+                              f"support ({SUPPORT_ATTRIBUTE} = True); use --cp 1")
+
+
+def check_context_parallel_layers(config, layer_types: Iterable[type]) -> None:
+    """For a model plugin's validation: with ``--cp > 1`` every layer type it will build must
+    declare cp support (a Mamba layer that scans the local tokens only would be wrong)."""
+    cp = config.parallel.context_parallel_size
+    if cp == 1:
+        return
+    for cls in layer_types:
+        if not declares_support(cls):
+            _refuse_layer(cp, cls)
+
+
+def _layer_modules(module: torch.nn.Module):
+    from plugtron.core.blocks.layer_stack import ComposedLayer
+
+    for sub in module.modules():
+        yield sub
+        if isinstance(sub, ComposedLayer):  # parts sit in a tuple (no name level): look inside
+            for part in sub.parts:
+                yield from _layer_modules(part)
+
+
+def check_built_layers(model_chunks, parallel) -> None:
+    """After the model is built: every layer-type module (one with a ``symbol``) declares cp
+    support. The safety net for a model that composes layer types it did not check."""
+    if parallel.cp_size == 1:
+        return
+    for chunk in model_chunks:
+        for sub in _layer_modules(chunk):
+            if getattr(type(sub), "symbol", None) and not declares_support(sub):
+                _refuse_layer(parallel.cp_size, type(sub))
+
+
+def _refuse_layer(cp: int, cls: type) -> None:
+    raise ConfigError(f"--cp {cp}: layer type {getattr(cls, 'symbol', '?')!r} "
+                      f"({cls.__module__}.{cls.__qualname__}) does not support context "
+                      f"parallelism ({SUPPORT_ATTRIBUTE} is not set); use --cp 1")

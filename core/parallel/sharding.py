@@ -1,0 +1,124 @@
+"""How a parameter is sharded, declared on the parameter itself.
+
+Every layer that creates a parameter says how the full (layout-free) tensor maps onto this rank,
+so that grad norms count each element once and checkpoints can store global tensors that load
+into any layout. Attributes (absent means "replicated, not sharded"):
+
+* ``tensor_model_parallel`` (bool): sharded over the tensor-parallel group.
+* ``partition_dim`` (int): the dimension that is split.
+* ``partition_chunks`` (int or tuple of ints): the full tensor is blocks along
+  ``partition_dim`` and each block is split across tp separately: an int is that many equal
+  blocks (SwiGLU's [gate; up]), a tuple gives each block's full size (Mamba's in_proj
+  [z, x, B, C, dt] has blocks of different sizes).
+* ``sequence_parallel`` (bool): replicated over tp but fed sequence-sharded activations, so its
+  gradient must be all-reduced over tp when grads are finalised.
+* ``shared_group`` (str): one copy of a tensor shared between the first and last pipeline stage
+  (core/parallel/shared_params.py, e.g. a tied embedding); gradients are summed over the embedding group.
+* ``allreduce`` (bool, default True): reduced over data parallel (False for expert params, which
+  reduce over the expert data-parallel group). An expert parameter's tensor-parallel split and
+  ``sequence_parallel`` sum are over the *expert* tensor-parallel group (etp, which may differ
+  from tp): :func:`tp_split_of` says which group a parameter is split over.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def block_sizes(total: int, chunks: int | tuple[int, ...] = 1) -> list[int]:
+    """Full size of each block of a dimension of ``total`` elements split as ``chunks``."""
+    if isinstance(chunks, int):
+        if total % chunks:
+            raise ValueError(f"a dimension of {total} does not split into {chunks} equal blocks")
+        return [total // chunks] * chunks
+    sizes = [int(c) for c in chunks]
+    if sum(sizes) != total:
+        raise ValueError(f"blocks {sizes} do not add up to the dimension's {total}")
+    return sizes
+
+
+def local_block_sizes(local_total: int, size: int,
+                      chunks: int | tuple[int, ...] = 1) -> list[int]:
+    """Each block's size in one rank's shard (of ``local_total`` elements) of ``size`` ranks."""
+    if isinstance(chunks, int):
+        return block_sizes(local_total, chunks)
+    return [c // size for c in block_sizes(local_total * size, chunks)]
+
+
+def set_tensor_parallel(param: torch.nn.Parameter, dim: int,
+                        chunks: int | tuple[int, ...] = 1) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = dim
+    param.partition_chunks = chunks if isinstance(chunks, int) else tuple(chunks)
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """An expert parameter (``allreduce = False``): split over ep and etp, reduced over edp."""
+    return getattr(param, "allreduce", True) is False
+
+
+def tp_split_of(param: torch.Tensor, parallel) -> tuple:
+    """``(group, rank, size)`` of the tensor-parallel group ``param`` lives in: etp for expert
+    parameters, tp for the others. Replicas of a non-sharded parameter are the same group."""
+    if is_expert(param):
+        return parallel.etp_group, parallel.etp_rank, parallel.etp_size
+    return parallel.tp_group, parallel.tp_rank, parallel.tp_size
+
+
+def shard_of(full: torch.Tensor, dim: int, rank: int, size: int,
+             chunks: int | tuple[int, ...] = 1) -> torch.Tensor:
+    """This rank's slice of ``full`` along ``dim`` (per block when ``chunks`` gives several)."""
+    if size == 1:
+        return full
+    blocks = full.split(block_sizes(full.shape[dim], chunks), dim=dim)
+    for block in blocks:
+        if block.shape[dim] % size:
+            raise ValueError(f"a block of {block.shape[dim]} does not split over {size} ranks")
+    if full.is_meta:  # a meta build (memory estimate): only the shape (torch.cat on meta
+        shape = list(full.shape)  # would import torch's compiler, seconds)
+        shape[dim] //= size
+        return torch.empty(shape, dtype=full.dtype, device="meta")
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).contiguous()
+
+
+def unshard(shards: list[torch.Tensor], dim: int,
+            chunks: int | tuple[int, ...] = 1) -> torch.Tensor:
+    """Inverse of ``shard_of`` given every rank's shard in rank order."""
+    if len(shards) == 1:
+        return shards[0]
+    local = local_block_sizes(shards[0].shape[dim], len(shards), chunks)
+    per_rank = [s.split(local, dim=dim) for s in shards]
+    return torch.cat([torch.cat([r[c] for r in per_rank], dim=dim) for c in range(len(local))],
+                     dim=dim)
+
+
+def mark_sequence_parallel(module: torch.nn.Module) -> None:
+    """Declare every parameter of ``module`` replicated over tp but fed sequence-sharded
+    activations (norms, row-parallel biases under SP): finalize sums their grads over tp."""
+    for param in module.parameters():
+        param.sequence_parallel = True
+
+
+def gather_tensor_parallel(param: torch.Tensor, tp_group) -> torch.Tensor:
+    """The full (tp-unsharded) tensor of ``param``, the same on every rank of ``tp_group``.
+
+    A collective over ``tp_group`` for sharded params (every tp rank must call it, for the same
+    params in the same order); replicated params come back as they are.
+    """
+    from plugtron.core.parallel import comm
+
+    tensor = param.detach()
+    if not is_tensor_parallel(param) or comm.group_size(tp_group) == 1:
+        return tensor
+    dim, chunks = param.partition_dim, getattr(param, "partition_chunks", 1)
+    gathered = comm.all_gather_tensor(tensor, tp_group, dim=dim)
+    return unshard(list(gathered.chunk(comm.group_size(tp_group), dim=dim)), dim, chunks)
+
+
+def full_named_tensors(module: torch.nn.Module, tp_group) -> dict[str, torch.Tensor]:
+    """``{name: full tensor}`` for every parameter of ``module`` (a collective over tp)."""
+    return {name: gather_tensor_parallel(p, tp_group) for name, p in module.named_parameters()}

@@ -1,0 +1,300 @@
+"""Runs a pipeline schedule given as action lists: the one executor every schedule shares.
+
+A schedule only decides the order (``schedule_actions``: one list of ``Action`` per pipeline
+rank). This module turns the lists of *all* ranks into communication steps and executes this
+rank's list: P2P, ``set_input_tensor``, ``schedule_utils.forward_step`` /
+``schedule_utils.backward_step``, ``no_sync`` except on each chunk's last backward.
+
+Why it cannot deadlock. :func:`communication_plan` plays the lists on a clock of unit steps
+(``schedule_plan.simulate`` with forward = backward = 1). An action at step ``t`` sends its
+result in step ``t``'s batch, and the receiving neighbour posts the matching receive in *its*
+batch for step ``t``; every rank posts its batches in step order, sends before it needs anything
+new. A rank blocks only to complete an op of a batch at a step earlier than the action that needs
+it, so by induction over steps every batch is eventually posted by both sides. Any lists that
+``simulate`` can finish therefore run, whatever their order (1F1B, interleaved, GPipe, a third
+party's); lists that cannot finish are rejected before anything runs. Under NCCL each batch is
+one fused group whose peers post theirs at the same step, so pairing holds there too. Under gloo,
+where a posted receive blocks nothing, receives are posted up to ``RECEIVE_LOOKAHEAD`` steps
+early (still in step order, so each peer's messages match in the order it sends them): data then
+arrives while the rank computes instead of when it asks.
+
+Memory. A forward output is sent and the executor keeps only its autograd edge
+(``torch.autograd.graph.get_gradient_edge``), so the activation itself is freed once the send
+completes; backward then starts from that edge. A send is completed as soon as the peer is known
+to hold its receive: a message from a peer sent at step ``t`` proves the peer posted all its
+batches up to ``t``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from plugtron.core.contracts.hookspecs import hookimpl
+from plugtron.core.errors import ConfigError
+from plugtron.core.pipeline import steps as schedule_utils
+from plugtron.core.pipeline.plan import (
+    BACKWARD,
+    FORWARD,
+    Action,
+    actions_of_all_ranks,
+    check_actions,
+    forward_only_actions,
+    simulate,
+    virtual_stage,
+)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one rank does at one step: an action (or none), then one batch of P2P ops. Message
+    keys are ``(kind, microbatch, virtual stage of the receiver)``."""
+
+    tick: int
+    action: Action | None = None
+    send_next: bool = False
+    send_prev: bool = False
+    recv_prev: tuple | None = None  # activation for (F, mb, stage)
+    recv_next: tuple | None = None  # output gradient for (B, mb, stage)
+
+
+@dataclass
+class ExecutionTrace:
+    """What the last ``execute_actions`` call on this process did (one process is one rank)."""
+
+    actions: list = field(default_factory=list)
+    peak_stored: int = 0  # most microbatch-chunks held for backward at once
+    compute_seconds: float = 0.0  # inside forward_step / backward_step
+    wait_seconds: float = 0.0  # blocked on receives
+
+
+#: The trace of the most recent run on this process; tests and benchmarks read it.
+last_trace = ExecutionTrace()
+
+#: Steps ahead whose receives a rank posts early where receives block nothing (gloo). Each
+#: holds one activation-sized buffer; posting them early lets data arrive during compute.
+RECEIVE_LOOKAHEAD = 8
+
+
+@functools.lru_cache(maxsize=64)
+def communication_plan(per_rank: tuple, num_chunks: int) -> tuple:
+    """Per rank, its steps in order. ``per_rank`` is a tuple (per rank) of tuples of actions."""
+    pp = len(per_rank)
+    stages = pp * num_chunks
+    slots = simulate([list(a) for a in per_rank], num_chunks, 1.0, 1.0)
+    steps: list[dict[int, dict]] = [{} for _ in range(pp)]
+    for rank, rank_slots in enumerate(slots):
+        for slot in rank_slots:
+            tick, a = int(slot.start), slot.action
+            stage = virtual_stage(rank, a.chunk, pp)
+            steps[rank].setdefault(tick, {})["action"] = a
+            if a.kind == FORWARD and stage < stages - 1:
+                steps[rank][tick]["send_next"] = True
+                steps[(rank + 1) % pp].setdefault(tick, {})["recv_prev"] = (
+                    FORWARD, a.microbatch, stage + 1)
+            elif a.kind == BACKWARD and stage > 0:
+                steps[rank][tick]["send_prev"] = True
+                steps[(rank - 1) % pp].setdefault(tick, {})["recv_next"] = (
+                    BACKWARD, a.microbatch, stage - 1)
+    return tuple(tuple(Step(tick, **fields) for tick, fields in sorted(rank_steps.items()))
+                 for rank_steps in steps)
+
+
+def plan_for(per_rank: list[list[Action]], num_chunks: int, num_microbatches: int,
+             forward_only: bool) -> tuple:
+    """Check the lists and build the communication steps of every rank (cached: a schedule
+    returns the same lists every iteration)."""
+    return _checked_plan(tuple(tuple(a) for a in per_rank), num_chunks, num_microbatches,
+                         forward_only)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_plan(per_rank: tuple, num_chunks: int, num_microbatches: int,
+                  forward_only: bool) -> tuple:
+    if forward_only:
+        per_rank = tuple(tuple(forward_only_actions(actions)) for actions in per_rank)
+    if len(per_rank) == 1 and num_chunks > 1:
+        raise ConfigError("model chunks on a single pipeline stage need --pp > 1")
+    check_actions([list(a) for a in per_rank], num_chunks, num_microbatches, forward_only)
+    return communication_plan(per_rank, num_chunks)
+
+
+def execute_actions(per_rank: list[list[Action]], forward_step_func, data_iterator, model,
+                    num_microbatches: int, forward_only: bool, parallel, p2p,
+                    loss_scale: float = 1.0) -> list[dict]:
+    """Run this rank's list of ``per_rank`` (the lists of all pipeline ranks, as
+    ``schedule_actions`` returns them). Returns the loss reports of the last stage, in the order
+    its forwards ran; other ranks return an empty list."""
+    global last_trace
+    chunks = list(model)
+    iterators = data_iterator if isinstance(data_iterator, (list, tuple)) else [data_iterator]
+    if len(iterators) == 1 and len(chunks) > 1:
+        raise ConfigError("an interleaved schedule needs one data iterator per model chunk")
+    if parallel.pp_size > 1 and p2p is None:
+        raise ConfigError("a pipeline of more than one stage needs the run's P2P communicator")
+    plan = plan_for(per_rank, len(chunks), num_microbatches, forward_only)
+    runner = _Runner(chunks, iterators, forward_step_func, forward_only, parallel, p2p,
+                     loss_scale)
+    runner.prepare(plan[parallel.pp_rank])
+    for index, step in enumerate(plan[parallel.pp_rank]):
+        runner.step(index, step)
+    # Only after success: on an error the peers are stuck too and waiting would hide it.
+    runner.finish()
+    last_trace = runner.trace
+    return runner.reports
+
+
+class _Runner:
+    """The state of one rank while it walks its steps."""
+
+    def __init__(self, chunks, iterators, forward_step_func, forward_only, parallel, p2p,
+                 loss_scale):
+        self.chunks, self.iterators = chunks, iterators
+        self.forward_step_func, self.forward_only = forward_step_func, forward_only
+        self.pp, self.rank, self.p2p = parallel.pp_size, parallel.pp_rank, p2p
+        self.stages = self.pp * len(chunks)
+        self.loss_scale = loss_scale
+        self.reports: list[dict] = []
+        self.trace = ExecutionTrace()
+        self.stored: dict[tuple, tuple] = {}  # (mb, chunk) -> (input, output or its edge)
+        self.inbox: dict[tuple, tuple] = {}  # message key -> (tick, exchange, role)
+        self.unacknowledged: list[tuple] = []  # (tick, peer, exchange, role) of sends
+        self.output = None  # this step's result to send
+        self.last_backward: dict[int, int] = {}  # chunk -> microbatch of its last backward
+        self.steps: tuple = ()
+        self.receives_posted = 0  # steps whose receives are posted
+        # Receives may run ahead of the step pairing where a posted receive blocks nothing
+        # (gloo); under NCCL a batch is a stream-ordered group and must stay paired.
+        self.lookahead = RECEIVE_LOOKAHEAD if p2p is not None and p2p.receives_run_ahead else 0
+
+    def prepare(self, steps) -> None:
+        self.steps = steps
+        for step in steps:
+            if step.action is not None and step.action.kind == BACKWARD:
+                self.last_backward[step.action.chunk] = step.action.microbatch
+
+    def post_receives(self, until: int) -> None:
+        """Post the receives of steps up to ``until`` early, in step order: the data can then
+        arrive while this rank computes. Each (peer, direction) still receives in the order the
+        peer sends, so messages match."""
+        for step in self.steps[self.receives_posted:until]:
+            for role, key in (("recv_prev", step.recv_prev), ("recv_next", step.recv_next)):
+                if key is not None:
+                    exchange = self.p2p.exchange(**{role: True})
+                    self.inbox[key] = (step.tick, exchange, role)
+        self.receives_posted = max(self.receives_posted, until)
+
+    def step(self, index: int, step: Step) -> None:
+        if self.lookahead:
+            self.post_receives(min(index + self.lookahead, len(self.steps)))
+        if step.action is not None:
+            self.trace.actions.append(step.action)
+            if step.action.kind == FORWARD:
+                self.forward(step.action)
+            else:
+                self.backward(step.action)
+        if step.send_next or step.send_prev or step.recv_prev or step.recv_next:
+            self.communicate(step)
+
+    def receive(self, key: tuple) -> torch.Tensor:
+        tick, exchange, role = self.inbox.pop(key)
+        start = time.perf_counter()
+        exchange.wait(role)
+        self.trace.wait_seconds += time.perf_counter() - start
+        peer = self.p2p.prev_rank if role == "recv_prev" else self.p2p.next_rank
+        self.acknowledge(peer, tick)
+        return exchange.buffers.pop(role)
+
+    def acknowledge(self, peer: int, tick: int) -> None:
+        """``peer`` has posted its batches up to ``tick``: our sends to it until then finish."""
+        keep = []
+        for entry in self.unacknowledged:
+            if entry[1] == peer and entry[0] <= tick:
+                entry[2].wait(entry[3])
+            else:
+                keep.append(entry)
+        self.unacknowledged = keep
+
+    def forward(self, action: Action) -> None:
+        chunk = action.chunk
+        stage = virtual_stage(self.rank, chunk, self.pp)
+        input_tensor = None
+        if stage > 0:
+            input_tensor = self.receive((FORWARD, action.microbatch, stage))
+            input_tensor.requires_grad_(not self.forward_only)
+        is_last = stage == self.stages - 1
+        start = time.perf_counter()
+        output = schedule_utils.forward_step(self.forward_step_func, self.iterators[chunk],
+                                             self.chunks[chunk], input_tensor, is_last,
+                                             self.forward_only, self.reports)
+        self.trace.compute_seconds += time.perf_counter() - start
+        if not is_last:
+            self.output = output
+        if self.forward_only:
+            return
+        kept = output
+        if not is_last and output.requires_grad:
+            # Backward needs only the graph: keep its edge and let the activation go once sent.
+            kept = torch.autograd.graph.get_gradient_edge(output)
+        self.stored[(action.microbatch, chunk)] = (input_tensor, kept)
+        self.trace.peak_stored = max(self.trace.peak_stored, len(self.stored))
+
+    def backward(self, action: Action) -> None:
+        chunk = action.chunk
+        stage = virtual_stage(self.rank, chunk, self.pp)
+        input_tensor, output = self.stored.pop((action.microbatch, chunk))
+        output_grad = None
+        if stage < self.stages - 1:
+            output_grad = self.receive((BACKWARD, action.microbatch, stage))
+        start = time.perf_counter()
+        # Grad sync (e.g. overlapped data-parallel reduction) only on the chunk's last backward.
+        last = self.last_backward[chunk] == action.microbatch
+        with schedule_utils.sync_context(self.chunks[chunk], last):
+            if isinstance(output, torch.Tensor) and not output.requires_grad:
+                input_grad = None  # nothing in this chunk depends on trainable values
+            else:
+                input_grad = schedule_utils.backward_step(output, output_grad, input_tensor,
+                                                          self.loss_scale)
+        self.trace.compute_seconds += time.perf_counter() - start
+        if stage > 0:
+            self.output = input_grad if input_grad is not None else torch.zeros_like(
+                input_tensor)
+
+    def communicate(self, step: Step) -> None:
+        output, self.output = self.output, None
+        paired = not self.lookahead  # else the receives were posted ahead
+        exchange = self.p2p.exchange(send_next=output if step.send_next else None,
+                                     send_prev=output if step.send_prev else None,
+                                     recv_prev=paired and step.recv_prev is not None,
+                                     recv_next=paired and step.recv_next is not None)
+        if step.send_next:
+            self.unacknowledged.append((step.tick, self.p2p.next_rank, exchange, "send_next"))
+        if step.send_prev:
+            self.unacknowledged.append((step.tick, self.p2p.prev_rank, exchange, "send_prev"))
+        if paired and step.recv_prev:
+            self.inbox[step.recv_prev] = (step.tick, exchange, "recv_prev")
+        if paired and step.recv_next:
+            self.inbox[step.recv_next] = (step.tick, exchange, "recv_next")
+
+    def finish(self) -> None:
+        for _, _, exchange, role in self.unacknowledged:
+            exchange.wait(role)
+        self.unacknowledged = []
+        for _, exchange, role in self.inbox.values():
+            exchange.wait(role)
+        self.inbox = {}
+
+
+class ActionListSchedule:
+    """Base class of a schedule plugin that is just an order: subclass it, implement the
+    ``schedule_actions`` hook, and ``forward_backward`` executes exactly those lists."""
+
+    @hookimpl
+    def forward_backward(self, forward_step_func, data_iterator, model, num_microbatches,
+                         forward_only, parallel, config, p2p, loss_scale):
+        per_rank = actions_of_all_ranks(self.schedule_actions, parallel.pp_size, len(model),
+                                        num_microbatches, config)
+        return execute_actions(per_rank, forward_step_func, data_iterator, model,
+                               num_microbatches, forward_only, parallel, p2p, loss_scale)

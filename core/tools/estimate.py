@@ -1,0 +1,359 @@
+"""Memory per rank of a run, before it starts (``plugtron estimate``, train's header, the check
+that refuses a run which cannot fit).
+
+Nothing is launched and no weight is allocated: every distinct rank position (pipeline stage,
+tp rank, expert rank) builds its model chunks on the meta device with the model plugin's own
+``model_provider``, so parameter counts are those of the built model. Each chunk then says what
+one microbatch keeps for backward (``activation_bytes``, core/contracts/activations.py); the selected
+schedule's own action lists (core/pipeline/plan.py) say how many microbatch-chunks each stage
+holds at its peak. Optimizer plugins say how many fp32 values they keep per parameter
+(``state_per_param``, default 2: Adam's moments) and whether the distributed optimizer shards
+them (``shards_state``).
+
+Counted per rank: parameters (model dtype), gradient buffers (fp32 under
+``--accumulate-allreduce-grads-in-fp32`` with bf16/fp16, else the model dtype), optimizer state
+(plus an fp32 master copy under bf16/fp16), activations in flight, the rebuilt activations of a
+recomputed group, and a backward workspace (:data:`WORKSPACE_FRACTION`, measured on CPU,
+docs/performance.md). Not counted: the
+runtime itself (CUDA context, torch's own libraries), data loader buffers, communication buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from dataclasses import dataclass, field
+
+from plugtron.core.contracts.activations import (
+    ActivationShape,
+    ChunkActivations,
+    module_activation_bytes,
+)
+from plugtron.core.errors import ConfigError
+
+GIB = 2**30
+
+#: Backward's transient and the heap's slack: gradients of the activations of the microbatch
+#: being run backward, autograd's temporaries, and freed activation memory the allocator keeps
+#: resident (glibc on CPU), as a share of tp x the largest microbatch-chunk's activations (about
+#: the microbatch's activations before the tp split: the transient did not shrink with tp).
+#: Measured on CPU (tests/test_memory_estimate.py, default model, several runs): 0.44-0.56 at
+#: 1 rank and dp 2, 0.39-0.61 at tp 2. Not measured on GPUs.
+WORKSPACE_FRACTION = 0.5
+
+
+@dataclass
+class RankEstimate:
+    """Bytes on one rank position (every rank in ``ranks`` holds the same)."""
+
+    ranks: list
+    pp_rank: int
+    tp_rank: int
+    ep_rank: int
+    parameters: int  # count
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int  # replicated optimizer
+    optimizer_bytes_distributed: int  # state sharded over dp x cp
+    activations_per_microbatch: list  # bytes per chunk, one microbatch
+    in_flight: int  # microbatch-chunks held at the peak
+    activation_bytes: int  # held at the peak
+    recompute_bytes: int
+    workspace_bytes: int
+    distributed_optimizer: bool
+
+    @property
+    def optimizer_selected(self) -> int:
+        return self.optimizer_bytes_distributed if self.distributed_optimizer else \
+            self.optimizer_bytes
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_selected
+
+    @property
+    def total(self) -> int:
+        return (self.state_bytes + self.activation_bytes + self.recompute_bytes
+                + self.workspace_bytes)
+
+
+@dataclass
+class MemoryEstimate:
+    world_size: int
+    ranks: list = field(default_factory=list)  # RankEstimate per distinct position
+    schedule: str = ""
+    microbatches: int = 1
+    notes: list = field(default_factory=list)
+
+    @property
+    def peak(self) -> RankEstimate:
+        return max(self.ranks, key=lambda r: r.total)
+
+    def header_line(self) -> str:
+        return header_line(self)
+
+    def table(self) -> str:
+        return format_table(self)
+
+
+def _dtype_bytes(config) -> int:
+    return 2 if (config.training.bf16 or config.training.fp16) else 4
+
+
+def _dtype_name(config) -> str:
+    return "bf16" if config.training.bf16 else "fp16" if config.training.fp16 else "fp32"
+
+
+def _finalized(config, world_size: int):
+    """A copy with the plugins' sections and the padded vocabulary (which the dataset fixes in
+    a run: here the tokenizer it would use)."""
+    from plugtron.core.config import padded_vocab_size
+    from plugtron.core.plugins.options import with_plugin_sections
+
+    config = with_plugin_sections(copy.deepcopy(config))
+    m = config.model
+    if m.vocab_size is None:
+        from plugtron.core.plugins import registry
+        from plugtron.core.plugins.tokenizers import build_tokenizer
+
+        name = config.data.tokenizer_type or getattr(
+            registry.load("dataset", config.plugins.data), "default_tokenizer", None)
+        if name is None:
+            raise ConfigError(f"data {config.plugins.data!r} does not fix the vocabulary: "
+                              f"give --vocab-size or --tokenizer-type for the estimate")
+        m.vocab_size = build_tokenizer(name, config.data.tokenizer_model, None).vocab_size
+    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by,
+                                            config.parallel.tensor_model_parallel_size)
+    return config
+
+
+def _contexts(config, world_size: int) -> dict:
+    """One ParallelContext per distinct rank position, with the ranks that share it."""
+    from plugtron.core.parallel.context import ParallelContext
+
+    p = config.parallel
+    out: dict = {}
+    for rank in range(world_size):
+        ctx = ParallelContext.build(
+            world_size, rank, tp=p.tensor_model_parallel_size,
+            pp=p.pipeline_model_parallel_size, vp=p.virtual_pipeline_model_parallel_size,
+            cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+            etp=p.expert_tensor_parallel_size, create_groups=False)
+        key = (ctx.pp_rank, ctx.tp_rank, ctx.ep_rank, ctx.etp_rank)
+        out.setdefault(key, [ctx, []])[1].append(rank)
+    return out
+
+
+@contextlib.contextmanager
+def _no_random_init():
+    """torch's random initialisers on meta tensors go through its reference implementations,
+    whose first use imports the compiler (seconds); a meta tensor has no values to draw."""
+    import torch
+
+    names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+             "xavier_normal_", "trunc_normal_", "orthogonal_")
+    saved = {name: getattr(torch.nn.init, name) for name in names}
+    for name in names:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(torch.nn.init, name, function)
+
+
+def _meta_chunks(config, parallel, model) -> list:
+    """The rank's model chunks on the meta device (shapes, no storage)."""
+    import torch
+    from plugtron.core.plugins import registry
+
+    backend = registry.load("layer_backend", config.plugins.layer_backend)(config, parallel)
+    vp = config.parallel.virtual_pipeline_model_parallel_size
+    dtype = {2: torch.bfloat16 if config.training.bf16 else torch.float16}.get(
+        _dtype_bytes(config), torch.float32)
+    chunks = []
+    with torch.device("meta"), _no_random_init():
+        for stage in range(vp or 1):
+            chunk = model.model_provider(
+                config=config, pre_process=parallel.is_pipeline_first_stage(stage if vp else None)
+                and stage == 0, post_process=parallel.is_pipeline_last_stage()
+                and stage == (vp or 1) - 1, vp_stage=stage if vp else None,
+                layer_backend=backend, parallel=parallel)
+            chunks.append(chunk.to(dtype=dtype))
+    return chunks
+
+
+def activation_shape(config, cuda: bool) -> ActivationShape:
+    p, m = config.parallel, config.model
+    e = _dtype_bytes(config)
+    return ActivationShape(
+        micro_batch_size=config.training.micro_batch_size,
+        seq_length=m.seq_length // p.context_parallel_size, context_length=m.seq_length,
+        tp=p.tensor_model_parallel_size,
+        sequence_parallel=p.sequence_parallel and p.tensor_model_parallel_size > 1,
+        dtype_bytes=e, mask_bytes=1 if cuda else e, cuda=cuda, dtype=_dtype_name(config))
+
+
+def _chunk_activations(chunk, shape) -> tuple[ChunkActivations, bool]:
+    """What the chunk says, or (when it does not define ``activation_bytes``) the sum of its
+    layers that do, flagged as incomplete."""
+    own = getattr(chunk, "activation_bytes", None)
+    if callable(own):
+        value = own(shape)
+        return (value if isinstance(value, ChunkActivations) else ChunkActivations(int(value)),
+                True)
+    return ChunkActivations(module_activation_bytes(chunk, shape)), False
+
+
+def _held_peak(actions, chunk_bytes: list) -> tuple[int, int]:
+    """(peak bytes, microbatch-chunks held then) over one rank's schedule."""
+    held = peak = count = peak_count = 0
+    for action in actions:
+        sign = 1 if action.kind == "F" else -1
+        held += sign * chunk_bytes[action.chunk]
+        count += sign
+        if held > peak:
+            peak, peak_count = held, count
+    return peak, peak_count
+
+
+def _optimizer_plugin(config):
+    from plugtron.core.plugins import registry
+    from plugtron.core.plugins.manager import resolve_optimizer
+
+    return registry.load("optimizer", resolve_optimizer(config))
+
+
+def estimate_memory(config, world_size: int, cuda: bool | None = None) -> MemoryEstimate:
+    """The :class:`MemoryEstimate` of ``config`` on ``world_size`` ranks (``cuda``: default,
+    whether this machine has a GPU)."""
+    import torch
+    from plugtron.core.config import num_microbatches
+    from plugtron.core.pipeline.plan import actions_of_all_ranks
+    from plugtron.core.plugins import registry
+    from plugtron.core.plugins.manager import resolve_schedule
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    config = _finalized(config, world_size)
+    p = config.parallel
+    tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                  p.context_parallel_size)
+    dp = max(1, world_size // (tp * pp * cp))
+    microbatches = max(1, num_microbatches(config, dp))
+    model = registry.instantiate(registry.load("model", config.plugins.model))
+    schedule_name = resolve_schedule(config)
+    schedule = registry.instantiate(registry.load("schedule", schedule_name))
+    chunks_per_rank = p.virtual_pipeline_model_parallel_size or 1
+    actions = actions_of_all_ranks(schedule.schedule_actions, pp, chunks_per_rank,
+                                   microbatches, config)
+    optimizer_cls = _optimizer_plugin(config)
+    state_values = getattr(optimizer_cls, "state_per_param", 2)
+    distributed = bool(getattr(optimizer_cls, "shards_state", False))
+    e = _dtype_bytes(config)
+    mixed = e == 2
+    grad_e = 4 if (mixed and p.accumulate_allreduce_grads_in_fp32) else e
+    shape = activation_shape(config, cuda)
+    result = MemoryEstimate(world_size, schedule=schedule_name, microbatches=microbatches)
+    if not hasattr(optimizer_cls, "state_per_param"):
+        result.notes.append(f"optimizer {config.plugins.optimizer!r} does not declare "
+                            f"state_per_param: counted as 2 fp32 values per parameter (Adam)")
+    for (pp_rank, tp_rank, ep_rank, _), (ctx, ranks) in sorted(_contexts(config,
+                                                                         world_size).items()):
+        chunks = _meta_chunks(config, ctx, model)
+        numel = sum(param.numel() for chunk in chunks for param in chunk.parameters())
+        per_chunk, complete = zip(*(_chunk_activations(chunk, shape) for chunk in chunks))
+        if not all(complete) and not any("activation_bytes" in n for n in result.notes):
+            result.notes.append(f"model {config.plugins.model!r} defines no activation_bytes: "
+                                f"only its layers that do are counted")
+        stored = [c.stored for c in per_chunk]
+        held, in_flight = _held_peak(actions[pp_rank], stored)
+        optimizer = numel * (4 * state_values + (4 if mixed else 0))
+        result.ranks.append(RankEstimate(
+            ranks=ranks, pp_rank=pp_rank, tp_rank=tp_rank, ep_rank=ep_rank, parameters=numel,
+            param_bytes=numel * e, grad_bytes=numel * grad_e, optimizer_bytes=optimizer,
+            optimizer_bytes_distributed=-(-optimizer // (dp * cp)),
+            activations_per_microbatch=stored, in_flight=in_flight, activation_bytes=held,
+            recompute_bytes=max(c.recompute_peak for c in per_chunk),
+            workspace_bytes=int(WORKSPACE_FRACTION * tp * max(stored)),
+            distributed_optimizer=distributed))
+    return result
+
+
+# --------------------------------------------------------------------------- available memory
+
+
+def available_memory_per_rank(ranks_on_node: int, cuda: bool | None = None) -> float:
+    """CUDA: one device's memory. CPU: the host's memory shared by the node's ranks."""
+    import torch
+
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if cuda:
+        return float(torch.cuda.get_device_properties(0).total_memory)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return float(host) / max(1, ranks_on_node)
+
+
+def check_fits(estimate: MemoryEstimate, ranks_on_node: int, cuda: bool | None = None) -> None:
+    """ConfigError (exit 2) naming the numbers when the largest rank cannot fit."""
+    have = available_memory_per_rank(ranks_on_node, cuda)
+    worst = estimate.peak
+    if worst.total <= have:
+        return
+    where = "device" if (cuda if cuda is not None else _has_cuda()) else \
+        f"host memory / {ranks_on_node} ranks"
+    raise ConfigError(
+        f"this run needs about {worst.total / GIB:,.2f} GiB per rank at its largest (rank "
+        f"{worst.ranks[0]}: pp stage {worst.pp_rank}, tp rank {worst.tp_rank}): "
+        f"{worst.param_bytes / GIB:,.2f} GiB parameters, {worst.grad_bytes / GIB:,.2f} GiB "
+        f"gradients, {worst.optimizer_selected / GIB:,.2f} GiB optimizer state, "
+        f"{worst.activation_bytes / GIB:,.2f} GiB activations ({worst.in_flight} "
+        f"microbatch-chunks in flight), {(worst.recompute_bytes + worst.workspace_bytes) / GIB:,.2f}"
+        f" GiB recompute and backward workspace; a rank has {have / GIB:,.2f} GiB ({where}). "
+        f"Reduce --micro-batch-size, --seq-length, --hidden-size or --num-layers, use "
+        f"--recompute-granularity, --sequence-parallel, --use-distributed-optimizer or more "
+        f"tp/pp, or pass --no-memory-check to launch anyway (details: plugtron estimate)")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f}"
+
+
+def format_table(estimate: MemoryEstimate) -> str:
+    """The per-rank table ``plugtron estimate`` prints (MiB)."""
+    head = ("ranks", "pp", "tp", "ep", "params", "weights", "grads", "optim", "optim(dist)",
+            "act/mb", "in flight", "activations", "recompute+ws", "total")
+    rows = []
+    for r in estimate.ranks:
+        ranks = ",".join(map(str, r.ranks[:4])) + ("..." if len(r.ranks) > 4 else "")
+        rows.append((ranks, str(r.pp_rank), str(r.tp_rank), str(r.ep_rank),
+                     f"{r.parameters:,}", _mib(r.param_bytes), _mib(r.grad_bytes),
+                     _mib(r.optimizer_bytes), _mib(r.optimizer_bytes_distributed),
+                     "/".join(_mib(a) for a in r.activations_per_microbatch),
+                     str(r.in_flight), _mib(r.activation_bytes),
+                     _mib(r.recompute_bytes + r.workspace_bytes), _mib(r.total)))
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def header_line(estimate: MemoryEstimate) -> str:
+    """One line for train's console header: the largest rank's total and its parts."""
+    r = estimate.peak
+    return (f"memory estimate (rank {r.ranks[0]}, largest): {_mib(r.total)} MiB = weights "
+            f"{_mib(r.param_bytes)} + grads {_mib(r.grad_bytes)} + optimizer "
+            f"{_mib(r.optimizer_selected)} + activations {_mib(r.activation_bytes)} "
+            f"({r.in_flight} in flight) + recompute/workspace "
+            f"{_mib(r.recompute_bytes + r.workspace_bytes)}")

@@ -1,0 +1,409 @@
+"""One training run: pretrain -> train -> train_step (DESIGN section 4)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from plugtron.core import checkpoint
+from plugtron.core.checkpoint import dir_lock
+from plugtron.core.config import TrainConfig, num_microbatches, padded_vocab_size
+from plugtron.core.contracts.model_info import ModelInfo, metric_name
+from plugtron.core.errors import ConfigError
+from plugtron.core.monitoring import run_status
+from plugtron.core.monitoring.memory import step_memory_mb
+from plugtron.core.monitoring.metrics import MetricsLogger, Throughput
+from plugtron.core.monitoring.profiling import StepProfiler
+from plugtron.core.parallel import comm, shared_params
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.context_parallel import check_built_layers, local_microbatches
+from plugtron.core.parallel.ddp import DistributedDataParallel
+from plugtron.core.parallel.distributed import WorldInfo, init_distributed
+from plugtron.core.parallel.random import seed_everything
+from plugtron.core.pipeline.p2p import P2PCommunicator
+from plugtron.core.pipeline.plan import check_schedule
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.manager import build_plugin_manager, wants_sharded_gradients
+from plugtron.core.plugins.options import with_plugin_sections
+from plugtron.core.training import aux_losses, data, grads, preemption, step_info
+from plugtron.core.training.lr_schedule import LRScheduler
+from plugtron.core.training.optimizer import checked_optimizer
+from plugtron.core.training.validate import validate_plugins
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_samples: int = 0
+
+
+@dataclass
+class Run:
+    """Everything one rank built for a run."""
+
+    config: TrainConfig
+    world: WorldInfo
+    parallel: ParallelContext
+    pm: object
+    backend: object
+    model_chunks: list
+    optimizer: object
+    scheduler: LRScheduler
+    datasets: tuple
+    p2p: object = None
+    checkpointer: object = None  # core.checkpoint.Checkpointer, made on first use
+    state: TrainState = field(default_factory=TrainState)
+    info: ModelInfo = field(default_factory=ModelInfo)
+    #: The pipeline's agreed report keys of the training step (core.training.reduce_reports).
+    report_keys: dict = field(default_factory=dict)
+
+    @property
+    def num_microbatches(self) -> int:
+        return num_microbatches(self.config, self.parallel.dp_size)
+
+    def forward_step_func(self, data_iterator, model):
+        return self.pm.hook.forward_step(data_iterator=data_iterator, model=model)
+
+
+def build_parallel(config: TrainConfig, world: WorldInfo) -> ParallelContext:
+    p = config.parallel
+    return ParallelContext.build(
+        world.world_size, world.rank, tp=p.tensor_model_parallel_size,
+        pp=p.pipeline_model_parallel_size, vp=p.virtual_pipeline_model_parallel_size,
+        cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
+        etp=p.expert_tensor_parallel_size, device=world.device)
+
+
+def split_sizes(config: TrainConfig) -> tuple[int, int, int]:
+    t = config.training
+    return (t.train_iters * t.global_batch_size, t.eval_iters * t.global_batch_size,
+            t.eval_iters * t.global_batch_size)
+
+
+def finalize_model_config(config: TrainConfig, parallel: ParallelContext) -> None:
+    m = config.model
+    if m.vocab_size is None:
+        raise ConfigError(f"data {config.plugins.data!r} does not fix the vocabulary: give "
+                          f"--vocab-size")
+    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by,
+                                            parallel.tp_size)
+
+
+def model_dtype(config: TrainConfig) -> torch.dtype:
+    if config.training.bf16:
+        return torch.bfloat16
+    if config.training.fp16:
+        return torch.float16
+    return torch.float32
+
+
+def build_model_chunks(config, pm, backend, parallel, device) -> list:
+    vp = config.parallel.virtual_pipeline_model_parallel_size
+    sharded = wants_sharded_gradients(config, pm)
+    chunks = []
+    for stage in range(vp or 1):
+        pre = parallel.is_pipeline_first_stage() and stage == 0
+        post = parallel.is_pipeline_last_stage() and stage == (vp or 1) - 1
+        module = pm.hook.model_provider(config=config, pre_process=pre, post_process=post,
+                                        vp_stage=stage if vp else None, layer_backend=backend,
+                                        parallel=parallel)
+        module.to(device=device, dtype=model_dtype(config))
+        chunks.append(DistributedDataParallel(module, config, parallel, sharded=sharded))
+    shared_params.check_placement(chunks, parallel)
+    check_built_layers(chunks, parallel)
+    return chunks
+
+
+def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None) -> Run:
+    """Build everything one rank needs. ``world`` defaults to the torchrun/initialised world."""
+    world = world or init_distributed()
+    with_plugin_sections(config)  # a config built in Python may not carry them yet
+    validate_plugins(config, world.world_size)
+    parallel = build_parallel(config, world)
+    step_info.current.rank = world.rank
+    pm = build_plugin_manager(config, extra_plugins)
+    pm.hook.plugtron_configure.call_historic(kwargs={"config": config})
+    pm.hook.plugtron_process_groups_ready.call_historic(kwargs={"parallel": parallel})
+    # A schedule that cannot run this layout fails now, not at the first step.
+    check_schedule(pm.hook.schedule_actions, parallel.pp_size, parallel.vp_size or 1,
+                   num_microbatches(config, parallel.dp_size), config)
+    seed_everything(config.training.seed, parallel)
+
+    datasets = pm.hook.dataset_provider(config=config, split_sizes=split_sizes(config),
+                                        parallel=parallel)
+    finalize_model_config(config, parallel)
+    backend_cls = registry.load("layer_backend", config.plugins.layer_backend)
+    backend = backend_cls(config, parallel)
+
+    model_chunks = build_model_chunks(config, pm, backend, parallel, world.device)
+    pm.hook.plugtron_model_built(config=config, model_chunks=model_chunks, parallel=parallel)
+    optimizer = checked_optimizer(pm.hook.build_optimizer(
+        config=config, model_chunks=model_chunks, parallel=parallel), config)
+    scheduler = LRScheduler.from_config(optimizer, config)
+    p2p = None
+    if parallel.pp_size > 1:
+        p2p = P2PCommunicator.from_config(config, parallel, model_dtype(config), world.device)
+    info = pm.hook.model_info(config=config)
+    return Run(config, world, parallel, pm, backend, model_chunks, optimizer, scheduler,
+               tuple(datasets), p2p, info=info if isinstance(info, ModelInfo) else ModelInfo())
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def data_iterators(run: Run, dataset, consumed_samples: int, timers: list | None = None) -> list:
+    """One iterator per model chunk, all at the same position (interleaving draws each chunk's
+    microbatches in its own order). ``timers`` receives each chunk's ``TimedIterator`` (the
+    step's data time)."""
+    mbs = run.config.training.micro_batch_size
+    workers = run.config.data.num_workers
+    out = []
+    for _ in run.model_chunks:
+        timed = data.TimedIterator(data.microbatch_iterator(
+            dataset, mbs, run.parallel.dp_rank, run.parallel.dp_size, consumed_samples,
+            num_workers=workers))
+        if timers is not None:
+            timers.append(timed)
+        # ``recording``: each drawn microbatch sets the token weight of losses added inside the
+        # model (core/training/aux_losses.py). ``local_microbatches``: every cp rank of a dp rank draws
+        # the same samples and keeps its sequence chunks (core/parallel/context_parallel.py).
+        out.append(aux_losses.recording(local_microbatches(timed, run.parallel,
+                                                           run.config.model.seq_length)))
+    return out
+
+
+def _report_pair(value) -> torch.Tensor:
+    """A report value as ``[sum, count]``: a 2-element tensor or a pair; a lone number counts
+    once (a plain mean over microbatches)."""
+    if isinstance(value, (list, tuple)):
+        value = torch.stack([torch.as_tensor(v, dtype=torch.float64).reshape(()) for v in value])
+    value = torch.as_tensor(value).detach().to("cpu", torch.float64).reshape(-1)
+    if value.numel() == 1:
+        return torch.stack([value[0], torch.ones((), dtype=torch.float64)])
+    if value.numel() != 2:
+        raise ConfigError(f"a loss report value must be a scalar or [sum, count], got "
+                          f"{value.numel()} numbers")
+    return value
+
+
+def _agreed_keys(local: list[tuple], parallel: ParallelContext) -> list[tuple]:
+    """The union of ``(kind, key)`` over the pipeline: every stage takes part in the reduction,
+    but only the last stage has the loss reports and each stage its own added losses."""
+    if parallel.pp_size == 1:
+        return list(local)
+    gathered = [None] * parallel.pp_size
+    torch.distributed.all_gather_object(gathered, list(local), group=parallel.pp_group)
+    return sorted({tuple(k) for keys in gathered for k in keys})
+
+
+def _reduced_totals(keys, reports, added, parallel, changed: bool) -> torch.Tensor:
+    """``[sum, count]`` rows of ``keys`` and a last row ``[changed flag, token count]``, summed
+    over data-parallel ranks and the pipeline."""
+    totals = torch.zeros(len(keys) + 1, 2, dtype=torch.float64)
+    for report in reports:
+        for i, (kind, key) in enumerate(keys):
+            if kind == "report" and key in report:
+                totals[i] += _report_pair(report[key])
+        totals[-1, 1] += float(report["num_tokens"])
+    for i, (kind, key) in enumerate(keys):
+        if kind == "added" and key in added:
+            totals[i, 0] += float(added[key])
+    totals[-1, 0] = float(changed)
+    comm.all_reduce(totals, parallel.dp_cp_group)
+    comm.all_reduce(totals, parallel.pp_group)
+    return totals
+
+
+def reduce_reports(reports: list[dict], parallel: ParallelContext,
+                   added: dict | None = None, cache: dict | None = None) -> dict[str, float]:
+    """Token-weighted means of every ``[sum, count]`` report key over microbatches, data-parallel
+    ranks and (from the last stage) the whole pipeline; losses added inside the model
+    (``added``: ``{name: sum of n_m x value}`` on this rank) are divided by the global token
+    count.
+
+    ``cache`` (a dict kept by the caller between steps): the pipeline's agreed key list is
+    gathered once (an ``all_gather_object``, pickling, two collectives) and reused; a rank whose
+    own key set changed raises a flag in the reduction itself, and then every rank agrees
+    again and reduces again, so the collectives stay in step without a gather per step."""
+    added = added or {}
+    local = sorted(set([("report", k) for r in reports for k in r if k != "num_tokens"]
+                       + [("added", k) for k in added]))
+    if cache is not None and "keys" in cache:
+        keys = cache["keys"]
+        totals = _reduced_totals(keys, reports, added, parallel, local != cache["local"])
+        if totals[-1, 0] == 0:
+            return _means(keys, totals)
+    keys = _agreed_keys(local, parallel)
+    if cache is not None:
+        cache.update(keys=keys, local=local)
+    return _means(keys, _reduced_totals(keys, reports, added, parallel, False))
+
+
+def _means(keys, totals) -> dict[str, float]:
+    tokens = totals[-1, 1].clamp(min=1)
+    out = {}
+    for i, (kind, key) in enumerate(keys):
+        count = tokens if kind == "added" else totals[i, 1].clamp(min=1)
+        out[key] = (totals[i, 0] / count).item()
+    return out
+
+
+def loss_metrics(losses: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """Report keys as metrics-file keys (``"lm loss"`` -> ``"lm_loss"``)."""
+    return {prefix + metric_name(k): v for k, v in losses.items()}
+
+
+def run_schedule(run: Run, iterators, forward_only: bool) -> list[dict]:
+    chunks_iter = iterators if len(iterators) > 1 else iterators[0]
+    aux_losses.set_loss_scale(run.optimizer.loss_scale())
+    return run.pm.hook.forward_backward(
+        forward_step_func=run.forward_step_func, data_iterator=chunks_iter,
+        model=run.model_chunks, num_microbatches=run.num_microbatches,
+        seq_length=run.config.model.seq_length,
+        micro_batch_size=run.config.training.micro_batch_size, forward_only=forward_only,
+        parallel=run.parallel, config=run.config, p2p=run.p2p,
+        loss_scale=run.optimizer.loss_scale())
+
+
+def train_step(run: Run, iterators) -> tuple[dict, object]:
+    run.optimizer.zero_grad()
+    for chunk in run.model_chunks:  # after the optimizer: it may point .grad into the buffers
+        chunk.zero_grad_buffer()
+    aux_losses.take()  # nothing left over from an evaluation or a failed step
+    reports = run_schedule(run, iterators, forward_only=False)
+    added = aux_losses.take()
+    num_tokens = torch.zeros((), dtype=torch.float32)
+    for report in reports:
+        num_tokens += report["num_tokens"].float().cpu()
+    grads.finalize_model_grads(run.model_chunks, run.parallel, num_tokens)
+    result = run.optimizer.step()
+    return reduce_reports(reports, run.parallel, added, run.report_keys), result
+
+
+def evaluate_all(run: Run) -> dict[str, float] | None:
+    """Every report key (and added loss) over ``--eval-iters`` validation batches; ``None``
+    without a validation split."""
+    valid = run.datasets[1] if len(run.datasets) > 1 else None
+    if valid is None or run.config.training.eval_iters == 0:
+        return None
+    for chunk in run.model_chunks:
+        chunk.eval()
+    reports = []
+    aux_losses.take()
+    iterators = data_iterators(run, valid, 0)
+    try:
+        for _ in range(run.config.training.eval_iters):
+            reports += run_schedule(run, iterators, forward_only=True)
+    except StopIteration:
+        pass  # a validation split smaller than eval_iters batches: use what there is
+    finally:
+        for chunk in run.model_chunks:
+            chunk.train()
+    return reduce_reports(reports, run.parallel, aux_losses.take())
+
+
+def evaluate(run: Run) -> float | None:
+    """The validation value of the model's main loss."""
+    losses = evaluate_all(run)
+    return None if losses is None else losses.get(run.info.main_loss)
+
+
+def train(run: Run, metrics: MetricsLogger) -> dict:
+    config, state = run.config, run.state
+    t = config.training
+    tokens_per_iter = t.global_batch_size * config.model.seq_length
+    timers: list = []
+    iterators = data_iterators(run, run.datasets[0], state.consumed_samples, timers)
+    run.pm.hook.plugtron_train_start(config=config, state=state)
+    throughput = Throughput()
+    profiler = StepProfiler(config, run.world.rank)
+    losses = {}
+    start = time.perf_counter()
+    while state.iteration < t.train_iters:
+        iteration = state.iteration + 1
+        step_info.current.iteration = iteration
+        run_status.set_phase(f"step {iteration}")
+        lr = run.scheduler.prepare(iteration)
+        profiler.before_step(iteration)
+        step_start = time.perf_counter()
+        try:
+            losses, result = train_step(run, iterators)
+        except StopIteration:
+            raise ConfigError(f"the training data ran out at iteration {iteration}; the dataset "
+                              f"is smaller than --train-iters x --global-batch-size") from None
+        step_time = time.perf_counter() - step_start
+        profiler.after_step(iteration)
+        state.iteration = iteration
+        state.consumed_samples += t.global_batch_size
+        record = {"iteration": iteration, **loss_metrics(losses),
+                  "grad_norm": result.grad_norm, "lr": lr,
+                  "tokens_per_sec": throughput.add(tokens_per_iter), "step_time_s": step_time,
+                  "data_time_s": sum(timer.take_wait() for timer in timers),
+                  "consumed_samples": state.consumed_samples, "skipped": not result.stepped,
+                  "memory_mb": step_memory_mb(run.world.device)}
+        if result.num_zeros is not None:
+            record["num_zeros"] = result.num_zeros
+        if hasattr(run.optimizer, "current_loss_scale"):
+            record["loss_scale"] = run.optimizer.current_loss_scale()
+        metrics.train_step(record)
+        run.pm.hook.plugtron_step_end(iteration=iteration, metrics=record)
+        if t.eval_interval and iteration % t.eval_interval == 0:
+            run_evaluation(run, metrics, iteration)
+        after_step(run, iteration)
+        if preemption.check(run, iteration):  # a signal or exit limit: stop cleanly, save
+            break
+    profiler.finish()
+    for chunk in run.model_chunks:  # whoever reads parameters next gets the gathered ones
+        chunk.finish_param_sync()
+    checkpoint.at_train_end(run)
+    elapsed = time.perf_counter() - start
+    main = run.info.main_loss
+    return {"summary": True, "iterations": state.iteration, "main_loss": metric_name(main),
+            "final_loss": losses.get(main), f"final_{metric_name(main)}": losses.get(main),
+            "tokens_per_sec": throughput.tokens / max(elapsed, 1e-9), "time_s": elapsed,
+            "consumed_samples": state.consumed_samples}
+
+
+def run_evaluation(run: Run, metrics: MetricsLogger, iteration: int) -> None:
+    losses = evaluate_all(run)
+    if losses is not None:
+        record = {"iteration": iteration, **loss_metrics(losses, "valid_")}
+        metrics.evaluation(record)
+        run.pm.hook.plugtron_evaluation_end(iteration=iteration, metrics=record)
+
+
+def after_step(run: Run, iteration: int) -> None:
+    """Per-iteration work after the step (checkpoints hook in here)."""
+    checkpoint.after_step(run, iteration)
+
+
+def pretrain(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None) -> dict:
+    """Build everything for this rank and train; returns the summary record."""
+    run = setup(config, extra_plugins, world)
+    # The save directory is this run's from here to the end, whichever entry point started it.
+    locked = dir_lock.hold_for_run(config.checkpoint.save, run.world.rank, run.world.world_size,
+                                   run.world.device)
+    try:
+        checkpoint.load_if_requested(run)
+        return _train_and_report(run)
+    finally:
+        if locked:
+            dir_lock.release(config.checkpoint.save)
+
+
+def _train_and_report(run: Run) -> dict:
+    config = run.config
+    metrics = MetricsLogger(config, run.world.rank, run.state.iteration,
+                            main_loss=metric_name(run.info.main_loss))
+    try:
+        summary = train(run, metrics)
+        t = config.training
+        if t.eval_interval and run.state.iteration % t.eval_interval != 0:
+            run_evaluation(run, metrics, run.state.iteration)
+        metrics.summary(summary)
+        run.pm.hook.plugtron_train_end(config=config, state=run.state, summary=summary)
+        return summary
+    finally:
+        checkpoint.close(run)
+        metrics.close()

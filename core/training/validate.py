@@ -1,0 +1,181 @@
+"""Checks on a whole configuration, run before any rank is launched where possible.
+
+Each failure names the values and the rule, so the user can fix the command line.
+"""
+
+from __future__ import annotations
+
+from plugtron.core.config import TrainConfig
+from plugtron.core.errors import ConfigError
+from plugtron.core.pipeline.layout import chunk_layers
+
+
+def _positive(name: str, value) -> None:
+    if value is not None and value < 1:
+        raise ConfigError(f"{name} must be at least 1, got {value}")
+
+
+def validate(config: TrainConfig, world_size: int) -> None:
+    from plugtron.core.parallel.context import validate_sizes
+
+    m, p, t = config.model, config.parallel, config.training
+    for name, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+                        ("--seq-length", m.seq_length), ("--micro-batch-size", t.micro_batch_size),
+                        ("--global-batch-size", t.global_batch_size),
+                        ("--train-iters", t.train_iters), ("--ddp-bucket-size", p.ddp_bucket_size)):
+        _positive(name, value)
+    tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
+                  p.context_parallel_size)
+    _refuse_unbuilt(config)
+    validate_sizes(world_size, tp, pp, cp, p.expert_model_parallel_size,
+                   p.expert_tensor_parallel_size, p.virtual_pipeline_model_parallel_size)
+    dp = world_size // (tp * pp * cp)
+    validate_tensor_parallel(config, tp)
+    if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
+        raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is smaller "
+                          f"than --seq-length {m.seq_length}")
+    for name, value in (("--hidden-dropout", m.hidden_dropout),
+                        ("--attention-dropout", m.attention_dropout),
+                        ("--label-smoothing", m.label_smoothing)):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {value}")
+
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise ConfigError(f"--global-batch-size {t.global_batch_size} must be a multiple of "
+                          f"--micro-batch-size {t.micro_batch_size} x data-parallel size {dp} "
+                          f"= {t.micro_batch_size * dp}")
+    if t.bf16 and t.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive; choose one")
+    _check_data_parallel(config)
+    if t.lr < 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({t.lr})")
+    if t.eval_interval < 0 or t.eval_iters < 0:
+        raise ConfigError("--eval-interval and --eval-iters must be >= 0")
+    if config.data.num_workers < 0:
+        raise ConfigError(f"--num-workers must be >= 0 (0: load in the main thread), got "
+                          f"{config.data.num_workers}")
+
+    vp = p.virtual_pipeline_model_parallel_size
+    if not _model_places_layers(config):
+        for rank in range(pp):
+            for stage in range(vp or 1):
+                chunk_layers(m.num_layers, pp, rank, vp, stage if vp else None,
+                             p.decoder_first_pipeline_num_layers,
+                             p.decoder_last_pipeline_num_layers)
+    check_pipeline_schedule(config, dp)
+    if config.checkpoint.save_interval is not None and not config.checkpoint.save:
+        raise ConfigError("--save-interval needs --save DIR")
+    from plugtron.core.monitoring.profiling import validate_profile
+    from plugtron.core.training.recompute import validate_recompute
+
+    validate_profile(config)
+    validate_recompute(config)
+    validate_plugins(config, world_size)
+
+
+def validate_tensor_parallel(config: TrainConfig, tp: int | None = None) -> None:
+    """What the core itself splits over tp: the padded vocabulary (vocab-parallel embedding and
+    cross entropy) and, under sequence parallelism, the sequence. The model's own sizes (heads,
+    groups, ffn, ...) are the model plugin's to check (``plugtron_validate``). Also run by the
+    layer backend, so in-process runs fail here before any layer is built."""
+    m, p = config.model, config.parallel
+    tp = p.tensor_model_parallel_size if tp is None else tp
+    cp = p.context_parallel_size
+    if m.make_vocab_size_divisible_by < 1:
+        raise ConfigError(f"--make-vocab-size-divisible-by must be at least 1, got "
+                          f"{m.make_vocab_size_divisible_by}")
+    if m.vocab_size is not None and m.vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be at least 1, got {m.vocab_size}")
+    for kind in ("bos", "eos", "pad"):
+        token = getattr(m, f"{kind}_token_id", None)
+        if token is not None and not (0 <= token < (m.vocab_size or token + 1)):
+            raise ConfigError(f"--{kind}-token-id {token} is not a token id of the vocabulary "
+                              f"(0 to --vocab-size - 1 = {(m.vocab_size or 1) - 1})")
+    if m.padded_vocab_size is not None and m.padded_vocab_size % tp:
+        raise ConfigError(f"the padded vocabulary {m.padded_vocab_size} is not divisible by "
+                          f"--tp {tp} (it is padded to a multiple of "
+                          f"--make-vocab-size-divisible-by x tp)")
+    if p.sequence_parallel and tp > 1 and m.seq_length % (tp * cp):
+        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tp {tp} x --cp "
+                          f"{cp} = {tp * cp}, which --sequence-parallel needs (each tp rank "
+                          f"holds an equal slice of the sequence)")
+
+
+#: Parallel dimensions whose flags exist (Megatron's names) but whose machinery is not built
+#: yet: refused rather than accepted and ignored.
+NOT_YET_SUPPORTED: tuple = ()
+
+
+def _refuse_unbuilt(config: TrainConfig) -> None:
+    for name, flag in NOT_YET_SUPPORTED:
+        value = getattr(config.parallel, name)
+        if value is not None and value != 1:
+            raise ConfigError(f"{flag} {value}: not supported yet (only 1); plugtron does not "
+                              f"accept a flag that would change nothing")
+
+
+def _model_places_layers(config: TrainConfig) -> bool:
+    """Whether the selected model splits its layers over stages itself (``ModelInfo``)."""
+    from plugtron.core.contracts.model_info import model_info_for
+
+    return model_info_for(config).places_layers
+
+
+def validate_plugins(config: TrainConfig, world_size: int, plugins=None) -> None:
+    """Every plugin's own checks (``plugtron_validate``) on the whole config."""
+    from plugtron.core.plugins.objects import call_declared, run_plugin_objects
+
+    plugins = run_plugin_objects(config, strict_drivers=True) if plugins is None else plugins
+    _check_context_parallel(config, plugins)
+    for plugin in plugins:
+        call_declared(plugin, "plugtron_validate", config=config, world_size=world_size)
+
+
+def _check_context_parallel(config: TrainConfig, plugins) -> None:
+    """With --cp > 1: sizes and comm type, and the selected model and layer backend declare cp
+    support (core/parallel/context_parallel.py); the model checks its own layer types."""
+    from plugtron.core.parallel.context_parallel import check_support
+
+    roles = {p.role: p.obj for p in plugins}
+    check_support(config, model=roles.get("model"), layer_backend=roles.get("layer_backend"))
+
+
+def _check_data_parallel(config: TrainConfig) -> None:
+    """Distributed-optimizer and fp16 loss-scaler settings (docs/data_parallel.md)."""
+    from plugtron.core.errors import PluginError
+
+    p, t = config.parallel, config.training
+    if p.overlap_param_gather:
+        from plugtron.core.plugins.manager import wants_sharded_gradients
+
+        try:
+            sharded = wants_sharded_gradients(config)
+        except PluginError:
+            sharded = True  # an unknown optimizer is reported by the plugin check
+        if not sharded:
+            raise ConfigError("--overlap-param-gather needs a sharding optimizer: add "
+                              "--use-distributed-optimizer (or --optimizer distributed-adam)")
+    if t.fp16:
+        if t.initial_loss_scale <= 0 or t.min_loss_scale <= 0:
+            raise ConfigError(f"--initial-loss-scale ({t.initial_loss_scale}) and "
+                              f"--min-loss-scale ({t.min_loss_scale}) must be positive")
+        if t.loss_scale_window < 1 or t.hysteresis < 1:
+            raise ConfigError(f"--loss-scale-window ({t.loss_scale_window}) and --hysteresis "
+                              f"({t.hysteresis}) must be at least 1")
+
+
+def check_pipeline_schedule(config: TrainConfig, dp: int) -> None:
+    """The selected schedule must support the layout and the number of microbatches (e.g.
+    interleaving's group-size rules); its lists must finish. Nothing is launched."""
+    from plugtron.core.pipeline.plan import check_schedule
+    from plugtron.core.plugins import registry
+    from plugtron.core.plugins.manager import resolve_schedule
+
+    p, t = config.parallel, config.training
+    name = resolve_schedule(config)
+    schedule = registry.instantiate(registry.load("schedule", name))
+    if p.microbatch_group_size_per_vp_stage is not None:
+        _positive("--microbatch-group-size-per-vp-stage", p.microbatch_group_size_per_vp_stage)
+    check_schedule(schedule.schedule_actions, p.pipeline_model_parallel_size,
+                   p.virtual_pipeline_model_parallel_size or 1,
+                   t.global_batch_size // (t.micro_batch_size * dp), config)
