@@ -28,7 +28,7 @@ import tempfile
 CHILD = r"""
 import json, sys
 import torch
-from plugtron.core.checkpoint import hf, hf_export
+from plugtron.core.interchange import converters, hf_export
 from plugtron.core.checkpoint.reader import CheckpointReader
 from plugtron.core.plugins.options import config_from_dict
 from safetensors.torch import save_file
@@ -53,16 +53,16 @@ def sample():
 threading.Thread(target=sample, daemon=True).start()
 mode, ckpt, out = sys.argv[1:4]
 if mode == "streamed":
-    hf.export_hf(ckpt, out)
+    hf_export.export_hf(ckpt, out)
 elif mode == "reference":
     reader = CheckpointReader(ckpt)
     config = config_from_dict(reader.config)
-    conv = hf.converter_for_config(config)
+    conv = converters.converter_for_config(config)
     tensors = {}
     for name in reader.names("model/"):
         t = reader.read_full(f"model/{name}")
         tensors[name] = t[:config.model.vocab_size] if name in conv.vocab_tensors else t
-    _, out_t = hf.run_export(conv, config, tensors)
+    _, out_t = converters.run_export(conv, config, tensors)
     save_file({k: v.clone(memory_format=torch.contiguous_format) for k, v in out_t.items()},
               out + ".safetensors")
 print(json.dumps({"extra_kb": status("VmHWM") - start, "anon_kb": peak_anon[0] - anon_start}))

@@ -33,7 +33,7 @@ CHILD = r"""
 import json, sys, threading, time
 import torch
 from plugtron.core.checkpoint import megatron, writer
-from plugtron.core.interchange.hf import converter_for_config
+from plugtron.core.interchange.converters import converter_for_config
 from plugtron.core.interchange.torch_dist import read_torch_dist, write_torch_dist
 from plugtron.core.config import padded_vocab_size
 

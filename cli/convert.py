@@ -72,7 +72,7 @@ def export_hf(checkpoint, out_dir, dtype, max_shard_size):
     """Write the model of CHECKPOINT (any layout; a directory of them: the newest) as a Hugging
     Face directory OUT_DIR: config.json and generation_config.json (with bos/eos/pad ids),
     the tokenizer files when the checkpoint names a tokenizer, safetensors shards."""
-    from plugtron.core.interchange.hf import export_hf as run_export
+    from plugtron.core.interchange.hf_export import export_hf as run_export
 
     click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype), max_shard_size)}")
 

@@ -16,8 +16,8 @@ from plugtron.core.pipeline.plan import (
     simulate,
 )
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.manager import resolve_schedule
 from plugtron.core.plugins.options import with_plugin_sections
+from plugtron.core.plugins.selection import resolve_schedule
 
 from .errors import user_errors
 

@@ -9,7 +9,7 @@ import click
 from plugtron.core.errors import ConfigError
 from plugtron.core.parallel.distributed import launched_externally
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.manager import selected_drivers
+from plugtron.core.plugins.selection import selected_drivers
 from plugtron.core.training.validate import validate
 
 from .errors import user_errors

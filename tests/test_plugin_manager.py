@@ -6,13 +6,8 @@ from __future__ import annotations
 import pytest
 from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.errors import ConfigError, PluginError
-from plugtron.core.plugins.manager import (
-    AUTOLOAD_ENV,
-    build_plugin_manager,
-    new_plugin_manager,
-    resolve_schedule,
-    verify_contracts,
-)
+from plugtron.core.plugins.manager import build_plugin_manager, new_plugin_manager, verify_contracts
+from plugtron.core.plugins.selection import AUTOLOAD_ENV, resolve_schedule
 
 from .fake_plugins import install_fake_distribution, remove_path
 from .utils import tiny_config

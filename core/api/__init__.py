@@ -85,8 +85,8 @@ from plugtron.core.pipeline.plan import Action
 from plugtron.core.pipeline.steps import backward_step as schedule_backward_step
 from plugtron.core.pipeline.steps import forward_step as schedule_forward_step
 from plugtron.core.pipeline.steps import sync_context
-from plugtron.core.plugins.manager import selected_drivers
 from plugtron.core.plugins.registry import load as load_plugin
+from plugtron.core.plugins.selection import selected_drivers
 from plugtron.core.plugins.tokenizers import build_tokenizer, tokenizer_for
 from plugtron.core.tools.estimate import estimate_memory
 from plugtron.core.tools.generation import InferenceState, generate

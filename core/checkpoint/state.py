@@ -144,7 +144,7 @@ def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot
 
 def layout_of(run) -> dict:
     p = run.parallel
-    from plugtron.core.plugins.manager import resolve_optimizer, resolve_schedule
+    from plugtron.core.plugins.selection import resolve_optimizer, resolve_schedule
 
     return {"world_size": p.world_size, "tp": p.tp_size, "pp": p.pp_size, "vp": p.vp_size,
             "cp": p.cp_size, "ep": p.ep_size, "etp": p.etp_size, "dp": p.dp_size,
@@ -181,7 +181,7 @@ def rng_source_rank(saved: dict, manifests: dict[int, dict], run) -> int | None:
 def plugin_versions(config) -> dict:
     """The plugins the run selected, each with its distribution and version."""
     from plugtron.core.plugins import registry
-    from plugtron.core.plugins.manager import selected_drivers
+    from plugtron.core.plugins.selection import selected_drivers
 
     chosen = dict(selected_drivers(config))
     chosen["layer_backend"] = config.plugins.layer_backend

@@ -8,11 +8,9 @@ never imports a model). A converter implements :class:`Converter`.
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import sys
-from typing import Protocol
 
 import torch
 from plugtron.core.checkpoint import state, writer
@@ -22,60 +20,17 @@ from plugtron.core.checkpoint.st_header import read_header
 from plugtron.core.config import TrainConfig, padded_vocab_size
 from plugtron.core.errors import CheckpointError, ConfigError
 from plugtron.core.interchange import hf_strict
+from plugtron.core.interchange.converters import converter_for_hf
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.options import config_from_flags
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 
-class Converter(Protocol):
-    """Model-specific mapping between Hugging Face tensors and plugtron's global tensors.
-
-    Tensors on the plugtron side are full (unsharded), named as the model's parameters are
-    (``decoder.layers.0.self_attention.linear_qkv.weight``), and vocabulary-sized tensors have
-    exactly ``vocab_size`` rows (the core adds and removes tp padding).
-    """
-
-    #: plugtron names whose first dimension is the vocabulary.
-    vocab_tensors: tuple[str, ...]
-
-    def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
-        """-> (plugtron settings as ``{flag name: value}``, ``{plugtron name: tensor}``).
-        Raise ``ConfigError`` for a model this converter cannot represent.
-
-        ``tensors`` is a read-only mapping that counts each ``tensors[name]``: the core then
-        requires every tensor of the files read exactly once and checks every shape
-        (hf_strict.py), so read through it (``in`` is free) rather than copying it."""
-
-    def export_hf(self, model_config, tensors: dict) -> tuple[dict, dict]:
-        """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``). A converter whose
-        ``export_hf`` also takes ``config`` gets the whole ``TrainConfig`` there (its model's
-        own option sections included, e.g. ``config.hybrid``)."""
-
-    # Optional: ``ignored_hf_tensors``, regular expressions of file tensors that carry no
-    # weights (GPT-2's causal-mask buffers), accepted unread by the strict import.
-    #
-    # Optional, for converters that another plugin ships for a model it extends (plugtron-moe's
-    # Mixtral for the ``gpt`` model):
-    #
-    # * ``model_types: tuple[str, ...]``: the HF ``model_type``\ s it reads; ``import_hf``
-    #   prefers it over the ``--model`` plugin's converter for those;
-    # * ``model: str``: the model plugin the imported checkpoint runs with (default: the
-    #   converter's entry-point name);
-    # * ``handles(config) -> bool`` (classmethod): ``export_hf`` uses it for a run config it
-    #   claims;
-    # * ``export_hf_from(config, tensors)``: like ``export_hf`` with the whole run config
-    #   (plugin sections included), preferred when present.
-
-
 def _plugin_info(role: str, name: str) -> dict:
     info = next((i for i in registry.available(role) if i.name == name), None)
     return {"name": name, "distribution": info.distribution if info else None,
             "version": info.version if info else None}
-
-
-def load_converter(model: str) -> Converter:
-    return registry.instantiate(registry.load("converter", model))
 
 
 def _hf_json(path: str, name: str):
@@ -89,34 +44,6 @@ def _hf_json(path: str, name: str):
     if not isinstance(data, dict):
         raise CheckpointError(f"{file} must hold a JSON object")
     return data
-
-
-def _installed_converters() -> list:
-    out = []
-    for info in registry.available("converter"):
-        try:
-            out.append(registry.load("converter", info.name))
-        except Exception:  # noqa: BLE001 - a broken converter must not break the others
-            continue
-    return out
-
-
-def converter_for_hf(model: str, hf_config: dict) -> Converter:
-    """An installed converter that declares this HF ``model_type``, else ``model``'s."""
-    kind = hf_config.get("model_type")
-    for cls in _installed_converters():
-        if kind in getattr(cls, "model_types", ()):
-            return registry.instantiate(cls)
-    return load_converter(model)
-
-
-def converter_for_config(config: TrainConfig) -> Converter:
-    """An installed converter that claims this run config (``handles``), else its model's."""
-    for cls in _installed_converters():
-        handles = getattr(cls, "handles", None)
-        if callable(handles) and handles(config):
-            return registry.instantiate(cls)
-    return load_converter(config.plugins.model)
 
 
 def read_hf_dir(path: str) -> tuple[dict, dict]:
@@ -217,7 +144,7 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     exported = hf_strict.exported_shapes(converter, config, expected,
                                          next(iter(hf_tensors.values())).dtype)
     if exported is not None:
-        hf_strict.check_source_shapes(source, exported, hf_dir)
+        hf_strict.check_source_shapes(source, exported, config.model.vocab_size, hf_dir)
     hf_strict.check_model_shapes(tensors, expected, hf_dir)
     entries = []
     for name, tensor in sorted(tensors.items()):
@@ -240,20 +167,3 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     metadata["plugins"] = {role: metadata["plugins"].get(role) or _plugin_info("converter", name)
                            for role, name in chosen.items()}
     return writer.write_single(out_dir, entries, metadata), config
-
-
-def run_export(converter, config: TrainConfig, tensors: dict) -> tuple[dict, dict]:
-    """The converter's export, called the way it declares (see :class:`Converter`)."""
-    if hasattr(converter, "export_hf_from"):
-        return converter.export_hf_from(config, tensors)
-    if "config" in inspect.signature(converter.export_hf).parameters:
-        return converter.export_hf(config.model, tensors, config=config)
-    return converter.export_hf(config.model, tensors)
-
-
-def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None,
-              max_shard_size=None) -> str:
-    """Write the model of checkpoint ``path`` as a Hugging Face directory (hf_export.py)."""
-    from plugtron.core.interchange.hf_export import export_hf as run
-
-    return run(path, out_dir, dtype, max_shard_size)

@@ -25,7 +25,7 @@ import torch
 from plugtron.core.checkpoint.loader import malformed
 from plugtron.core.checkpoint.reader import CheckpointReader
 from plugtron.core.errors import ConfigError
-from plugtron.core.interchange.hf import converter_for_config, run_export
+from plugtron.core.interchange.converters import converter_for_config, run_export
 from plugtron.core.interchange.hf_write import DEFAULT_MAX_SHARD_SIZE, parse_size, write_weights
 from plugtron.core.plugins.options import config_from_dict
 

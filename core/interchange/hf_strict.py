@@ -28,6 +28,7 @@ from collections.abc import Mapping
 
 import torch
 from plugtron.core.errors import CheckpointError, ConfigError
+from plugtron.core.interchange.converters import run_export
 
 #: How many names an error lists before summing up the rest.
 SHOWN = 8
@@ -124,7 +125,8 @@ def expected_shapes(config, vocab_tensors, flags: dict, where: str) -> dict[str,
     return shapes
 
 
-def check_source_shapes(source: SourceTensors, exported: dict, where: str) -> None:
+def check_source_shapes(source: SourceTensors, exported: dict, vocab_size: int,
+                        where: str) -> None:
     """Each source tensor has the shape the config implies (the meta export's shape for the
     same name). A name the export writes differently (a legacy per-expert layout, GPT-2 files
     without the ``transformer.`` prefix) is matched by a unique suffix, else left to the
@@ -143,8 +145,7 @@ def check_source_shapes(source: SourceTensors, exported: dict, where: str) -> No
         want, got = tuple(exported[target].shape), source.shape(name)
         if want != got:
             hint = " (transposed?)" if len(want) == 2 and want == got[::-1] else ""
-            if want[:1] != got[:1] and want[1:] == got[1:] and name.endswith(
-                    ("embed_tokens.weight", "lm_head.weight", "wte.weight", "embeddings.weight")):
+            if want[0] == vocab_size and want[:1] != got[:1] and want[1:] == got[1:]:
                 hint = f" ({got[0]} rows, but field vocab_size is {want[0]})"
             raise CheckpointError(f"{where}: tensor {name} has shape {list(got)}, but "
                                   f"config.json implies {list(want)}{hint}")
@@ -154,8 +155,6 @@ def exported_shapes(converter, config, shapes: dict, dtype) -> dict | None:
     """``{hf name: meta tensor}`` the converter's export writes for a model of these shapes:
     the Hugging Face files config.json implies. None where the converter cannot export this
     model (then only the model shapes are checked)."""
-    from plugtron.core.interchange.hf import run_export
-
     meta = {k: torch.empty(v, dtype=dtype, device="meta") for k, v in shapes.items()}
     try:
         return run_export(converter, config, meta)[1]

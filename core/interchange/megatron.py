@@ -2,15 +2,8 @@
 
 The core reads and writes the files (torch_dist.py, with restricted_pickle.py for the pickles);
 what maps onto what is the model's: its converter (entry-point group ``plugtron.converters``,
-found as for Hugging Face, hf.py) implements
-
-* ``import_megatron(args, given, tensors, flag_names) -> (flag values, {name: tensor})``:
-  ``args`` the checkpoint's saved Megatron args as a dict (None when common.pt has none),
-  ``given`` the settings from the command line, ``tensors`` the model's global tensors by
-  Megatron key (assembled from the chunks of whatever tp/pp layout saved them), ``flag_names``
-  the field names of the model's options (the core's model section and the model plugin's
-  sections); every tensor must be used (the core refuses leftovers);
-* ``export_megatron(config, tensors, padded_vocab) -> (argparse.Namespace, {key: tensor})``.
+found as for Hugging Face) implements ``import_megatron`` and ``export_megatron``
+(:class:`plugtron.core.contracts.converter.ConverterExtras`).
 """
 
 from __future__ import annotations
@@ -27,7 +20,7 @@ from plugtron.core.checkpoint.pieces import Box
 from plugtron.core.checkpoint.reader import CheckpointReader
 from plugtron.core.config import TrainConfig, flag_fields, padded_vocab_size
 from plugtron.core.errors import CheckpointError, ConfigError
-from plugtron.core.interchange.hf import converter_for_config, load_converter
+from plugtron.core.interchange.converters import converter_for_config, load_converter
 from plugtron.core.interchange.hf_export import CheckpointTensors
 from plugtron.core.interchange.torch_dist import read_torch_dist, write_torch_dist
 from plugtron.core.plugins.options import config_from_flags

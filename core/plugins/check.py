@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from plugtron.core.contracts import hookspecs
 from plugtron.core.errors import PluginError
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.manager import DRIVER_ROLES
+from plugtron.core.plugins.selection import DRIVER_ROLES
 
 #: Roles whose plugins are pluggy plugins; the others (layers, backends, ...) are only imported.
 HOOK_ROLES = (*DRIVER_ROLES, "extension")

@@ -9,48 +9,18 @@ from __future__ import annotations
 
 import pluggy
 from plugtron.core.contracts import hookspecs
-from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.errors import PluginError
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.objects import AUTOLOAD_ENV, autoload_disabled, disabled_extensions
+from plugtron.core.plugins.selection import (
+    AUTOLOAD_ENV,
+    autoload_disabled,
+    disabled_extensions,
+    resolve_optimizer,
+    selected_drivers,
+)
 
-__all__ = ["AUTOLOAD_ENV", "build_plugin_manager", "disabled_extensions", "selected_drivers"]
-
-#: The config field of ``config.plugins`` that names each driver role.
-DRIVER_ROLES = ("model", "schedule", "optimizer", "dataset")
-
-
-def resolve_schedule(config) -> str:
-    """``auto`` picks Megatron's default: no pipelining, 1F1B, or interleaved 1F1B."""
-    name = config.plugins.schedule
-    if name != "auto":
-        return name
-    par = config.parallel
-    if par.pipeline_model_parallel_size <= 1:
-        return "no-pipelining"
-    if par.virtual_pipeline_model_parallel_size:
-        return "interleaved-1f1b"
-    return "1f1b"
-
-
-def resolve_optimizer(config) -> str:
-    if config.parallel.use_distributed_optimizer:
-        if config.plugins.optimizer not in ("adam", "distributed-adam"):
-            raise ConfigError(f"--use-distributed-optimizer is an alias of --optimizer "
-                              f"distributed-adam and cannot be combined with --optimizer "
-                              f"{config.plugins.optimizer}")
-        return "distributed-adam"
-    return config.plugins.optimizer
-
-
-def selected_drivers(config) -> dict[str, str]:
-    """role -> entry-point name this run selects."""
-    return {
-        "model": config.plugins.model,
-        "schedule": resolve_schedule(config),
-        "optimizer": resolve_optimizer(config),
-        "dataset": config.plugins.data,
-    }
-
+__all__ = ["build_plugin_manager", "new_plugin_manager", "verify_contracts",
+           "wants_sharded_gradients"]
 
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)

@@ -14,15 +14,13 @@ dispatchers and layer backends are classes, which declare these as ``staticmetho
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass
 
-from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.errors import PluginError
 from plugtron.core.plugins import registry
+from plugtron.core.plugins.selection import autoload_disabled, disabled_extensions, selected_drivers
 from plugtron.core.plugins.signatures import declared_arguments
-
-AUTOLOAD_ENV = "PLUGTRON_DISABLE_PLUGIN_AUTOLOAD"
 
 #: Roles of which every installed plugin takes part (the drivers take part only when selected).
 ALWAYS_COLLECTED = ("layer", "moe_dispatcher")
@@ -53,27 +51,11 @@ def _origin(role: str, name: str) -> str:
     return info.origin if info else "?"
 
 
-def disabled_extensions(config) -> set[str]:
-    names = set()
-    for item in config.plugins.disabled:
-        if not item.startswith("no:"):
-            raise ConfigError(f"-p {item!r}: only '-p no:NAME' (disable an extension plugin) "
-                              f"is supported")
-        names.add(item[3:])
-    return names
-
-
-def autoload_disabled() -> bool:
-    return os.environ.get(AUTOLOAD_ENV, "") not in ("", "0")
-
-
 def run_plugin_objects(config, strict_drivers: bool = False) -> list[PluginObject]:
     """Every plugin that takes part in a run of ``config``. A selected driver that fails to
     import raises when ``strict_drivers`` (a run needs it), else it is skipped with a warning
     (building ``--help`` must not fail on it); other plugins are always skipped with a
     warning."""
-    from plugtron.core.plugins.manager import selected_drivers
-
     out = []
     drivers = dict(selected_drivers(config))
     drivers["layer_backend"] = config.plugins.layer_backend

@@ -18,7 +18,7 @@ from plugtron.core.checkpoint.state import stored_name
 from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.monitoring.metrics import MetricsLogger
 from plugtron.core.parallel.sharding import gather_tensor_parallel, is_expert, tp_split_of
-from plugtron.core.plugins.manager import resolve_schedule
+from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.training import loop as training
 
 from .config import make_config, merge_flags, world_size_of

@@ -220,7 +220,7 @@ def _held_peak(actions, chunk_bytes: list) -> tuple[int, int]:
 
 def _optimizer_plugin(config):
     from plugtron.core.plugins import registry
-    from plugtron.core.plugins.manager import resolve_optimizer
+    from plugtron.core.plugins.selection import resolve_optimizer
 
     return registry.load("optimizer", resolve_optimizer(config))
 
@@ -232,7 +232,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
     from plugtron.core.config import num_microbatches
     from plugtron.core.pipeline.plan import actions_of_all_ranks
     from plugtron.core.plugins import registry
-    from plugtron.core.plugins.manager import resolve_schedule
+    from plugtron.core.plugins.selection import resolve_schedule
 
     if cuda is None:
         cuda = torch.cuda.is_available()

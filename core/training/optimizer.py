@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from plugtron.core.errors import PluginError
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.manager import resolve_optimizer
+from plugtron.core.plugins.selection import resolve_optimizer
 from plugtron.core.training import grads as grad_utils
 from plugtron.core.training.loss_scaler import DynamicLossScaler, unscale_and_check
 

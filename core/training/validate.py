@@ -169,7 +169,7 @@ def check_pipeline_schedule(config: TrainConfig, dp: int) -> None:
     interleaving's group-size rules); its lists must finish. Nothing is launched."""
     from plugtron.core.pipeline.plan import check_schedule
     from plugtron.core.plugins import registry
-    from plugtron.core.plugins.manager import resolve_schedule
+    from plugtron.core.plugins.selection import resolve_schedule
 
     p, t = config.parallel, config.training
     name = resolve_schedule(config)

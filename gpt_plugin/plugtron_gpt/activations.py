@@ -8,6 +8,8 @@ parallelism), ``shape.tensor(w)`` a tensor of this rank's tp share ``w``.
 
 from __future__ import annotations
 
+from .hybrid_options import CONV_WIDTH
+
 #: LayerNorm keeps mean and 1/std per token, RMSNorm 1/rms (fp32).
 _NORM_STATS = {"LayerNorm": 2, "RMSNorm": 1}
 
@@ -124,8 +126,6 @@ def mamba_layer_bytes(layer, shape) -> int:
     total += shape.tensor(2 * inner + 2 * bc + heads)  # in_proj output (conv reads a view)
     b, s = shape.micro_batch_size, shape.seq_length
     # the fused conv + SiLU keeps its left-padded input and the pre-activation output
-    from .mamba import CONV_WIDTH  # mamba.py imports this module
-
     conv = shape.tensor(inner + 2 * bc)
     total += conv * (s + CONV_WIDTH - 1) // s + conv
     padded = -(-s // q) * q

@@ -23,12 +23,9 @@ from plugtron.api import ConfigError
 
 from .attention_options import attention_options, parse_window, rope_scaling
 from .hf_families import FAMILIES, family_config, family_flags, family_of
+from .megatron_convert import export_megatron, import_megatron
 from .mlp import openai_gelu, squared_relu
-
-EMBEDDING = "embedding.word_embeddings.weight"
-POSITIONS = "embedding.position_embeddings.weight"
-OUTPUT = "output_layer.weight"
-FINAL_NORM = "decoder.final_layernorm"
+from .param_names import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS
 
 
 def _layer(i: int) -> str:
@@ -339,11 +336,7 @@ class GPTConverter:
 
     # Megatron-Core torch_dist checkpoints (core/interchange/megatron.py calls these).
     def import_megatron(self, args, given, tensors, flag_names):
-        from .megatron_convert import import_megatron
-
         return import_megatron(args, given, tensors, flag_names)
 
     def export_megatron(self, config, tensors, padded_vocab):
-        from .megatron_convert import export_megatron
-
         return export_megatron(config, tensors, padded_vocab)

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 from plugtron.api import ConfigSection, opt
 
+#: Kernel width of the Mamba mixer's causal depthwise convolution (Megatron's ``d_conv``).
+CONV_WIDTH = 4
+
 
 @dataclass
 class HybridOptions:

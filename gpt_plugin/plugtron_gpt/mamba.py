@@ -27,11 +27,9 @@ from .activations import mamba_layer_bytes
 from .attention import dropout
 from .causal_conv import causal_conv_silu
 from .gated_norm import gated_rms_norm
-from .hybrid_options import mamba_sizes
+from .hybrid_options import CONV_WIDTH, mamba_sizes
 from .mamba_init import a_log_init, conv_init, dt_bias_init
 from .ssd import ssd_final_state, ssd_scan, ssd_step
-
-CONV_WIDTH = 4
 
 
 def _sharded(full: torch.Tensor, parallel, blocks=1) -> torch.nn.Parameter:

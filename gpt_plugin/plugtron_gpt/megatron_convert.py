@@ -33,8 +33,8 @@ import torch
 from plugtron.api import ConfigError
 
 from .attention_options import attention_options, parse_window
-from .hf_convert import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS
 from .mlp import openai_gelu, squared_relu
+from .param_names import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 #: Megatron TE-spec name (under a layer) -> plugtron's (local-spec) name.

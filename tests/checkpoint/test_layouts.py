@@ -16,7 +16,7 @@ from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.manager import resolve_schedule
+from plugtron.core.plugins.selection import resolve_schedule
 
 from .helpers import ckpt_config, train_resumable
 

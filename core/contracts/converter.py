@@ -1,0 +1,93 @@
+"""The converter contract (entry-point group ``plugtron.converters``): one model's mapping
+between Hugging Face (and Megatron ``torch_dist``) tensors and plugtron's global tensors.
+
+The core reads and writes the files, pads and unpads the vocabulary for tensor parallelism and
+checks every tensor and shape (core/interchange/); the converter only renames, fuses and
+splits. The HF tensor names live in the converter, never in the core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import argparse
+
+    import torch
+    from plugtron.core.config import ModelConfig, TrainConfig
+
+Tensors = Mapping[str, "torch.Tensor"]
+
+
+class Converter(Protocol):
+    """What every converter implements.
+
+    Tensors on the plugtron side are full (unsharded), named as the model's parameters are
+    (``decoder.layers.0.self_attention.linear_qkv.weight``), and vocabulary-sized tensors have
+    exactly ``vocab_size`` rows (the core adds and removes tp padding).
+    """
+
+    #: plugtron names whose first dimension is the vocabulary.
+    vocab_tensors: tuple[str, ...]
+
+    def import_hf(self, hf_config: dict, tensors: Tensors) -> tuple[dict, dict]:
+        """-> (plugtron settings as ``{flag name: value}``, ``{plugtron name: tensor}``).
+        Raise ``ConfigError`` for a model this converter cannot represent.
+
+        ``tensors`` is a read-only mapping that counts each ``tensors[name]``: the core then
+        requires every tensor of the files read exactly once and checks every shape
+        (core/interchange/hf_strict.py), so read through it (``in`` is free) rather than
+        copying it."""
+        ...
+
+    def export_hf(self, model_config: ModelConfig, tensors: Tensors) -> tuple[dict, dict]:
+        """-> (Hugging Face ``config.json`` dict, ``{hf name: tensor}``). A converter whose
+        ``export_hf`` also takes a keyword ``config`` gets the whole ``TrainConfig`` there (its
+        model's own option sections included, e.g. ``config.hybrid``)."""
+        ...
+
+
+class ConverterExtras(Protocol):
+    """Members a converter may add; the core looks each up with ``getattr`` and does without.
+
+    Typed here so that a plugin author (and a type checker) can see them; a converter
+    implements any subset.
+    """
+
+    #: Regular expressions of file tensors that carry no weights (GPT-2's causal-mask
+    #: buffers), accepted unread by the strict import.
+    ignored_hf_tensors: tuple[str, ...]
+
+    #: For converters that another plugin ships for a model it extends (plugtron-moe's Mixtral
+    #: for the ``gpt`` model): the HF ``model_type``\\ s it reads; ``import_hf`` prefers it over
+    #: the ``--model`` plugin's converter for those.
+    model_types: tuple[str, ...]
+
+    #: The model plugin an imported checkpoint runs with (default: the converter's name).
+    model: str
+
+    @classmethod
+    def handles(cls, config: TrainConfig) -> bool:
+        """``export_hf`` uses this converter for a run config it claims."""
+        ...
+
+    def export_hf_from(self, config: TrainConfig, tensors: Tensors) -> tuple[dict, dict]:
+        """Like ``export_hf`` with the whole run config (plugin sections included); preferred
+        when present."""
+        ...
+
+    def import_megatron(self, args: dict | None, given: dict, tensors: Tensors,
+                        flag_names: Collection[str]) -> tuple[dict, dict]:
+        """A Megatron-Core ``torch_dist`` checkpoint -> (flag values, ``{plugtron name:
+        tensor}``). ``args``: the checkpoint's saved Megatron args (None when common.pt has
+        none); ``given``: the settings from the command line; ``tensors``: the model's global
+        tensors by Megatron key, assembled from whatever tp/pp layout saved them; ``flag_names``:
+        the field names of the model's options. Every tensor must be used (the core refuses
+        leftovers)."""
+        ...
+
+    def export_megatron(self, config: TrainConfig, tensors: Tensors,
+                        padded_vocab: int) -> tuple[argparse.Namespace, dict]:
+        """-> (the ``args`` Megatron saves, ``{torch_dist key: tensor}``)."""
+        ...

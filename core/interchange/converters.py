@@ -1,0 +1,51 @@
+"""Finding the converter of a model and calling it the way it declares (the contract:
+:class:`plugtron.core.contracts.converter.Converter`)."""
+
+from __future__ import annotations
+
+import inspect
+
+from plugtron.core.config import TrainConfig
+from plugtron.core.contracts.converter import Converter
+from plugtron.core.plugins import registry
+
+
+def load_converter(model: str) -> Converter:
+    return registry.instantiate(registry.load("converter", model))
+
+
+def _installed_converters() -> list:
+    out = []
+    for info in registry.available("converter"):
+        try:
+            out.append(registry.load("converter", info.name))
+        except Exception:  # noqa: BLE001 - a broken converter must not break the others
+            continue
+    return out
+
+
+def converter_for_hf(model: str, hf_config: dict) -> Converter:
+    """An installed converter that declares this HF ``model_type``, else ``model``'s."""
+    kind = hf_config.get("model_type")
+    for cls in _installed_converters():
+        if kind in getattr(cls, "model_types", ()):
+            return registry.instantiate(cls)
+    return load_converter(model)
+
+
+def converter_for_config(config: TrainConfig) -> Converter:
+    """An installed converter that claims this run config (``handles``), else its model's."""
+    for cls in _installed_converters():
+        handles = getattr(cls, "handles", None)
+        if callable(handles) and handles(config):
+            return registry.instantiate(cls)
+    return load_converter(config.plugins.model)
+
+
+def run_export(converter, config: TrainConfig, tensors: dict) -> tuple[dict, dict]:
+    """The converter's export, called the way it declares (see :class:`Converter` and :class:`ConverterExtras`)."""
+    if hasattr(converter, "export_hf_from"):
+        return converter.export_hf_from(config, tensors)
+    if "config" in inspect.signature(converter.export_hf).parameters:
+        return converter.export_hf(config.model, tensors, config=config)
+    return converter.export_hf(config.model, tensors)
