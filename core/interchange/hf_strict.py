@@ -29,6 +29,9 @@ from collections.abc import Mapping
 import torch
 from plugtron.core.errors import CheckpointError, ConfigError
 from plugtron.core.interchange.converters import run_export
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.shared_params import group_of
+from plugtron.core.training.builder import build_model
 
 #: How many names an error lists before summing up the rest.
 SHOWN = 8
@@ -170,19 +173,9 @@ def exported_shapes(converter, config, shapes: dict, dtype) -> dict | None:
 def model_shapes(config) -> dict[str, tuple]:
     """Name -> shape of every state-dict entry of the model ``config`` builds in one process
     (tp 1, pp 1, the ``local`` backend), built on the meta device: no memory, no init cost."""
-    from plugtron.core.parallel.context import ParallelContext
-    from plugtron.core.parallel.shared_params import group_of
-    from plugtron.core.plugins import registry
-    from plugtron.core.plugins.manager import new_plugin_manager
-
     parallel = ParallelContext.build(1, 0, device=torch.device("cpu"))
-    pm = new_plugin_manager()
-    pm.register(registry.instantiate(registry.load("model", config.plugins.model)),
-                name="model")
-    backend = registry.load("layer_backend", "local")(config, parallel)
     with torch.device("meta"):
-        module = pm.hook.model_provider(config=config, pre_process=True, post_process=True,
-                                        vp_stage=None, layer_backend=backend, parallel=parallel)
+        (module,) = build_model(config, parallel, layer_backend="local")
     out = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         out.setdefault(group_of(tensor) or name, tuple(tensor.shape))

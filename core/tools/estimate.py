@@ -163,25 +163,16 @@ def _no_random_init():
             setattr(torch.nn.init, name, function)
 
 
-def _meta_chunks(config, parallel, model) -> list:
+def _meta_chunks(config, parallel, provider) -> list:
     """The rank's model chunks on the meta device (shapes, no storage)."""
     import torch
-    from plugtron.core.plugins import registry
+    from plugtron.core.training.builder import build_model
 
-    backend = registry.load("layer_backend", config.plugins.layer_backend)(config, parallel)
-    vp = config.parallel.virtual_pipeline_model_parallel_size
     dtype = {2: torch.bfloat16 if config.training.bf16 else torch.float16}.get(
         _dtype_bytes(config), torch.float32)
-    chunks = []
     with torch.device("meta"), _no_random_init():
-        for stage in range(vp or 1):
-            chunk = model.model_provider(
-                config=config, pre_process=parallel.is_pipeline_first_stage(stage if vp else None)
-                and stage == 0, post_process=parallel.is_pipeline_last_stage()
-                and stage == (vp or 1) - 1, vp_stage=stage if vp else None,
-                layer_backend=backend, parallel=parallel)
-            chunks.append(chunk.to(dtype=dtype))
-    return chunks
+        return [chunk.to(dtype=dtype) for chunk in build_model(config, parallel,
+                                                               provider=provider)]
 
 
 def activation_shape(config, cuda: bool) -> ActivationShape:
@@ -233,6 +224,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
     from plugtron.core.pipeline.plan import actions_of_all_ranks
     from plugtron.core.plugins import registry
     from plugtron.core.plugins.selection import resolve_schedule
+    from plugtron.core.training.builder import model_provider_of
 
     if cuda is None:
         cuda = torch.cuda.is_available()
@@ -242,7 +234,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
                   p.context_parallel_size)
     dp = max(1, world_size // (tp * pp * cp))
     microbatches = max(1, num_microbatches(config, dp))
-    model = registry.instantiate(registry.load("model", config.plugins.model))
+    provider = model_provider_of(config)
     schedule_name = resolve_schedule(config)
     schedule = registry.instantiate(registry.load("schedule", schedule_name))
     chunks_per_rank = p.virtual_pipeline_model_parallel_size or 1
@@ -261,7 +253,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
                             f"state_per_param: counted as 2 fp32 values per parameter (Adam)")
     for (pp_rank, tp_rank, ep_rank, _), (ctx, ranks) in sorted(_contexts(config,
                                                                          world_size).items()):
-        chunks = _meta_chunks(config, ctx, model)
+        chunks = _meta_chunks(config, ctx, provider)
         numel = sum(param.numel() for chunk in chunks for param in chunk.parameters())
         per_chunk, complete = zip(*(_chunk_activations(chunk, shape) for chunk in chunks))
         if not all(complete) and not any("activation_bytes" in n for n in result.notes):

@@ -20,7 +20,6 @@ import torch
 from plugtron.core.config import CheckpointConfig, LoggingConfig, ParallelConfig, padded_vocab_size
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.distributed import single_process
-from plugtron.core.plugins import registry
 
 
 class LoadedModel(torch.nn.Module):
@@ -67,8 +66,8 @@ def load_model(path: str, device: str | torch.device = "cpu", tp: int = 1, world
     from plugtron.core.checkpoint import CheckpointReader
     from plugtron.core.checkpoint.loader import load_checkpoint
     from plugtron.core.interchange import hf_load
-    from plugtron.core.plugins.manager import new_plugin_manager
     from plugtron.core.plugins.options import config_from_dict
+    from plugtron.core.training.builder import build_model
 
     if hf_load.is_hf_dir(path):
         path = hf_load.import_cached(path, model)
@@ -92,14 +91,10 @@ def load_model(path: str, device: str | torch.device = "cpu", tp: int = 1, world
     m = config.model
     m.parallel_output = False  # whole logits on every tp rank
     m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
-    pm = new_plugin_manager()
-    pm.register(registry.instantiate(registry.load("model", config.plugins.model)), name="model")
-    backend = registry.load("layer_backend", "local")(config, parallel)
-    module = pm.hook.model_provider(config=config, pre_process=True, post_process=True,
-                                    vp_stage=None, layer_backend=backend, parallel=parallel)
+    (module,) = build_model(config, parallel, layer_backend="local")
     dtype = torch.bfloat16 if config.training.bf16 else torch.float32
     module.to(device=world.device, dtype=dtype)
-    run = SimpleNamespace(config=config, parallel=parallel, pm=pm, model_chunks=[module],
+    run = SimpleNamespace(config=config, parallel=parallel, model_chunks=[module],
                           world=SimpleNamespace(rank=1))  # rank != 0: load quietly
     load_checkpoint(run, reader.path, model_only=True)
     return LoadedModel(module, config, parallel).eval()

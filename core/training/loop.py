@@ -27,6 +27,7 @@ from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import build_plugin_manager, wants_sharded_gradients
 from plugtron.core.plugins.options import with_plugin_sections
 from plugtron.core.training import aux_losses, data, grads, preemption, step_info
+from plugtron.core.training.builder import build_model
 from plugtron.core.training.lr_schedule import LRScheduler
 from plugtron.core.training.optimizer import checked_optimizer
 from plugtron.core.training.validate import validate_plugins
@@ -99,15 +100,10 @@ def model_dtype(config: TrainConfig) -> torch.dtype:
 
 
 def build_model_chunks(config, pm, backend, parallel, device) -> list:
-    vp = config.parallel.virtual_pipeline_model_parallel_size
     sharded = wants_sharded_gradients(config, pm)
     chunks = []
-    for stage in range(vp or 1):
-        pre = parallel.is_pipeline_first_stage() and stage == 0
-        post = parallel.is_pipeline_last_stage() and stage == (vp or 1) - 1
-        module = pm.hook.model_provider(config=config, pre_process=pre, post_process=post,
-                                        vp_stage=stage if vp else None, layer_backend=backend,
-                                        parallel=parallel)
+    for module in build_model(config, parallel, provider=pm.hook.model_provider,
+                              layer_backend=backend):
         module.to(device=device, dtype=model_dtype(config))
         chunks.append(DistributedDataParallel(module, config, parallel, sharded=sharded))
     shared_params.check_placement(chunks, parallel)
