@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from plugtron.core.errors import ConfigError
 
 
@@ -458,7 +460,6 @@ def apply_values(config: TrainConfig, values: dict, source: str) -> None:
 
 def load_config_file(path: str) -> dict:
     """Read a flat YAML or TOML config file into ``{key: value}``; sections are flattened."""
-    import pathlib
 
     file = pathlib.Path(path)
     if not file.is_file():
@@ -466,11 +467,9 @@ def load_config_file(path: str) -> dict:
     text = file.read_text()
     try:
         if file.suffix == ".toml":
-            import tomllib
-
+            import tomllib  # noqa: PLC0415 - Python 3.11+: only a TOML config file needs it
             data = tomllib.loads(text)
         else:
-            import yaml
 
             data = yaml.safe_load(text) or {}
     except Exception as exc:  # a parse error is the user's to fix

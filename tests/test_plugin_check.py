@@ -25,8 +25,16 @@ class InheritsForwardBackward(ActionListSchedule):
 
 
 class NoForwardBackward:
+    """Clean too: forward_backward is optional (the core's executor runs these actions)."""
+
     @hookimpl
     def schedule_actions(self, pp_rank, num_microbatches):
+        return []
+
+
+class NoScheduleActions:
+    @hookimpl
+    def forward_backward(self, forward_step_func, data_iterator, model):
         return []
 
 
@@ -84,6 +92,7 @@ class LayerWithoutActivationBytes:
 ENTRY_POINTS = {
     "plugtron.schedules": {"fake-clean": "fake_check:InheritsForwardBackward",
                            "fake-no-fb": "fake_check:NoForwardBackward",
+                           "fake-no-actions": "fake_check:NoScheduleActions",
                            "fake-extra": "fake_check:ExtraParameter",
                            "fake-broken": "fake_check_broken:Schedule",
                            "no-pipelining": "fake_check:InheritsForwardBackward"},
@@ -121,8 +130,9 @@ def test_inherited_contract_hooks_count(fakes):
 
 
 def test_a_missing_contract_hook_is_named(fakes):
-    assert problems("fake-no-fb") == [
-        "schedule 'fake-no-fb' (fake-checks 2.0) hook 'forward_backward': not implemented: every "
+    assert problems("fake-no-fb") == []
+    assert problems("fake-no-actions") == [
+        "schedule 'fake-no-actions' (fake-checks 2.0) hook 'schedule_actions': not implemented: every "
         "schedule driver must implement it"]
 
 
@@ -200,8 +210,8 @@ def test_cli_check_reports_problems_and_exits_2(fakes):
 def test_cli_list_check_exits_2_on_problems(fakes):
     result = invoke(["plugins", "list", "--check"])
     assert result.exit_code == 2 and "Traceback" not in result.output
-    assert "fake-no-fb           fake-checks 2.0  FAILED (1)" in result.output
-    assert "        schedule 'fake-no-fb' (fake-checks 2.0) hook 'forward_backward'" \
+    assert "fake-no-actions      fake-checks 2.0  FAILED (1)" in result.output
+    assert "        schedule 'fake-no-actions' (fake-checks 2.0) hook 'schedule_actions'" \
         in result.output
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.parallel.distributed import single_process
 from plugtron.core.plugins.manager import build_plugin_manager, new_plugin_manager, verify_contracts
 from plugtron.core.plugins.selection import AUTOLOAD_ENV, resolve_schedule
 
 from .fake_plugins import install_fake_distribution, remove_path
-from .utils import tiny_config
+from .utils import tiny_config, train_in_process
 
 EXTENSION = """
 from plugtron.core.contracts.hookspecs import hookimpl
@@ -39,7 +40,9 @@ def test_selected_drivers_make_every_contract_hook_implemented_once():
 
 def test_missing_contract_implementation_is_named():
     pm = new_plugin_manager()
-    with pytest.raises(PluginError, match="no plugin implements 'forward_backward'.*schedule"):
+    # forward_backward is optional (the core's executor runs schedule_actions): the
+    # schedule's required hook is named instead
+    with pytest.raises(PluginError, match="no plugin implements 'schedule_actions'.*schedule"):
         verify_contracts(pm)
 
 
@@ -96,3 +99,29 @@ def test_bad_disable_syntax():
 def test_auto_schedule(pp, vp, expected):
     config = tiny_config(pp=pp, vp=vp)
     assert resolve_schedule(config) == expected
+
+
+ACTIONS_ONLY = """
+from plugtron.api import Action, hookimpl
+
+
+class ActionsOnly:
+    @hookimpl
+    def schedule_actions(self, num_microbatches):
+        return [a for mb in range(num_microbatches) for a in (Action("F", mb), Action("B", mb))]
+"""
+
+
+def test_a_schedule_of_actions_alone_runs_on_the_core_executor(tmp_path):
+    install_fake_distribution(tmp_path, "plugtron-actions-only", "0.1",
+                              {"plugtron.schedules": {"actions-only": "fake_actions:ActionsOnly"}},
+                              {"fake_actions": ACTIONS_ONLY})
+    try:
+        records, run = train_in_process(tiny_config(schedule="actions-only", train_iters=3),
+                                        world=single_process())
+        assert "schedule:executor" in {name for name, _ in run.pm.list_name_plugin()}
+    finally:
+        remove_path(tmp_path)
+    expected, _ = train_in_process(tiny_config(train_iters=3), world=single_process())
+    # the same order as no-pipelining, executed by the same code: bitwise the same losses
+    assert [r["lm_loss"] for r in records] == [r["lm_loss"] for r in expected]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
+from plugtron.core.contracts.activations import module_activation_bytes
 
 
 class ComposedLayer(torch.nn.Module):
@@ -70,7 +71,6 @@ class ComposedLayer(torch.nn.Module):
 
     def activation_bytes(self, shape) -> int:
         """What the parts keep for backward together (core/contracts/activations.py)."""
-        from plugtron.core.contracts.activations import module_activation_bytes
 
         return sum(module_activation_bytes(part, shape) for part in self._parts)
 

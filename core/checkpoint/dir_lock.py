@@ -19,7 +19,9 @@ import os
 import shutil
 import socket
 
+import torch
 from plugtron.core.checkpoint import layout
+from plugtron.core.checkpoint.writer import write_latest
 from plugtron.core.errors import CheckpointError
 
 LOCK = ".lock"
@@ -58,8 +60,7 @@ def acquire(save: str) -> bool:
     """Lock ``save`` for this process; ``CheckpointError`` naming the holder if another
     process holds it. True when this call took the lock (the caller releases it), False when
     this process (or the launcher of this rank) already held it."""
-    import fcntl
-
+    import fcntl  # noqa: PLC0415 - POSIX only: imported where the lock is taken
     path = os.path.abspath(save)
     if path in _held:
         return False
@@ -85,7 +86,6 @@ def hold_for_run(save: str | None, rank: int, world_size: int, device=None) -> b
     the lock (and repairs crashed saves) while the others wait, then all agree, so a refusal
     stops every rank with the same CheckpointError and nobody reads the directory before it is
     repaired. True when this rank took the lock (release it at the run's end)."""
-    import torch
 
     if not save:
         return False
@@ -128,7 +128,6 @@ def recover(parent: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
     latest = layout.read_latest(parent)
     if latest is not None and not layout.is_checkpoint(os.path.join(parent, latest)):
-        from plugtron.core.checkpoint.writer import write_latest
 
         # The newest complete one not newer than what ``latest`` named: never another run's.
         named = layout.iteration_of(latest)

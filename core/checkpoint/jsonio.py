@@ -17,6 +17,7 @@ import zlib
 import numpy as np
 import torch
 from plugtron.core.checkpoint.safe_files import open_regular, read_small, regular_file_size
+from plugtron.core.checkpoint.st_header import TORCH_DTYPES, is_shape
 from plugtron.core.errors import CheckpointError
 
 _TENSOR_TAG = "__tensor__"
@@ -51,7 +52,6 @@ def decode(value, where: str = "checkpoint"):
 
 
 def _decode_tensor(value: dict, where: str) -> torch.Tensor:
-    from plugtron.core.checkpoint.st_header import TORCH_DTYPES, is_shape
 
     name, shape, data = value[_TENSOR_TAG], value.get("shape"), value.get("data")
     if not isinstance(name, str) or name not in TORCH_DTYPES or not is_shape(shape) or not isinstance(data, str):

@@ -18,6 +18,7 @@ import os
 import re
 import sys
 
+from plugtron.core.checkpoint.safe_files import read_small
 from plugtron.core.errors import CheckpointError
 
 METADATA = "metadata.json"
@@ -75,7 +76,6 @@ def complete_checkpoints(parent: str) -> list[tuple[int, str]]:
 def read_latest(parent: str) -> str | None:
     """The directory name ``parent/latest`` holds; None when there is no ``latest``. Read
     through the safe readers: a FIFO or device named ``latest`` would block a plain open()."""
-    from plugtron.core.checkpoint.safe_files import read_small
 
     path = os.path.join(parent, LATEST)
     if not os.path.lexists(path):

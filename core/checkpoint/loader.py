@@ -20,9 +20,12 @@ import torch
 from plugtron.core.checkpoint import jsonio, state
 from plugtron.core.checkpoint.pieces import ShardSpec
 from plugtron.core.checkpoint.reader import CheckpointReader
+from plugtron.core.contracts.model_info import ModelInfo, model_info_of
 from plugtron.core.errors import CheckpointError
 from plugtron.core.parallel import random as random_module
 from plugtron.core.parallel.random import resume_seed, seed_everything, set_rng_state
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.options import config_from_dict
 
 
 @contextlib.contextmanager
@@ -48,9 +51,6 @@ def check_compatible(saved_config: dict, run) -> None:
         raise CheckpointError(f"the checkpoint holds a {saved_model!r} model; this run builds "
                               f"--model {config.plugins.model!r}")
     check_tokenizer(saved_config, config)
-    from plugtron.core.contracts.model_info import ModelInfo, model_info_of
-    from plugtron.core.plugins import registry
-    from plugtron.core.plugins.options import config_from_dict
 
     pm = getattr(run, "pm", None)
 

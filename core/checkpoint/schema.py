@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import numpy as np
+from plugtron.core.checkpoint.pieces import volume
 from plugtron.core.checkpoint.st_header import TORCH_DTYPES, is_shape
+from plugtron.core.config import SECTIONS
 from plugtron.core.errors import CheckpointError
 
 _CRC_RE = re.compile(r"^[0-9a-f]{8}$")
@@ -73,7 +76,6 @@ def check_metadata(meta, where: str) -> None:
 def check_config(config: dict, where: str) -> None:
     """Each value of the core's config sections has its field's type (a string where an
     integer belongs would fail later, far from the checkpoint)."""
-    from plugtron.core.config import SECTIONS
 
     for section, cls in SECTIONS.items():
         values = config.get(section)
@@ -156,8 +158,6 @@ def check_tiling(logical: str, global_shape: tuple, pieces: list, where: str) ->
     exactly (its edges are cuts). The pieces tile the tensor exactly once iff each cell is
     painted by one piece, which painting the pieces one by one into the grid checks, naming
     the first pair that overlaps or the first cell left empty."""
-    import numpy as np
-    from plugtron.core.checkpoint.pieces import volume
 
     logical = f"{logical!r} (field tensors[{logical!r}].pieces)"
 

@@ -19,14 +19,19 @@ Rules (the contracts in docs/checkpoints.md):
 from __future__ import annotations
 
 import time
+from importlib import metadata
 
 import torch
+from plugtron.core.checkpoint.jsonio import encode
 from plugtron.core.checkpoint.pieces import ShardSpec, local_boxes_of
+from plugtron.core.checkpoint.reader import FORMAT, VERSION
 from plugtron.core.checkpoint.writer import RankSnapshot, TensorEntry
 from plugtron.core.errors import CheckpointError
 from plugtron.core.parallel import shared_params
 from plugtron.core.parallel.random import get_rng_state
 from plugtron.core.parallel.sharding import is_expert, tp_split_of
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.selection import resolve_optimizer, resolve_schedule, selected_drivers
 
 OPTIMIZER_GLOBAL_KEY = "__optimizer__"
 
@@ -144,7 +149,6 @@ def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot
 
 def layout_of(run) -> dict:
     p = run.parallel
-    from plugtron.core.plugins.selection import resolve_optimizer, resolve_schedule
 
     return {"world_size": p.world_size, "tp": p.tp_size, "pp": p.pp_size, "vp": p.vp_size,
             "cp": p.cp_size, "ep": p.ep_size, "etp": p.etp_size, "dp": p.dp_size,
@@ -180,8 +184,6 @@ def rng_source_rank(saved: dict, manifests: dict[int, dict], run) -> int | None:
 
 def plugin_versions(config) -> dict:
     """The plugins the run selected, each with its distribution and version."""
-    from plugtron.core.plugins import registry
-    from plugtron.core.plugins.selection import selected_drivers
 
     chosen = dict(selected_drivers(config))
     chosen["layer_backend"] = config.plugins.layer_backend
@@ -196,7 +198,6 @@ def plugin_versions(config) -> dict:
 
 
 def plugtron_version() -> str:
-    from importlib import metadata
 
     try:
         return metadata.version("plugtron")
@@ -206,7 +207,6 @@ def plugtron_version() -> str:
 
 def base_metadata(config, iteration: int, consumed_samples: int, layout: dict,
                   contents: dict) -> dict:
-    from plugtron.core.checkpoint.reader import FORMAT, VERSION
 
     return {"format": FORMAT, "version": VERSION, "iteration": iteration,
             "consumed_samples": consumed_samples, "layout": layout,
@@ -216,7 +216,6 @@ def base_metadata(config, iteration: int, consumed_samples: int, layout: dict,
 
 
 def run_metadata(run, optimizer_state: dict, iteration: int | None = None) -> dict:
-    from plugtron.core.checkpoint.jsonio import encode
 
     iteration = run.state.iteration if iteration is None else iteration
     meta = base_metadata(run.config, iteration, run.state.consumed_samples,

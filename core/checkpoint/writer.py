@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from plugtron.core.checkpoint import jsonio, layout
 from plugtron.core.checkpoint.pieces import Box
+from plugtron.core.errors import CheckpointError
 from safetensors.torch import save_file
 
 #: Test-only: seconds to sleep after each file a rank writes, so a test can kill a process in the
@@ -170,7 +171,6 @@ def write_single(directory: str, entries: list[TensorEntry], metadata: dict) -> 
     """A checkpoint written by one process without a run (conversion from another format):
     ``directory`` becomes the checkpoint directory itself. Refuses to overwrite."""
     if os.path.exists(directory) and os.listdir(directory):
-        from plugtron.core.errors import CheckpointError
 
         raise CheckpointError(f"{directory!r} exists and is not empty; choose a new directory")
     parent = os.path.dirname(os.path.abspath(directory))

@@ -34,6 +34,8 @@ OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
     "model_info": "model",
     "model_presets": "model",
     "optimizer_shards_gradients": "optimizer",
+    # absent: the core's executor runs the schedule's ``schedule_actions`` (pipeline/executor.py)
+    "forward_backward": "schedule",
 }
 
 #: Hooks that exactly one selected driver implements, with the registry role that provides it.
@@ -42,7 +44,6 @@ CONTRACT_HOOKS: dict[str, str] = {
     "model_provider": "model",
     "forward_step": "model",
     "loss_func": "model",
-    "forward_backward": "schedule",
     "schedule_actions": "schedule",
     "build_optimizer": "optimizer",
 }
@@ -148,6 +149,10 @@ def forward_backward(
     loss_scale: float,
 ) -> list[dict]:
     """Run forward and backward over all microbatches of one global batch on this rank.
+
+    Optional: a schedule that implements only ``schedule_actions`` gets the core's executor
+    (``plugtron.api.execute_actions`` over those lists), which is what every built-in schedule
+    uses. Implement it to run something the action lists cannot express.
 
     :param forward_step_func: call as ``forward_step_func(data_iterator, model_chunk)``; it is
         the run's ``forward_step`` hook with any wrappers.

@@ -34,6 +34,7 @@ from plugtron.core.parallel.vocab_parallel import (
     parallel_logits,
     vocab_parallel_cross_entropy,
 )
+from plugtron.core.training.validate import validate_tensor_parallel
 
 
 class LayerBackend(ABC):
@@ -52,7 +53,6 @@ class LayerBackend(ABC):
     supports_document_ids = False
 
     def __init__(self, config, parallel):
-        from plugtron.core.training.validate import validate_tensor_parallel
 
         self.config = config
         self.parallel = parallel

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from plugtron.core.errors import PluginError
 from plugtron.core.plugins import registry
+from plugtron.core.plugins.objects import warn_once
 
 
 def load_layer_types(symbols: str) -> dict[str, type]:
@@ -55,7 +56,6 @@ def load_layer_types(symbols: str) -> dict[str, type]:
 def installed_layer_types() -> list[type]:
     """Every installed layer type that imports (a broken one is skipped with a warning: it must
     not break runs that do not use it)."""
-    from plugtron.core.plugins.objects import warn_once
 
     out = []
     for info in registry.available("layer"):

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from plugtron.core.errors import PluginError
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.objects import PluginObject, call_declared
+
 #: The main loss key when a model plugin does not say otherwise (Megatron's).
 DEFAULT_MAIN_LOSS = "lm loss"
 
@@ -33,7 +37,6 @@ def metric_name(report_key: str) -> str:
 
 def model_info_of(model_plugin, config) -> ModelInfo:
     """The model driver's ``ModelInfo`` (an instance or a plugin object), or the default."""
-    from plugtron.core.plugins.objects import PluginObject, call_declared
 
     plugin = model_plugin if isinstance(model_plugin, PluginObject) else PluginObject(
         "model", "?", "?", model_plugin)
@@ -45,8 +48,6 @@ def model_info_for(config) -> ModelInfo:
     """The ``ModelInfo`` of the model ``config`` selects (the default for an unknown one): what
     an extension asks to describe the run (e.g. its layer count, ``architecture["--num-layers"]``,
     which a pattern-defined model says where ``--num-layers`` is not the truth)."""
-    from plugtron.core.errors import PluginError
-    from plugtron.core.plugins import registry
 
     try:
         model = registry.instantiate(registry.load("model", config.plugins.model))

@@ -28,6 +28,7 @@ from plugtron.core.errors import ConfigError
 from plugtron.core.interchange.converters import converter_for_config, run_export
 from plugtron.core.interchange.hf_write import DEFAULT_MAX_SHARD_SIZE, parse_size, write_weights
 from plugtron.core.plugins.options import config_from_dict
+from plugtron.core.plugins.tokenizers import build_tokenizer
 
 SPECIAL = ("bos", "eos", "pad")
 
@@ -78,7 +79,6 @@ def _tokenizer(config):
     data = config.data
     if not data.tokenizer_type:
         return None
-    from plugtron.core.plugins.tokenizers import build_tokenizer
 
     return build_tokenizer(data.tokenizer_type, data.tokenizer_model, config.model.vocab_size)
 

@@ -19,7 +19,10 @@ import shutil
 
 from plugtron.core.checkpoint import layout
 from plugtron.core.checkpoint.reader import CheckpointReader
+from plugtron.core.checkpoint.state import plugtron_version
+from plugtron.core.config import flag_fields
 from plugtron.core.errors import ConfigError
+from plugtron.core.interchange.hf import import_hf
 from plugtron.core.plugins.options import config_from_dict
 
 
@@ -36,7 +39,6 @@ def cache_root() -> str:
 
 
 def _key(hf_dir: str, model: str) -> str:
-    from plugtron.core.checkpoint.state import plugtron_version
 
     digest = hashlib.sha256(json.dumps([os.path.abspath(hf_dir), model,
                                         plugtron_version()]).encode())
@@ -49,7 +51,6 @@ def _key(hf_dir: str, model: str) -> str:
 
 def import_cached(hf_dir: str, model: str = "gpt") -> str:
     """The path of the cached plugtron checkpoint of ``hf_dir`` (imported now if needed)."""
-    from plugtron.core.interchange.hf import import_hf
 
     target = os.path.join(cache_root(), _key(hf_dir, model))
     if layout.is_checkpoint(target):
@@ -86,7 +87,6 @@ def hf_base(hf_dir: str, model: str = "gpt"):
 
 def check_agrees(config, base, flags: dict, hf_dir: str) -> None:
     """Every setting the import fixed has the same value in the run config ``config``."""
-    from plugtron.core.config import flag_fields
 
     by_flag = {}
     for field in flag_fields(config):

@@ -23,7 +23,7 @@ from plugtron.core.errors import CheckpointError, ConfigError
 from plugtron.core.interchange.converters import converter_for_config, load_converter
 from plugtron.core.interchange.hf_export import CheckpointTensors
 from plugtron.core.interchange.torch_dist import read_torch_dist, write_torch_dist
-from plugtron.core.plugins.options import config_from_flags
+from plugtron.core.plugins.options import collect_sections, config_from_dict, config_from_flags
 
 #: Megatron keys that are not model weights: optimizer state, RNG and rerun state (objects),
 #: and Transformer Engine's per-module ``_extra_state`` (fp8 scaling history; plugtron has no
@@ -107,7 +107,6 @@ def import_megatron(src: str, out_dir: str, model: str = "gpt", given: dict | No
 def model_option_sections(config: TrainConfig) -> dict:
     """{section name: section} of the options that define a model: the core's ``model`` and
     the sections the model plugin and its layer types declare (``attention``, ``mlp``...)."""
-    from plugtron.core.plugins.options import collect_sections
 
     declared = {d.section.name for d in collect_sections(config)
                 if d.plugin.role in ("model", "layer")}
@@ -147,7 +146,6 @@ def checkpoint_tensors(path: str):
     """(config, lazy {name: full tensor, vocabulary padding removed}, reader) of a checkpoint
     of any layout: each tensor is read when it is looked up, so a converter that builds its
     output one key at a time never holds the model twice."""
-    from plugtron.core.plugins.options import config_from_dict
 
     reader = CheckpointReader(path)
     with malformed(reader, "config"):

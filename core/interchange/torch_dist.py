@@ -26,16 +26,20 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
+import torch.distributed.checkpoint as dcp
 from plugtron.core.checkpoint.safe_files import (
     check_plain_name,
     open_regular,
     read_small,
     regular_file_size,
 )
+from plugtron.core.checkpoint.schema import check_tiling
 from plugtron.core.errors import CheckpointError
 from plugtron.core.interchange import restricted_pickle as rp
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 LATEST = "latest_checkpointed_iteration.txt"
 METADATA_JSON = "metadata.json"
@@ -153,9 +157,7 @@ def _check_disjoint(directory: str, key: str, info: TensorInfo) -> None:
     """The chunks lie inside the tensor and tile it exactly once, so no element is left as
     uninitialised memory (schema.check_tiling: O(n log n), no pairwise comparison; a tp x pp
     save gives a stacked key one chunk per layer and tp rank)."""
-    from types import SimpleNamespace
 
-    from plugtron.core.checkpoint.schema import check_tiling
 
     chunks = [SimpleNamespace(offset=tuple(c[0]), shape=tuple(c[1])) for c in info.chunks]
     check_tiling(key, tuple(info.shape), chunks, directory)
@@ -242,7 +244,6 @@ def read_torch_dist(path: str) -> TorchDistCheckpoint:
 
 
 def _raw_bytes_planner():
-    from torch.distributed.checkpoint import DefaultSavePlanner
 
     class RawBytes(DefaultSavePlanner):
         """Writes an io.BytesIO's bytes as they are, as Megatron's planner does (the default
@@ -258,7 +259,6 @@ def write_torch_dist(parent: str, iteration: int, tensors: dict, common: dict) -
     """A ``torch_dist`` checkpoint ``parent/iter_XXXXXXX`` that Megatron-Core's
     ``dist_checkpointing.load`` reads: one chunk per (global) tensor, written by
     ``torch.distributed.checkpoint`` itself in one process."""
-    import torch.distributed.checkpoint as dcp
 
     _RawBytesPlanner = _raw_bytes_planner()
 

@@ -19,6 +19,5 @@ def step_memory_mb(device: torch.device) -> float:
             resident_pages = int(f.read().split()[1])
         return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
-        import resource
-
+        import resource  # noqa: PLC0415 - POSIX only
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, KiB on Linux

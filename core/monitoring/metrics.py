@@ -9,6 +9,8 @@ import sys
 import time
 import uuid
 
+from tqdm import tqdm
+
 
 class MetricsLogger:
     #: Keys of a train record that are not losses (everything else a model reported is one).
@@ -28,7 +30,6 @@ class MetricsLogger:
         if path:
             self.file = open(path, "a", buffering=1)
         if config.logging.progress and sys.stderr.isatty():
-            from tqdm import tqdm
 
             self.bar = tqdm(total=config.training.train_iters, initial=start_iteration,
                             unit="it", dynamic_ncols=True, file=sys.stderr)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+from plugtron.core.blocks.layer_stack import ComposedLayer
 from plugtron.core.errors import ConfigError
 
 #: Attribute a model plugin, layer backend or layer type sets to True to run under ``--cp > 1``.
@@ -132,7 +133,6 @@ def check_context_parallel_layers(config, layer_types: Iterable[type]) -> None:
 
 
 def _layer_modules(module: torch.nn.Module):
-    from plugtron.core.blocks.layer_stack import ComposedLayer
 
     for sub in module.modules():
         yield sub

@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import distributed_c10d
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,6 @@ def init_distributed(timeout_s: float = 600) -> WorldInfo:
     if world_size > 1 and not torch.distributed.is_initialized():
         # Subgroups (tp, pp, dp, ...) take torch's default timeout (30 min), not the world's:
         # make it this one so that every collective and P2P wait is bounded by it.
-        from torch.distributed import distributed_c10d
 
         distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=timeout_s)
         if hasattr(distributed_c10d, "default_pg_nccl_timeout"):

@@ -23,6 +23,7 @@ into any layout. Attributes (absent means "replicated, not sharded"):
 from __future__ import annotations
 
 import torch
+from plugtron.core.parallel import comm
 
 
 def block_sizes(total: int, chunks: int | tuple[int, ...] = 1) -> list[int]:
@@ -109,7 +110,6 @@ def gather_tensor_parallel(param: torch.Tensor, tp_group) -> torch.Tensor:
     A collective over ``tp_group`` for sharded params (every tp rank must call it, for the same
     params in the same order); replicated params come back as they are.
     """
-    from plugtron.core.parallel import comm
 
     tensor = param.detach()
     if not is_tensor_parallel(param) or comm.group_size(tp_group) == 1:

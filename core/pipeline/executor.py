@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -298,3 +299,24 @@ class ActionListSchedule:
                                         num_microbatches, config)
         return execute_actions(per_rank, forward_step_func, data_iterator, model,
                                num_microbatches, forward_only, parallel, p2p, loss_scale)
+
+
+class ExecutorSchedule(ActionListSchedule):
+    """The core's ``forward_backward`` for a schedule plugin that implements only
+    ``schedule_actions`` (``forward_backward`` is optional): the run registers it last, so it
+    answers only when the schedule itself does not. It reads the run's ``schedule_actions``
+    hook through a weak reference: the plugin manager holds this object."""
+
+    def __init__(self, pm):
+        self._pm = weakref.ref(pm)
+
+    def schedule_actions(self, **kwargs):
+        return self._pm().hook.schedule_actions(**kwargs)
+
+
+def ensure_forward_backward(pm) -> None:
+    """Register :class:`ExecutorSchedule` unless a plugin of ``pm`` implements
+    ``forward_backward`` (wrappers do not count)."""
+    impls = pm.hook.forward_backward.get_hookimpls()
+    if not any(not (impl.hookwrapper or impl.wrapper) for impl in impls):
+        pm.register(ExecutorSchedule(pm), name="schedule:executor")

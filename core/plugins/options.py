@@ -17,6 +17,7 @@ from plugtron.core.config import (
     SECTIONS,
     ConfigSection,
     TrainConfig,
+    apply_values,
     flag_fields,
     section_flag_fields,
 )
@@ -109,7 +110,6 @@ def config_from_flags(flags: dict, source: str = "settings") -> TrainConfig:
     aliases such as ``tp``), including options of the plugins those settings select: the core's
     settings are applied first, then the selected plugins' sections are attached and their
     settings applied."""
-    from plugtron.core.config import apply_values
 
     core_keys = set()
     for f in flag_fields():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import copy
 
+from plugtron.core.checkpoint.loader import check_tokenizer
+from plugtron.core.checkpoint.saved_config import saved_config
 from plugtron.core.errors import ConfigError
 from plugtron.core.plugins import registry
 
@@ -50,8 +52,6 @@ def check_checkpoint_tokenizer(config) -> None:
     the checkpoint's vocabulary (``CheckpointError``, exit 2, naming the tokenizer it was
     trained with). Without a named tokenizer the dataset's default is checked in the ranks when
     the checkpoint is loaded."""
-    from plugtron.core.checkpoint.loader import check_tokenizer
-    from plugtron.core.checkpoint.saved_config import saved_config
 
     data = config.data
     saved = saved_config(config.checkpoint.load)

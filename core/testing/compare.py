@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from plugtron.core.monitoring.metrics import MetricsLogger
 
 
 def relative_difference(got: float, want: float) -> float:
@@ -32,7 +33,6 @@ def assert_series_close(got: list, want: list, rtol: float, what: str) -> None:
 def loss_keys(records: list[dict]) -> list[str]:
     """Every loss a run logged (the model's main loss whatever its report key, other report
     keys, losses added inside the model), then the grad norm."""
-    from plugtron.core.monitoring.metrics import MetricsLogger
 
     first = records[0] if records else {}
     losses = [k for k, v in first.items()

@@ -47,6 +47,8 @@ import time
 import traceback
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _CACHE: dict = {}
@@ -85,7 +87,6 @@ class _World:
         self.generation = 0
 
     def join(self, size: int, fresh: bool = False) -> None:
-        import torch.distributed as dist
 
         if size == self.size and not fresh:
             return
@@ -105,8 +106,6 @@ class _World:
 
 
 def _worker(rank, world_size, store_dir, backend, timeout_s, tasks, results):
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     if sys.platform.startswith("linux"):

@@ -25,8 +25,7 @@ def pytest_addoption(parser) -> None:
 @pytest.fixture(scope="module")
 def rank_pool_factory():
     """``get(world_size, timeout=300.0)`` -> a started pool, one per size in this module."""
-    from .pool import DistributedPool
-
+    from .pool import DistributedPool  # noqa: PLC0415 - a pytest11 plugin loads in every pytest session: torch only when a test asks for a pool
     pools: dict = {}
 
     def get(world_size: int, timeout: float = 300.0) -> DistributedPool:

@@ -25,12 +25,21 @@ import copy
 import os
 from dataclasses import dataclass, field
 
+import torch
+from plugtron.core.config import num_microbatches, padded_vocab_size
 from plugtron.core.contracts.activations import (
     ActivationShape,
     ChunkActivations,
     module_activation_bytes,
 )
 from plugtron.core.errors import ConfigError
+from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.pipeline.plan import actions_of_all_ranks
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.options import with_plugin_sections
+from plugtron.core.plugins.selection import resolve_optimizer, resolve_schedule
+from plugtron.core.plugins.tokenizers import build_tokenizer
+from plugtron.core.training.builder import build_model, model_provider_of
 
 GIB = 2**30
 
@@ -108,14 +117,10 @@ def _dtype_name(config) -> str:
 def _finalized(config, world_size: int):
     """A copy with the plugins' sections and the padded vocabulary (which the dataset fixes in
     a run: here the tokenizer it would use)."""
-    from plugtron.core.config import padded_vocab_size
-    from plugtron.core.plugins.options import with_plugin_sections
 
     config = with_plugin_sections(copy.deepcopy(config))
     m = config.model
     if m.vocab_size is None:
-        from plugtron.core.plugins import registry
-        from plugtron.core.plugins.tokenizers import build_tokenizer
 
         name = config.data.tokenizer_type or getattr(
             registry.load("dataset", config.plugins.data), "default_tokenizer", None)
@@ -130,7 +135,6 @@ def _finalized(config, world_size: int):
 
 def _contexts(config, world_size: int) -> dict:
     """One ParallelContext per distinct rank position, with the ranks that share it."""
-    from plugtron.core.parallel.context import ParallelContext
 
     p = config.parallel
     out: dict = {}
@@ -149,7 +153,6 @@ def _contexts(config, world_size: int) -> dict:
 def _no_random_init():
     """torch's random initialisers on meta tensors go through its reference implementations,
     whose first use imports the compiler (seconds); a meta tensor has no values to draw."""
-    import torch
 
     names = ("normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
              "xavier_normal_", "trunc_normal_", "orthogonal_")
@@ -165,8 +168,6 @@ def _no_random_init():
 
 def _meta_chunks(config, parallel, provider) -> list:
     """The rank's model chunks on the meta device (shapes, no storage)."""
-    import torch
-    from plugtron.core.training.builder import build_model
 
     dtype = {2: torch.bfloat16 if config.training.bf16 else torch.float16}.get(
         _dtype_bytes(config), torch.float32)
@@ -210,8 +211,6 @@ def _held_peak(actions, chunk_bytes: list) -> tuple[int, int]:
 
 
 def _optimizer_plugin(config):
-    from plugtron.core.plugins import registry
-    from plugtron.core.plugins.selection import resolve_optimizer
 
     return registry.load("optimizer", resolve_optimizer(config))
 
@@ -219,12 +218,6 @@ def _optimizer_plugin(config):
 def estimate_memory(config, world_size: int, cuda: bool | None = None) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of ``config`` on ``world_size`` ranks (``cuda``: default,
     whether this machine has a GPU)."""
-    import torch
-    from plugtron.core.config import num_microbatches
-    from plugtron.core.pipeline.plan import actions_of_all_ranks
-    from plugtron.core.plugins import registry
-    from plugtron.core.plugins.selection import resolve_schedule
-    from plugtron.core.training.builder import model_provider_of
 
     if cuda is None:
         cuda = torch.cuda.is_available()
@@ -278,7 +271,6 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
 
 def available_memory_per_rank(ranks_on_node: int, cuda: bool | None = None) -> float:
     """CUDA: one device's memory. CPU: the host's memory shared by the node's ranks."""
-    import torch
 
     if cuda is None:
         cuda = torch.cuda.is_available()
@@ -310,7 +302,6 @@ def check_fits(estimate: MemoryEstimate, ranks_on_node: int, cuda: bool | None =
 
 
 def _has_cuda() -> bool:
-    import torch
 
     return torch.cuda.is_available()
 

@@ -13,7 +13,9 @@ import json
 import math
 
 from plugtron.core.checkpoint import load_checkpoint
+from plugtron.core.contracts.model_info import metric_name
 from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.training.loop import evaluate_all, loss_metrics, setup, split_sizes
 
 
 def document_sets(data_path) -> list[str]:
@@ -38,8 +40,6 @@ def evaluate_checkpoint(config, extra_plugins=(), world=None, as_json: bool = Fa
     perplexity, and appends ``{"iteration", "valid_<key>", ...}`` to ``--metrics-file``
     (with ``"data_path"``, one record per set, when there are several sets). ``as_json``: one
     JSON line per set instead. Returns the main loss (of the last set)."""
-    from plugtron.core.contracts.model_info import metric_name
-    from plugtron.core.training.loop import evaluate_all, loss_metrics, setup, split_sizes
 
     run = setup(config, extra_plugins, world)
     reader = load_checkpoint(run, config.checkpoint.load, model_only=True)

@@ -17,9 +17,14 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+from plugtron.core.checkpoint import CheckpointReader
+from plugtron.core.checkpoint.loader import load_checkpoint
 from plugtron.core.config import CheckpointConfig, LoggingConfig, ParallelConfig, padded_vocab_size
+from plugtron.core.interchange import hf_load
 from plugtron.core.parallel.context import ParallelContext
-from plugtron.core.parallel.distributed import single_process
+from plugtron.core.parallel.distributed import init_distributed, single_process
+from plugtron.core.plugins.options import config_from_dict
+from plugtron.core.training.builder import build_model
 
 
 class LoadedModel(torch.nn.Module):
@@ -63,11 +68,6 @@ def load_model(path: str, device: str | torch.device = "cpu", tp: int = 1, world
     cache with converter plugin ``model``) into this process, in eval mode: fp32, or bf16 when
     the run trained in bf16. ``tp`` > 1: this rank's shard of ``world`` (default: the
     initialised one, of size tp)."""
-    from plugtron.core.checkpoint import CheckpointReader
-    from plugtron.core.checkpoint.loader import load_checkpoint
-    from plugtron.core.interchange import hf_load
-    from plugtron.core.plugins.options import config_from_dict
-    from plugtron.core.training.builder import build_model
 
     if hf_load.is_hf_dir(path):
         path = hf_load.import_cached(path, model)
@@ -80,7 +80,6 @@ def load_model(path: str, device: str | torch.device = "cpu", tp: int = 1, world
     if tp == 1:
         world = single_process(str(device))
     elif world is None:
-        from plugtron.core.parallel.distributed import init_distributed
 
         world = init_distributed()
     if world.world_size != tp:

@@ -21,6 +21,7 @@ from plugtron.core.parallel.context_parallel import check_built_layers, local_mi
 from plugtron.core.parallel.ddp import DistributedDataParallel
 from plugtron.core.parallel.distributed import WorldInfo, init_distributed
 from plugtron.core.parallel.random import seed_everything
+from plugtron.core.pipeline.executor import ensure_forward_backward
 from plugtron.core.pipeline.p2p import P2PCommunicator
 from plugtron.core.pipeline.plan import check_schedule
 from plugtron.core.plugins import registry
@@ -119,6 +120,7 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None)
     parallel = build_parallel(config, world)
     step_info.current.rank = world.rank
     pm = build_plugin_manager(config, extra_plugins)
+    ensure_forward_backward(pm)
     pm.hook.plugtron_configure.call_historic(kwargs={"config": config})
     pm.hook.plugtron_process_groups_ready.call_historic(kwargs={"parallel": parallel})
     # A schedule that cannot run this layout fails now, not at the first step.

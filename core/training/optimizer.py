@@ -329,8 +329,7 @@ def _adam_kernel(groups: list) -> dict:
     """``fused=True`` where torch has a fused AdamW kernel for every parameter's device (one
     pass per tensor: 2.5 against 14 ms for foreach on 3.2M fp32 parameters, 2 CPU threads),
     else ``foreach=True``. Like Megatron's fused Adam, it changes rounding, not the update."""
-    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
-
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # noqa: PLC0415 - torch-private: asked for where the optimizer is built
     params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
     devices = {p.device.type for p in params}
     if devices and devices <= set(_get_fused_kernels_supported_devices()):

@@ -6,8 +6,18 @@ Each failure names the values and the rule, so the user can fix the command line
 from __future__ import annotations
 
 from plugtron.core.config import TrainConfig
-from plugtron.core.errors import ConfigError
+from plugtron.core.contracts.model_info import model_info_for
+from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.monitoring.profiling import validate_profile
+from plugtron.core.parallel.context import validate_sizes
+from plugtron.core.parallel.context_parallel import check_support
 from plugtron.core.pipeline.layout import chunk_layers
+from plugtron.core.pipeline.plan import check_schedule
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.manager import wants_sharded_gradients
+from plugtron.core.plugins.objects import call_declared, run_plugin_objects
+from plugtron.core.plugins.selection import resolve_schedule
+from plugtron.core.training.recompute import validate_recompute
 
 
 def _positive(name: str, value) -> None:
@@ -16,7 +26,6 @@ def _positive(name: str, value) -> None:
 
 
 def validate(config: TrainConfig, world_size: int) -> None:
-    from plugtron.core.parallel.context import validate_sizes
 
     m, p, t = config.model, config.parallel, config.training
     for name, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
@@ -65,8 +74,6 @@ def validate(config: TrainConfig, world_size: int) -> None:
     check_pipeline_schedule(config, dp)
     if config.checkpoint.save_interval is not None and not config.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
-    from plugtron.core.monitoring.profiling import validate_profile
-    from plugtron.core.training.recompute import validate_recompute
 
     validate_profile(config)
     validate_recompute(config)
@@ -116,14 +123,12 @@ def _refuse_unbuilt(config: TrainConfig) -> None:
 
 def _model_places_layers(config: TrainConfig) -> bool:
     """Whether the selected model splits its layers over stages itself (``ModelInfo``)."""
-    from plugtron.core.contracts.model_info import model_info_for
 
     return model_info_for(config).places_layers
 
 
 def validate_plugins(config: TrainConfig, world_size: int, plugins=None) -> None:
     """Every plugin's own checks (``plugtron_validate``) on the whole config."""
-    from plugtron.core.plugins.objects import call_declared, run_plugin_objects
 
     plugins = run_plugin_objects(config, strict_drivers=True) if plugins is None else plugins
     _check_context_parallel(config, plugins)
@@ -134,7 +139,6 @@ def validate_plugins(config: TrainConfig, world_size: int, plugins=None) -> None
 def _check_context_parallel(config: TrainConfig, plugins) -> None:
     """With --cp > 1: sizes and comm type, and the selected model and layer backend declare cp
     support (core/parallel/context_parallel.py); the model checks its own layer types."""
-    from plugtron.core.parallel.context_parallel import check_support
 
     roles = {p.role: p.obj for p in plugins}
     check_support(config, model=roles.get("model"), layer_backend=roles.get("layer_backend"))
@@ -142,11 +146,9 @@ def _check_context_parallel(config: TrainConfig, plugins) -> None:
 
 def _check_data_parallel(config: TrainConfig) -> None:
     """Distributed-optimizer and fp16 loss-scaler settings (docs/data_parallel.md)."""
-    from plugtron.core.errors import PluginError
 
     p, t = config.parallel, config.training
     if p.overlap_param_gather:
-        from plugtron.core.plugins.manager import wants_sharded_gradients
 
         try:
             sharded = wants_sharded_gradients(config)
@@ -167,9 +169,6 @@ def _check_data_parallel(config: TrainConfig) -> None:
 def check_pipeline_schedule(config: TrainConfig, dp: int) -> None:
     """The selected schedule must support the layout and the number of microbatches (e.g.
     interleaving's group-size rules); its lists must finish. Nothing is launched."""
-    from plugtron.core.pipeline.plan import check_schedule
-    from plugtron.core.plugins import registry
-    from plugtron.core.plugins.selection import resolve_schedule
 
     p, t = config.parallel, config.training
     name = resolve_schedule(config)

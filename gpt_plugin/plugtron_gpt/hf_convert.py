@@ -19,7 +19,7 @@ plugtron's names are Megatron-Core's (``decoder.layers.{i}.self_attention.linear
 from __future__ import annotations
 
 import torch
-from plugtron.api import ConfigError
+from plugtron.api import ConfigError, TrainConfig
 
 from .attention_options import attention_options, parse_window, rope_scaling
 from .hf_families import FAMILIES, family_config, family_flags, family_of
@@ -318,7 +318,6 @@ class GPTConverter:
 
     def export_hf(self, model_config, tensors: dict, config=None) -> tuple[dict, dict]:
         if config is None:  # a caller with the model section only: no plugin options
-            from plugtron.api import TrainConfig
 
             config = TrainConfig()
             config.model = model_config

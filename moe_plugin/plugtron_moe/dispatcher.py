@@ -52,6 +52,7 @@ from plugtron.api import (
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     group_size,
+    load_plugin,
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_sequence_parallel_region,
@@ -156,6 +157,5 @@ class TokenDispatcher:
 
 def load_dispatcher(name: str) -> type:
     """The dispatcher class registered under ``name`` (``PluginError`` lists the others)."""
-    from plugtron.api import load_plugin
 
     return load_plugin("moe_dispatcher", name)

@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 
 import numpy as np
+import torch.distributed as dist
 
 #: Bumped when an algorithm changes, so that old caches are not reused.
 ALGORITHM_VERSION = 1
@@ -27,7 +28,6 @@ def description_hash(description: dict) -> str:
 
 
 def _distributed():
-    import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
 

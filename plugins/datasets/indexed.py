@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 from plugtron.api import ConfigError, ConfigSection, hookimpl, opt, saved_config, tokenizer_for
 
 from . import gpt_indices
@@ -182,7 +183,6 @@ def _continues(old, new) -> bool:
     """Whether ``new`` gives ``old``'s samples at ``old``'s indices (then a resumed run goes on
     in the same order): a GPT split's three indices equal (the same epochs, the same final-epoch
     rule), a blend's indices a prefix of the new ones over parts that continue."""
-    import numpy as np
 
     if old is None or new is None:
         return old is new

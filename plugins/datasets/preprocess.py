@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from plugtron.api import ConfigError, build_tokenizer
+from tqdm import tqdm
 
 from .indexed_format import IndexedWriter, bin_path, idx_path, optimal_dtype
 from .text import TEXT_SUFFIXES, corpus_files
@@ -225,7 +226,6 @@ class _Encoder:
 def _progress_bar(enabled: bool):
     if not enabled:
         return None
-    from tqdm import tqdm
 
     return tqdm(unit=" records", file=sys.stderr, dynamic_ncols=True, mininterval=0.5)
 

@@ -58,8 +58,7 @@ class TensorBoardLogger:
         options = config.tensorboard
         if self.rank != 0 or options.tensorboard_dir is None:
             return
-        from torch.utils.tensorboard import SummaryWriter
-
+        from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional extra plugtron[tensorboard]
         self.options = options
         self.writer = SummaryWriter(log_dir=options.tensorboard_dir,
                                     max_queue=options.tensorboard_queue_size)

@@ -83,8 +83,7 @@ class WandbLogger:
         options = config.wandb
         if self.rank != 0 or not options.wandb_project:
             return
-        import wandb
-
+        import wandb  # noqa: PLC0415 - optional extra plugtron[wandb]
         mode = resolve_mode(options)
         save_dir = options.wandb_save_dir or os.path.join(os.getcwd(), "wandb")
         os.makedirs(save_dir, exist_ok=True)

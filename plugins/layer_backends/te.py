@@ -61,7 +61,7 @@ def import_transformer_engine():
         raise ConfigError("layer backend 'te' needs a CUDA GPU (transformer-engine runs on "
                           "NVIDIA GPUs only) and none is visible: use --layer-backend local")
     try:
-        import transformer_engine.pytorch as te
+        import transformer_engine.pytorch as te  # noqa: PLC0415 - optional backend: needs CUDA
     except Exception as exc:  # noqa: BLE001 - any import failure is reported the same way
         raise PluginError(f"layer backend 'te': transformer-engine failed to import "
                           f"({type(exc).__name__}: {exc}); {INSTALL_HINT}") from None

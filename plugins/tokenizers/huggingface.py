@@ -20,7 +20,7 @@ EOS_SPELLINGS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eot_id|
 
 def _load(path: Path):
     try:
-        import transformers
+        import transformers  # noqa: PLC0415 - optional: only this tokenizer needs transformers
     except ImportError:
         raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs the transformers "
                           "package: pip install transformers") from None
