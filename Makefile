@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 CC     ?= cc
 BLEND  := plugins/datasets/index_helpers.so
 
-.PHONY: train test install clean
+.PHONY: train test lint install clean
 
 $(STAMP): setup.cfg gpt_plugin/setup.cfg moe_plugin/setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,19 @@ JOBS ?= 2
 test: $(STAMP) $(BLEND)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not serial" --durations=30 $(ARGS)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m serial $(ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+
+## Lint: ruff (pyflakes, pycodestyle, import order, function-level imports only with a reason)
+## on the whole tree, then mypy on plugtron.core and plugtron.api. mypy finds modules by their
+## paths, and setup.cfg maps plugtron.core onto core/: build/typecheck/plugtron/ links each
+## package under its import name.
+TYPECHECK := build/typecheck
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/plugtron
+	ln -s $(CURDIR)/core $(TYPECHECK)/plugtron/core
+	ln -s $(CURDIR)/core/api $(TYPECHECK)/plugtron/api
+	cd $(TYPECHECK) && MYPYPATH=. $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
+		--cache-dir $(CURDIR)/build/mypy-cache -p plugtron.core -p plugtron.api
 
 clean:
 	rm -rf $(VENV) $(BLEND) build *.egg-info gpt_plugin/*.egg-info moe_plugin/*.egg-info
