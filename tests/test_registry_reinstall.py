@@ -39,7 +39,7 @@ class {cls}:
 # What a fresh process sees: the names listed, and for each what loading gives.
 PROBE = """
 import json
-from plugtron.core import registry
+from plugtron.core.plugins import registry
 from plugtron.core.errors import PluginError
 
 names = [i.name for i in registry.available("optimizer") if i.name.startswith("probe-")]
