@@ -24,7 +24,7 @@ def list_plugins(check):
     """Every entry-point group, every name, its distribution and version."""
     results = dict(plugin_check.check_plugins(plugin_check.installed_plugins())) if check else {}
     failed = False
-    for role, group in registry.GROUPS.items():
+    for role, group in registry.groups().items():
         infos = registry.available(role)
         click.echo(f"{group}  ({role})")
         if not infos:

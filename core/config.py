@@ -185,8 +185,9 @@ class TrainingConfig:
     recompute_num_layers: int = opt(1, "--recompute-num-layers",
                                     "full: layers per group (uniform) or per chunk (block).")
     recompute_modules: list = opt([], "--recompute-modules",
-                                  "selective: core_attn (default), mlp, layernorm, moe_act, "
-                                  "moe, shared_experts (repeatable or comma-separated).")
+                                  "selective: the parts to recompute, by the names the layer "
+                                  "types declare (default core_attn; repeatable or "
+                                  "comma-separated).")
 
 
 @dataclass

@@ -85,6 +85,7 @@ from plugtron.core.pipeline.plan import Action
 from plugtron.core.pipeline.steps import backward_step as schedule_backward_step
 from plugtron.core.pipeline.steps import forward_step as schedule_forward_step
 from plugtron.core.pipeline.steps import sync_context
+from plugtron.core.plugins.registry import PluginRole
 from plugtron.core.plugins.registry import load as load_plugin
 from plugtron.core.plugins.selection import selected_drivers
 from plugtron.core.plugins.tokenizers import build_tokenizer, tokenizer_for
@@ -110,7 +111,7 @@ from plugtron.core.training.step_info import check_finite
 
 __all__ = [
     # plugins and their options
-    "hookimpl", "ConfigSection", "opt", "TrainConfig", "selected_drivers",
+    "hookimpl", "ConfigSection", "opt", "TrainConfig", "selected_drivers", "PluginRole",
     "PlugtronError", "ConfigError", "PluginError", "CheckpointError",
     # models
     "load_plugin",

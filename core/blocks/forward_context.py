@@ -1,11 +1,11 @@
 """Per-forward inputs that reach every layer without widening the layer contract.
 
-A layer type's ``forward(hidden, rotary=None)`` stays as it is; what only some layers need for
+A layer type's ``forward(hidden, position=None)`` stays as it is; what only some layers need for
 one forward pass (document boundaries of packed samples for attention, the KV cache of a
 generation step, ...) is set once by the model around its decoder and read where it is used::
 
     with forward_context(document_ids=batch_doc_ids):
-        hidden = self.decoder(hidden, rotary)
+        hidden = self.decoder(hidden, position)
 
     # inside core attention
     ctx = current_forward_context()

@@ -10,7 +10,7 @@ every part on itself, so each parameter has one name and no part adds a level, a
 parts in order::
 
     layer = ComposedLayer([attention_type(...), mlp_type(...)])
-    hidden = layer(hidden, rotary)
+    hidden = layer(hidden, position)
 
 Any model may use it; nothing here knows GPT.
 """
@@ -27,7 +27,7 @@ class ComposedLayer(torch.nn.Module):
     """Run several layer-type modules in sequence as ONE decoder layer.
 
     ``parts``: the layer-type modules, in the order they run; each has
-    ``forward(hidden, rotary=None)`` and returns the new residual stream. The children of every
+    ``forward(hidden, position=None)`` and returns the new residual stream. The children of every
     part become children of this module under their own names, so a part's parameters are named
     ``<this layer>.<child>.<...>``.
 
@@ -80,7 +80,7 @@ class ComposedLayer(torch.nn.Module):
             part.train(mode)
         return self
 
-    def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, position: object = None) -> torch.Tensor:
         for part in self._parts:
-            hidden = part(hidden, rotary)
+            hidden = part(hidden, position)
         return hidden

@@ -1,7 +1,7 @@
 """Where a rank's shard sits inside the global tensor, and copying between shards of two layouts.
 
 A tensor-parallel shard is not always one box of the global tensor: with ``partition_chunks``
-> 1 (SwiGLU's ``[gate; up]``) or a tuple of block sizes (Mamba's ``[z, x, B, C, dt]``) the
+> 1 (a gated MLP's ``[gate; up]``) or a tuple of block sizes (a fused projection of unequal parts) the
 global tensor is blocks along the partition dimension and each block is split over the tp ranks separately, so a rank holds one box per
 block. A checkpoint stores every box a writer held as a *piece* with its global offset; loading
 intersects the boxes the reading rank needs with the stored pieces. Neither side needs to know

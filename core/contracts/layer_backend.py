@@ -78,7 +78,7 @@ class LayerBackend(ABC):
         (sequence-sharded under SP, gathered inside). Output: this rank's slice of features, or
         all of them with ``gather_output``. ``partition_chunks``: the output is that many equal
         blocks (e.g. [gate; up]) split separately, so the local output is [gate_r; up_r]; or a
-        tuple of the blocks' full sizes when they differ (Mamba's [z, x, B, C, dt]), each
+        tuple of the blocks' full sizes when they differ (a fused projection of unequal parts), each
         divisible by tp."""
 
     @abstractmethod

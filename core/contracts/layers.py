@@ -1,11 +1,13 @@
 """Decoder sub-layer types, found by their one-character symbol (entry-point group
 ``plugtron.layers``).
 
-A layer type is a ``torch.nn.Module`` class with a class attribute ``symbol`` (``*`` attention,
-``-`` MLP, ``M`` Mamba, ``E`` MoE, ...) and the constructor
+A layer type is a ``torch.nn.Module`` class with a class attribute ``symbol`` (one character,
+unique over the installed layer types) and the constructor
 ``(config, backend, parallel, layer_number, seed)`` where ``layer_number`` is the 1-based global
 index of the transformer layer it belongs to (so initialisation does not depend on the layout).
-``forward(hidden, rotary=None)`` returns the new residual stream (the residual is added inside).
+``forward(hidden, position=None)`` returns the new residual stream (the residual is added inside);
+``position`` is whatever position encoding the model computes once per forward (rope's cos and
+sin, say), passed positionally, or None.
 
 A layer type is a whole decoder layer on its own, and its children name its parameters under
 ``decoder.layers.{layer_number - 1}`` (``*``: ``input_layernorm``, ``self_attention``; ``-``:
@@ -14,7 +16,10 @@ types under one layer index (a GPT layer is ``*`` then ``-``) are run as one dec
 :class:`plugtron.core.blocks.layer_stack.ComposedLayer`, which keeps those names flat.
 
 A layer type may also take another's place at chosen layers (:func:`substitute_symbols`): the
-model asks the registry which symbol runs in each slot of its pattern at each layer.
+model asks the registry which symbol runs in each slot of its pattern at each layer. It names the
+parts ``--recompute-granularity selective`` may recompute in a class attribute
+``recompute_modules`` (a tuple of Megatron's names, e.g. ``("mlp", "layernorm")``); the core
+accepts in ``--recompute-modules`` exactly the names the installed layer types declare.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ def check_support(config, model=None, layer_backend=None) -> None:
 
 def check_context_parallel_layers(config, layer_types: Iterable[type]) -> None:
     """For a model plugin's validation: with ``--cp > 1`` every layer type it will build must
-    declare cp support (a Mamba layer that scans the local tokens only would be wrong)."""
+    declare cp support (a recurrent layer that scans the local tokens only would be wrong)."""
     cp = config.parallel.context_parallel_size
     if cp == 1:
         return

@@ -8,8 +8,8 @@ into any layout. Attributes (absent means "replicated, not sharded"):
 * ``partition_dim`` (int): the dimension that is split.
 * ``partition_chunks`` (int or tuple of ints): the full tensor is blocks along
   ``partition_dim`` and each block is split across tp separately: an int is that many equal
-  blocks (SwiGLU's [gate; up]), a tuple gives each block's full size (Mamba's in_proj
-  [z, x, B, C, dt] has blocks of different sizes).
+  blocks (a gated MLP's [gate; up]), a tuple gives each block's full size (for a fused
+  projection whose blocks differ in size).
 * ``sequence_parallel`` (bool): replicated over tp but fed sequence-sharded activations, so its
   gradient must be all-reduced over tp when grads are finalised.
 * ``shared_group`` (str): one copy of a tensor shared between the first and last pipeline stage

@@ -190,9 +190,9 @@ def check_layer_type(info: registry.PluginInfo, obj) -> list[Problem]:
 
 
 def installed_plugins(names: Collection[str] = ()) -> list[registry.PluginInfo]:
-    """Every installed plugin, role by role (``registry.GROUPS`` order) then by name; only those
+    """Every installed plugin, role by role (``registry.roles()`` order) then by name; only those
     called one of ``names`` when given."""
-    return [info for role in registry.GROUPS for info in registry.available(role)
+    return [info for role in registry.roles() for info in registry.available(role)
             if not names or info.name in names]
 
 

@@ -2,13 +2,14 @@
 
 Options (``plugtron_config_sections``) and checks (``plugtron_validate``) are collected the way
 pytest collects ``pytest_addoption``: from the drivers the run selected, its layer backend, every
-installed layer type and MoE dispatcher, and every extension that is not disabled. Only the
+installed plugin of an always-collected role (layer types, and any role a distribution
+declares so), and every extension that is not disabled. Only the
 selected drivers are imported among the drivers, so an uninstalled or broken driver that the run
-does not select costs nothing; a broken layer type, dispatcher or extension is skipped with one
+does not select costs nothing; a broken layer type or extension is skipped with one
 warning that names it, and the others keep their options.
 
 Drivers and extensions are instances (their methods may be pluggy ``hookimpl``\\ s); layer types,
-dispatchers and layer backends are classes, which declare these as ``staticmethod`` or
+layer backends and plugins of declared roles are classes, which declare these as ``staticmethod`` or
 ``classmethod``.
 """
 
@@ -21,9 +22,6 @@ from plugtron.core.errors import PluginError
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.selection import autoload_disabled, disabled_extensions, selected_drivers
 from plugtron.core.plugins.signatures import declared_arguments
-
-#: Roles of which every installed plugin takes part (the drivers take part only when selected).
-ALWAYS_COLLECTED = ("layer", "moe_dispatcher")
 
 _warned: set[str] = set()
 
@@ -70,7 +68,7 @@ def run_plugin_objects(config, strict_drivers: bool = False) -> list[PluginObjec
         if role != "layer_backend":
             obj = registry.instantiate(obj)
         out.append(PluginObject(role, name, _origin(role, name), obj))
-    for role in ALWAYS_COLLECTED:
+    for role in registry.always_collected_roles():
         for info in registry.available(role):
             try:
                 out.append(PluginObject(role, info.name, info.origin,

@@ -10,26 +10,92 @@ be listed here but "not found" there.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata as metadata
+import sys
 from dataclasses import dataclass, field
 
 from plugtron.core.errors import PluginError
 from stevedore import DriverManager
 from stevedore.extension import Extension
 
-#: role -> entry-point group. The role is what error messages and the CLI call it.
-GROUPS: dict[str, str] = {
-    "model": "plugtron.models",
-    "schedule": "plugtron.schedules",
-    "optimizer": "plugtron.optimizers",
-    "layer_backend": "plugtron.layer_backends",
-    "layer": "plugtron.layers",
-    "moe_dispatcher": "plugtron.moe_dispatchers",
-    "dataset": "plugtron.datasets",
-    "tokenizer": "plugtron.tokenizers",
-    "converter": "plugtron.converters",
-    "extension": "plugtron",
+
+@dataclass(frozen=True)
+class PluginRole:
+    """A swappable role: its entry-point group and how the core treats its plugins.
+
+    The core declares its own roles here; a distribution adds one of its own (plugtron-moe's
+    token dispatchers) with an entry point in group ``plugtron.roles`` whose name is the role's
+    name and whose object is a ``PluginRole``, the way pytest plugins add hooks with
+    ``pytest_addhooks``. The core then lists, loads and checks that role's plugins like its own.
+    """
+
+    group: str
+    description: str = ""
+    #: Every installed plugin of the role takes part in option collection and validation (like
+    #: layer types), not only one a run selects.
+    always_collected: bool = False
+
+
+#: The core's roles. The role is what error messages and the CLI call it.
+CORE_ROLES: dict[str, PluginRole] = {
+    "model": PluginRole("plugtron.models", "builds one pipeline stage, forward_step, loss_func"),
+    "schedule": PluginRole("plugtron.schedules", "the pipeline schedule"),
+    "optimizer": PluginRole("plugtron.optimizers", "builds the optimizer"),
+    "layer_backend": PluginRole("plugtron.layer_backends", "tensor-parallel building blocks"),
+    "layer": PluginRole("plugtron.layers", "decoder layer types by symbol", always_collected=True),
+    "dataset": PluginRole("plugtron.datasets", "dataset providers"),
+    "tokenizer": PluginRole("plugtron.tokenizers", "--tokenizer-type"),
+    "converter": PluginRole("plugtron.converters", "HF / Megatron mapping of one model"),
+    "extension": PluginRole("plugtron", "lifecycle hooks and wrappers"),
 }
+#: role -> entry-point group of the core's roles.
+GROUPS: dict[str, str] = {role: r.group for role, r in CORE_ROLES.items()}
+#: The group in which distributions declare roles of their own.
+ROLES_GROUP = "plugtron.roles"
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        print(f"plugtron: warning: {message}", file=sys.stderr, flush=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _declared_role(name: str, value: str, ep: metadata.EntryPoint) -> PluginRole | None:
+    try:
+        role = ep.load()
+    except Exception as exc:  # noqa: BLE001 - a broken declaration must not break the others
+        _warn_once(f"skipping plugin role {name!r} ({value}): {type(exc).__name__}: {exc}")
+        return None
+    if not isinstance(role, PluginRole):
+        _warn_once(f"skipping plugin role {name!r} ({value}): not a PluginRole")
+        return None
+    return role
+
+
+def roles() -> dict[str, PluginRole]:
+    """The core's roles, then those installed distributions declare (group ``plugtron.roles``;
+    a name the core already has is ignored)."""
+    out = dict(CORE_ROLES)
+    for ep in metadata.entry_points(group=ROLES_GROUP):
+        if ep.name not in out:
+            role = _declared_role(ep.name, ep.value, ep)
+            if role is not None:
+                out[ep.name] = role
+    return out
+
+
+def groups() -> dict[str, str]:
+    """role -> entry-point group, declared roles included."""
+    return {role: r.group for role, r in roles().items()}
+
+
+def always_collected_roles() -> list[str]:
+    """Roles every installed plugin of which takes part in options and validation."""
+    return [role for role, r in roles().items() if r.always_collected]
 
 
 @dataclass(frozen=True)
@@ -50,10 +116,11 @@ class PluginInfo:
 
 
 def _group(role: str) -> str:
+    known = roles()
     try:
-        return GROUPS[role]
+        return known[role].group
     except KeyError:
-        raise PluginError(f"unknown plugin role {role!r}; roles: {', '.join(GROUPS)}") from None
+        raise PluginError(f"unknown plugin role {role!r}; roles: {', '.join(known)}") from None
 
 
 def available(role: str) -> list[PluginInfo]:

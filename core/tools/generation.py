@@ -13,8 +13,9 @@ column. Positions count each row's own tokens (the first real token is position 
 row gets exactly the tokens it gets alone.
 
 Layer types whose state between steps lives in the InferenceState declare
-``supports_kv_cache = True``: attention ``*`` (k/v), MLP ``-`` and MoE ``E`` (none), Mamba ``M``
-(its conv window and SSM state in ``state.recurrent``; padding tokens are made no-ops). A model
+``supports_kv_cache = True``: an attention layer keeps its k/v, a layer without state keeps
+nothing, a recurrent layer keeps its state in ``state.recurrent`` (and makes padding tokens
+no-ops). A model
 with any other layer is run without a cache and one row at a time: the whole prefix is
 recomputed for every new token, with no padding that an unknown layer would read.
 """
@@ -41,7 +42,7 @@ class InferenceState:
         self.use_cache = use_cache
         self.offset = 0  # tokens of every row already in the cache
         self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        #: Per-layer state of recurrent layers (Mamba: conv window, SSM state), by layer name.
+        #: Per-layer state of recurrent layers (e.g. a convolution window), by layer name.
         self.recurrent: dict[str, object] = {}
 
     def valid(self, num_tokens: int) -> torch.Tensor:
@@ -236,7 +237,7 @@ def generate(model, prompts, max_new_tokens: int, *, greedy: bool = False,
     if use_cache is None:
         use_cache = cacheable
     elif use_cache and not cacheable:
-        raise ValueError("this model has layers without KV-cache support (e.g. Mamba); "
+        raise ValueError("this model has layers without KV-cache support (supports_kv_cache); "
                          "generate with use_cache=False")
     generator = torch.Generator().manual_seed(seed) if seed is not None else None
     stopper = _Stopper(len(prompts), eod, stop, tokenizer)

@@ -12,9 +12,11 @@ them. So a run with recompute gives bitwise the losses of the same run without i
 * ``full``: whole decoder layers. ``uniform`` groups the chunk's layers into runs of
   ``--recompute-num-layers`` and recomputes each group from its input; ``block`` recomputes the
   first ``--recompute-num-layers`` layers of each chunk one by one and keeps the rest.
-* ``selective``: only the parts a layer type names (``core_attn``, ``mlp``, ``layernorm``,
-  ``moe_act``, ``moe``, ``shared_experts``); a layer asks :func:`recompute_module` and wraps that
-  part in :func:`recompute`.
+* ``selective``: only the parts a layer type names. Each layer type declares the names of its
+  parts as ``recompute_modules`` (Megatron's names: ``core_attn``, ``mlp``, ``layernorm``, ...;
+  ``core_attn`` when the flag is not given); a layer asks :func:`recompute_module` and wraps that
+  part in :func:`recompute`. ``--recompute-modules`` takes the names the installed layer types
+  declare.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ from typing import Callable, Sequence
 import torch
 import torch.utils.checkpoint
 from plugtron.core.blocks.forward_context import current_forward_context, use_forward_context
-from plugtron.core.errors import ConfigError
+from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.plugins import registry
 
-#: Megatron's module names for selective recompute.
-SELECTIVE_MODULES = ("core_attn", "mlp", "layernorm", "moe_act", "moe", "shared_experts")
+#: Megatron's default part for selective recompute.
+DEFAULT_MODULES = ("core_attn",)
 
 _trackers: "weakref.WeakSet" = weakref.WeakSet()
 _rerunning = [0]
@@ -89,11 +92,29 @@ def recompute_module(config, name: str) -> bool:
     return t.recompute_granularity == "selective" and name in selected_modules(config)
 
 
-def selected_modules(config) -> list[str]:
+def _given_modules(config) -> list[str]:
     modules = []
     for item in config.training.recompute_modules:
         modules += [m for m in str(item).split(",") if m]
-    return modules or ["core_attn"]
+    return modules
+
+
+def selected_modules(config) -> list[str]:
+    return _given_modules(config) or list(DEFAULT_MODULES)
+
+
+def declared_modules() -> list[str]:
+    """The part names the installed layer types declare (``recompute_modules``), in first-seen
+    order; a layer type that fails to import is left out (its options are skipped the same
+    way)."""
+    names: dict[str, None] = dict.fromkeys(DEFAULT_MODULES)
+    for info in registry.available("layer"):
+        try:
+            layer_type = registry.load("layer", info.name)
+        except PluginError:
+            continue
+        names.update(dict.fromkeys(getattr(layer_type, "recompute_modules", ())))
+    return list(names)
 
 
 def recompute_plan(config, num_layers: int) -> list[tuple[int, int, bool]]:
@@ -134,10 +155,12 @@ def validate_recompute(config) -> None:
     if t.recompute_num_layers < 1:
         raise ConfigError(f"--recompute-num-layers must be at least 1, got "
                           f"{t.recompute_num_layers}")
-    unknown = [m for m in selected_modules(config) if m not in SELECTIVE_MODULES]
+    given = _given_modules(config)
+    allowed = declared_modules() if given else []
+    unknown = [m for m in given if m not in allowed]
     if unknown:
-        raise ConfigError(f"--recompute-modules {', '.join(unknown)}: unknown; allowed: "
-                          f"{', '.join(SELECTIVE_MODULES)}")
+        raise ConfigError(f"--recompute-modules {', '.join(unknown)}: unknown; allowed (the "
+                          f"installed layer types' parts): {', '.join(allowed)}")
     if t.recompute_granularity != "selective" and t.recompute_modules:
         raise ConfigError("--recompute-modules needs --recompute-granularity selective")
     if t.recompute_granularity is None and (t.recompute_num_layers != 1

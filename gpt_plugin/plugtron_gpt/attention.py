@@ -102,6 +102,8 @@ class SelfAttentionLayer(torch.nn.Module):
     """``hidden + dropout(self_attention(input_layernorm(hidden)))``."""
 
     symbol = "*"
+    #: The parts --recompute-granularity selective may recompute (--recompute-modules).
+    recompute_modules = ("core_attn", "layernorm")
     supports_context_parallel = True  # core_attention reaches the keys on other cp ranks
     supports_kv_cache = True  # generation keeps its k/v (SelfAttention.forward)
 

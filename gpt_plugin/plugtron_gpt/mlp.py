@@ -95,6 +95,8 @@ class MLPLayer(torch.nn.Module):
     """``hidden + dropout(mlp(pre_mlp_layernorm(hidden)))``."""
 
     symbol = "-"
+    #: The parts --recompute-granularity selective may recompute (--recompute-modules).
+    recompute_modules = ("mlp", "layernorm")
     supports_kv_cache = True  # per token: nothing to keep between generation steps
     supports_context_parallel = True  # per token: nothing crosses the sequence
 

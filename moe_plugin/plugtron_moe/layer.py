@@ -62,6 +62,8 @@ class MoE(torch.nn.Module):
 
 class MoELayer(torch.nn.Module):
     symbol = "E"
+    #: The parts --recompute-granularity selective may recompute (--recompute-modules).
+    recompute_modules = ("moe", "moe_act", "shared_experts", "layernorm")
     supports_kv_cache = True  # per token: nothing to keep between generation steps
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
