@@ -23,8 +23,8 @@ import time
 
 import torch
 from plugtron.core.checkpoint import Checkpointer, load_checkpoint
-from plugtron.core.config import TrainConfig, apply_values
 from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins.options import config_from_flags
 from plugtron.core.training.loop import setup
 
 MODELS = {
@@ -37,8 +37,7 @@ COMMON = {"data": "mock", "micro-batch-size": 1, "global-batch-size": 1, "train-
 
 
 def build(settings: dict, save: str):
-    config = TrainConfig()
-    apply_values(config, {**COMMON, **settings, "save": save}, "benchmark")
+    config = config_from_flags({**COMMON, **settings, "save": save}, "benchmark")
     run = setup(config, world=single_process())
     run.optimizer.zero_grad()
     run.scheduler.prepare(1)

@@ -19,15 +19,14 @@ import time
 
 import torch
 from bench_foundation import MODELS, SIZES, median
-from plugtron.core.config import TrainConfig, apply_values
 from plugtron.core.monitoring.metrics import MetricsLogger
 from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins.options import config_from_flags
 from plugtron.core.training.loop import data_iterators, setup, train_step
 
 
 def build(args, rounds):
-    config = TrainConfig()
-    apply_values(config, {**SIZES, **MODELS[args.model][0], "bf16": args.precision == "bf16",
+    config = config_from_flags({**SIZES, **MODELS[args.model][0], "bf16": args.precision == "bf16",
                           "train-iters": rounds + args.warmup + 2}, "bench")
     run = setup(config, world=single_process())
     MetricsLogger(config, rank=1)

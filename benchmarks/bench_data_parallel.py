@@ -35,9 +35,9 @@ WARMUP = 2
 def _train(rank, world_size, overrides: dict, iters: int) -> dict:
     """In each pool rank: a short run; its median step time and optimizer-state bytes."""
     import torch
-    from plugtron.core.config import TrainConfig, apply_values
     from plugtron.core.contracts.hookspecs import hookimpl
     from plugtron.core.monitoring.metrics import MetricsLogger
+    from plugtron.core.plugins.options import config_from_flags
     from plugtron.core.training.loop import setup, train
 
     class Recorder:
@@ -49,8 +49,7 @@ def _train(rank, world_size, overrides: dict, iters: int) -> dict:
             self.times.append(metrics["step_time_s"])
 
     torch.set_num_threads(1)
-    config = TrainConfig()
-    apply_values(config, {**MODEL, **overrides, "train-iters": iters}, "benchmark")
+    config = config_from_flags({**MODEL, **overrides, "train-iters": iters}, "benchmark")
     recorder = Recorder()
     run = setup(config, extra_plugins=[recorder])
     train(run, MetricsLogger(config, rank=1))

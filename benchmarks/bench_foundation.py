@@ -24,9 +24,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from plugtron.core.config import TrainConfig, apply_values
 from plugtron.core.monitoring.metrics import MetricsLogger
 from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins.options import config_from_flags
 from plugtron.core.training.data import microbatch_iterator
 from plugtron.core.training.loop import data_iterators, setup, train_step
 
@@ -266,8 +266,7 @@ def main():
         peaks[precision].sample()
         rounds = args.rounds if precision == "fp32" or args.bf16_rounds is None \
             else args.bf16_rounds
-        config = TrainConfig()
-        apply_values(config, {**SIZES, **sizes, "bf16": precision == "bf16",
+        config = config_from_flags({**SIZES, **sizes, "bf16": precision == "bf16",
                               "train-iters": rounds + args.warmup}, "bench")
         run, ours, theirs, data_s = compare(config, rounds, args.warmup, dtype,
                                             peaks[precision])

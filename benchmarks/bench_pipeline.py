@@ -36,12 +36,11 @@ MICROBATCHES = 8
 
 
 def build_run(rank: int, vp: int | None):
-    from plugtron.core.config import TrainConfig, apply_values
     from plugtron.core.parallel.distributed import WorldInfo
+    from plugtron.core.plugins.options import config_from_flags
     from plugtron.core.training.loop import setup
 
-    config = TrainConfig()
-    apply_values(config, dict(MODEL, **({"vp": vp} if vp else {})), "benchmark")
+    config = config_from_flags(dict(MODEL, **({"vp": vp} if vp else {})), "benchmark")
     config.plugins.disabled = ["no:logging"]
     return setup(config, world=WorldInfo(rank, WORLD, rank, WORLD, torch.device("cpu")))
 

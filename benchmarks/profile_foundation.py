@@ -17,9 +17,9 @@ import collections
 
 import torch
 from bench_foundation import MODELS, SIZES, plain_stepper
-from plugtron.core.config import TrainConfig, apply_values
 from plugtron.core.monitoring.metrics import MetricsLogger
 from plugtron.core.parallel.distributed import single_process
+from plugtron.core.plugins.options import config_from_flags
 from plugtron.core.training.data import microbatch_iterator
 from plugtron.core.training.loop import data_iterators, setup, train_step
 from torch.profiler import ProfilerActivity, profile
@@ -35,8 +35,7 @@ def main():
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = TrainConfig()
-    apply_values(config, {**SIZES, **MODELS[args.model][0], "bf16": args.precision == "bf16",
+    config = config_from_flags({**SIZES, **MODELS[args.model][0], "bf16": args.precision == "bf16",
                           "train-iters": args.warmup + args.steps}, "bench")
     run = setup(config, world=single_process())
     MetricsLogger(config, rank=1)

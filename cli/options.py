@@ -191,12 +191,15 @@ def headings(declared: list) -> dict[str, str]:
 
 
 def build_config(params: dict, config_file: str | None, preset: str | None,
-                 base: TrainConfig | None = None, declared: list = (),
+                 base: TrainConfig | None = None, declared: list | None = None,
                  presets: dict | None = None) -> TrainConfig:
-    """dataclass defaults (or ``base``) < preset < config file < flags."""
+    """dataclass defaults (or ``base``) < preset < config file < flags. ``declared``: the
+    plugin sections (default: those of the plugins ``base`` or the defaults select)."""
     config = base if base is not None else TrainConfig()
+    if declared is None:
+        declared = declared_sections(config)
     for item in declared:
-        config.add_section(item.section.name, item.section.cls)
+        config.add_section(item.section.name, item.section.cls, item.section.extends)
     if preset:
         presets = model_presets(config) if presets is None else presets
         if preset not in presets:

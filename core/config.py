@@ -29,40 +29,52 @@ def opt(default: Any, flag: str, help: str, aliases: tuple[str, ...] = (), choic
     return field(default=default, metadata=meta)
 
 
+class ExtensibleSection:
+    """A core section that plugin sections may extend (``ConfigSection.extends``): their fields
+    read and write as this section's own (``config.model.<field>``), so a model plugin keeps its
+    architecture's fields where Megatron users look for them while the core declares none."""
+
+    def __getattr__(self, name: str):
+        # Only called when normal lookup fails.
+        for extension in self.__dict__.get("_extensions", {}).values():
+            if name in extension.__dataclass_fields__:
+                return getattr(extension, name)
+        raise AttributeError(f"{type(self).__name__} has no field {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in type(self).__dataclass_fields__:  # type: ignore[attr-defined]
+            for extension in self.__dict__.get("_extensions", {}).values():
+                if name in extension.__dataclass_fields__:
+                    setattr(extension, name, value)
+                    return
+        object.__setattr__(self, name, value)
+
+    def extension_fields(self) -> dict[str, Any]:
+        """``{field: value}`` of every extending section's fields."""
+        out: dict[str, Any] = {}
+        for extension in self.__dict__.get("_extensions", {}).values():
+            out.update(dataclasses.asdict(extension))
+        return out
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(ExtensibleSection):
+    """The model fields the core reads; a model plugin extends the section with its own."""
+
     num_layers: int = opt(4, "--num-layers", "Number of transformer layers.")
     hidden_size: int = opt(128, "--hidden-size", "Transformer hidden size.")
-    ffn_hidden_size: int | None = opt(None, "--ffn-hidden-size",
-                                      "MLP hidden size (default 4 x hidden).")
-    num_attention_heads: int = opt(4, "--num-attention-heads", "Number of attention heads.")
-    num_query_groups: int | None = opt(None, "--num-query-groups",
-                                       "Key/value groups for grouped-query attention "
-                                       "(default: one per head).")
-    kv_channels: int | None = opt(None, "--kv-channels", "Per-head size (default hidden/heads).")
     seq_length: int = opt(128, "--seq-length", "Tokens per sample.")
-    max_position_embeddings: int | None = opt(None, "--max-position-embeddings",
-                                              "Size of the learned position table "
-                                              "(default seq-length).")
     vocab_size: int | None = opt(None, "--vocab-size",
                                  "Vocabulary size where the tokenizer does not fix it.")
     make_vocab_size_divisible_by: int = opt(128, "--make-vocab-size-divisible-by",
                                             "Pad the vocabulary to a multiple of this times tp.")
-    position_embedding_type: str = opt("learned_absolute", "--position-embedding-type",
-                                       "Position encoding.",
-                                       choices=("learned_absolute", "rope"))
-    rotary_base: int = opt(10000, "--rotary-base", "Base of the rotary frequencies.")
     normalization: str = opt("LayerNorm", "--normalization", "Norm type.",
                              choices=("LayerNorm", "RMSNorm"))
     norm_epsilon: float = opt(1e-5, "--norm-epsilon", "Epsilon of the norms.")
-    swiglu: bool = opt(False, "--swiglu", "SwiGLU MLP instead of GeLU.", is_flag=True)
     untie_embeddings_and_output_weights: bool = opt(
         False, "--untie-embeddings-and-output-weights",
         "Separate output layer instead of reusing the word embedding.", is_flag=True)
-    add_bias_linear: bool = opt(True, "--add-bias-linear", "Biases in linear layers.",
-                                is_flag=True, negative="--disable-bias-linear")
     hidden_dropout: float = opt(0.1, "--hidden-dropout", "Dropout after attention and MLP.")
-    attention_dropout: float = opt(0.1, "--attention-dropout", "Dropout of attention weights.")
     init_method_std: float = opt(0.02, "--init-method-std",
                                  "Std of the normal init; output projections use "
                                  "std / sqrt(2 x layers).")
@@ -81,6 +93,8 @@ class ModelConfig:
 
     # Derived by finalize(); not flags.
     padded_vocab_size: int | None = None
+    #: Plugin sections extending this one: name -> instance (``TrainConfig.add_section``).
+    _extensions: dict = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -265,6 +279,10 @@ class ConfigSection:
     cls: type
     #: Heading in ``plugtron train --help``; the collector fills in the distribution.
     title: str = ""
+    #: A core section (``"model"``) whose fields this one adds to: they also read and write as
+    #: ``config.<extends>.<field>``, are set by their bare field names and under ``[<extends>]``
+    #: in config files, and are saved in the checkpoint's config inside ``<extends>``.
+    extends: str | None = None
 
 
 @dataclass
@@ -286,13 +304,26 @@ class TrainConfig:
             return sections[name]
         raise AttributeError(f"{type(self).__name__} has no section {name!r}")
 
-    def add_section(self, name: str, cls: type) -> None:
+    def add_section(self, name: str, cls: type, extends: str | None = None) -> None:
         """Attach a plugin's section with its defaults (kept if already attached)."""
         if name in SECTIONS:
             raise ConfigError(f"config section {name!r} belongs to the core")
         current = self.plugin_sections.get(name)
         if not isinstance(current, cls):
-            self.plugin_sections[name] = cls()
+            current = self.plugin_sections[name] = cls()
+        if extends is not None:
+            base = getattr(self, extends, None)
+            if not isinstance(base, ExtensibleSection):
+                raise ConfigError(f"config section {name!r} extends {extends!r}, which is not "
+                                  f"a core section that takes extensions")
+            base._extensions[name] = current
+
+    def extended_section(self, name: str) -> str | None:
+        """The core section plugin section ``name`` extends, if any."""
+        for core in SECTIONS:
+            if name in getattr(getattr(self, core), "_extensions", {}):
+                return core
+        return None
 
     def sections(self) -> dict[str, object]:
         """Every section, core first, as ``{name: instance}``."""
@@ -301,7 +332,17 @@ class TrainConfig:
         return out
 
     def to_dict(self) -> dict:
-        return {name: dataclasses.asdict(value) for name, value in self.sections().items()}
+        """Each section as a dict; extending sections' fields inside the section they extend."""
+        out = {}
+        for name, value in self.sections().items():
+            if name in SECTIONS:
+                out[name] = {f.name: _plain(getattr(value, f.name))
+                             for f in dataclasses.fields(value) if not f.name.startswith("_")}
+                if isinstance(value, ExtensibleSection):
+                    out[name].update(value.extension_fields())
+            elif self.extended_section(name) is None:
+                out[name] = dataclasses.asdict(value)
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
@@ -312,19 +353,27 @@ class TrainConfig:
         classes (``plugin_sections.config_from_dict`` collects them). Unknown keys are ignored:
         a checkpoint may carry the section of a plugin that is no longer installed."""
         config = cls()
-        for name, section_cls in (sections or {}).items():
-            config.add_section(name, section_cls)
+        for name, declared in (sections or {}).items():
+            section_cls, extends = declared if isinstance(declared, tuple) else (declared, None)
+            config.add_section(name, section_cls, extends)
         for section, values in data.items():
             if section not in SECTIONS and section not in config.plugin_sections:
                 continue
             if not isinstance(values, dict):
                 continue
             target = getattr(config, section)
-            names = {f.name for f in dataclasses.fields(target)}
+            names = {f.name for f in dataclasses.fields(target) if not f.name.startswith("_")}
+            if isinstance(target, ExtensibleSection):
+                names |= set(target.extension_fields())
             for key, value in values.items():
                 if key in names:
                     setattr(target, key, value)
         return config
+
+
+def _plain(value):
+    """A field value as ``dataclasses.asdict`` gives it (containers copied)."""
+    return json.loads(json.dumps(value)) if isinstance(value, (list, dict)) else value
 
 
 # --------------------------------------------------------------------------- flag table
@@ -420,15 +469,19 @@ def _setting_keys(config: TrainConfig):
 
     A plugin field's bare name is not a key: a plugin section may hold a field named like a
     core one (``seed``), and a bare ``seed`` must keep meaning the core's; the plugin's field is
-    set by its flag name or as ``section.field``."""
+    set by its flag name or as ``section.field``. The fields of a section that extends a core
+    one are that section's own: bare, and ``<core section>.field`` too."""
     bare, spelled, sectioned = {}, {}, {}
     for flag in flag_fields(config):
         names = [s.lstrip("-").replace("-", "_") for s in (flag.flag, *flag.aliases)]
+        extends = None if flag.section in SECTIONS else config.extended_section(flag.section)
         for name in names:
             spelled[name] = flag
         for name in (*names, flag.name):
             sectioned[(flag.section, name)] = flag
-        if flag.section in SECTIONS:
+            if extends is not None:  # an extension's fields read as the core section's own
+                sectioned[(extends, name)] = flag
+        if flag.section in SECTIONS or extends is not None:
             bare[flag.name] = flag
     return bare, spelled, sectioned
 

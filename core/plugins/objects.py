@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from plugtron.core.errors import PluginError
+from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.selection import autoload_disabled, disabled_extensions, selected_drivers
 from plugtron.core.plugins.signatures import declared_arguments
@@ -76,7 +76,10 @@ def run_plugin_objects(config, strict_drivers: bool = False) -> list[PluginObjec
             except PluginError as exc:
                 warn_once(f"skipping {role} {info.name!r}: {exc}")
     if not autoload_disabled():
-        disabled = disabled_extensions(config)
+        try:
+            disabled = disabled_extensions(config)
+        except ConfigError:  # a malformed -p: the run's own check reports it, after the options
+            disabled = set()
         for info in registry.available("extension"):
             if info.name in disabled:
                 continue

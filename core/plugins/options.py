@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from plugtron.core.config import (
     SECTIONS,
     ConfigSection,
+    ExtensibleSection,
     TrainConfig,
     apply_values,
     flag_fields,
@@ -75,6 +76,14 @@ def _problem(section, plugin, taken_names, taken_flags) -> str | None:
         return "a section name must be a Python identifier"
     if section.name in taken_names:
         return f"the name is already used by {taken_names[section.name]}"
+    if section.extends is not None:
+        base = SECTIONS.get(section.extends)
+        if base is None or not issubclass(base, ExtensibleSection):
+            return f"it extends {section.extends!r}, which is not a core section that takes extensions"
+        own = {f.name for f in dataclasses.fields(base)}
+        clash = sorted(own & {f.name for f in dataclasses.fields(section.cls)})
+        if clash:
+            return f"its fields {', '.join(clash)} are already fields of {section.extends!r}"
     for f in section_flag_fields(section.name, section.cls):
         for spelling in (f.flag, *f.aliases, f.negative):
             if spelling and spelling in taken_flags:
@@ -84,7 +93,7 @@ def _problem(section, plugin, taken_names, taken_flags) -> str | None:
 
 def attach_sections(config: TrainConfig, declared: list[DeclaredSection]) -> TrainConfig:
     for item in declared:
-        config.add_section(item.section.name, item.section.cls)
+        config.add_section(item.section.name, item.section.cls, item.section.extends)
     return config
 
 
@@ -101,7 +110,7 @@ def config_from_dict(data: dict) -> TrainConfig:
         declared = collect_sections(core_only)
     except PlugtronError:
         declared = []  # e.g. a driver name that no longer resolves: the run reports it
-    classes = {d.section.name: d.section.cls for d in declared}
+    classes = {d.section.name: (d.section.cls, d.section.extends) for d in declared}
     return TrainConfig.from_dict(data, classes)
 
 

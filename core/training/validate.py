@@ -40,11 +40,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
                    p.expert_tensor_parallel_size, p.virtual_pipeline_model_parallel_size)
     dp = world_size // (tp * pp * cp)
     validate_tensor_parallel(config, tp)
-    if m.max_position_embeddings is not None and m.max_position_embeddings < m.seq_length:
-        raise ConfigError(f"--max-position-embeddings {m.max_position_embeddings} is smaller "
-                          f"than --seq-length {m.seq_length}")
     for name, value in (("--hidden-dropout", m.hidden_dropout),
-                        ("--attention-dropout", m.attention_dropout),
                         ("--label-smoothing", m.label_smoothing)):
         if not 0.0 <= value < 1.0:
             raise ConfigError(f"{name} must be in [0, 1), got {value}")

@@ -31,6 +31,8 @@ from plugtron.api import (
 from .activations import attention_layer_bytes
 from .attention_options import SECTION, attention_options, parse_window, validate_attention
 from .rope import apply_rotary
+from .transformer_options import SECTION as TRANSFORMER
+from .transformer_options import validate_transformer
 
 
 class SelfAttention(torch.nn.Module):
@@ -109,10 +111,11 @@ class SelfAttentionLayer(torch.nn.Module):
 
     @staticmethod
     def plugtron_config_sections():
-        return [SECTION]
+        return [TRANSFORMER, SECTION]
 
     @staticmethod
     def plugtron_validate(config):
+        validate_transformer(config)
         validate_attention(config)
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):

@@ -1,0 +1,132 @@
+"""The shape of the tree (docs/architecture.md): the core names no model, no layer of one and no
+built-in plugin; no module imports itself back through others; no folder of core/ is crowded."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+#: Source folder -> the package it installs as (setup.cfg's package_dir).
+PACKAGES = {"core/api": "plugtron.api", "core/testing": "plugtron.testing", "core": "plugtron.core",
+            "plugins": "plugtron.plugins", "cli": "plugtron.cli",
+            "gpt_plugin/plugtron_gpt": "plugtron_gpt", "moe_plugin/plugtron_moe": "plugtron_moe"}
+#: What only a model or a built-in plugin knows: its package, its layers, its options, its
+#: checkpoint names.
+MODEL_WORDS = re.compile(r"plugtron_gpt|plugtron_moe|swiglu|\brotary|\bmamba|moe_dispatcher|"
+                         r"\bmoe_act\b|shared_experts|embed_tokens|lm_head|plugtron\.plugins",
+                         re.IGNORECASE)
+MAX_MODULES = 15
+
+
+def modules() -> dict[str, pathlib.Path]:
+    """Dotted name -> file, for every module of the three distributions."""
+    out = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            if "templates" in rel.parts or any(str(path).startswith(str(ROOT / f) + "/")
+                                               for f in PACKAGES if f != folder
+                                               and f.startswith(folder + "/")):
+                continue
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([package, *parts])] = path
+    return out
+
+
+def imports_of(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The project modules ``name`` imports, at module level or inside functions."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (iterative Tarjan)."""
+    index, low, on_stack, stack, out, counter = {}, {}, set(), [], [], [0]
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter[0]
+        counter[0] += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter[0]
+                    counter[0] += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_module_imports_itself_back():
+    mods = modules()
+    known = set(mods)
+    # A package's __init__ re-exports its children: leave those edges out, as a reader would.
+    graph = {name: {t for t in imports_of(name, path, known) if mods[t].name != "__init__.py"}
+             for name, path in mods.items() if path.name != "__init__.py"}
+    assert circles(graph) == []
+
+
+def test_the_circle_finder_finds_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("folder", sorted(str(p.relative_to(ROOT)) for p in (ROOT / "core").rglob("*")
+                                          if p.is_dir() and p.name != "__pycache__"
+                                          and "templates" not in p.parts) + ["core"])
+def test_no_core_folder_is_crowded(folder):
+    count = sum(1 for p in (ROOT / folder).glob("*.py") if p.name != "__init__.py")
+    assert count <= MAX_MODULES, f"{folder}/ holds {count} modules"
+
+
+def test_the_core_names_no_model_and_no_built_in_plugin():
+    found = {}
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        if "testing" in path.relative_to(ROOT / "core").parts:
+            continue  # the kit runs the built-in models as its examples
+        words = sorted({w.lower() for w in MODEL_WORDS.findall(path.read_text())})
+        if words:
+            found[str(path.relative_to(ROOT))] = words
+    assert found == {}
