@@ -79,7 +79,7 @@ def timed_once(fn) -> float:
 def layer_pair(seq: int):
     """plugtron's M layer and transformers' Mamba2Block with the same sizes (fp32)."""
     import transformers
-    from plugtron_gpt.mamba import MambaLayer
+    from plugtron_gpt.hybrid.mamba import MambaLayer
 
     model, config = build({"model": "hybrid", "hybrid-layer-pattern": "M", "num-layers": 1},
                           seq)

@@ -95,7 +95,7 @@ def test_openai_gelu_is_the_tanh_approximation():
 def test_rope_settings_in_either_config_json_spelling():
     """transformers 5 writes ``rope_parameters``; older files carry ``rope_scaling`` with
     ``type`` or ``rope_type`` and a top-level ``rope_theta``: both read the same."""
-    from plugtron_gpt.hf_families import rope_flags
+    from plugtron_gpt.gpt.hf_families import rope_flags
 
     llama3 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}

@@ -176,7 +176,7 @@ def test_hybrid_cache_carries_the_mamba_state(tmp_path, monkeypatch):
     """Mamba layers keep their conv window and SSM state between steps; padding is a no-op for
     the recurrence: cached == uncached == each row alone by hand. The scan's final state
     equals the token-by-token recurrence's."""
-    from plugtron_gpt.ssd import sequential_scan, ssd_final_state, ssd_step
+    from plugtron_gpt.hybrid.ssd import sequential_scan, ssd_final_state, ssd_step
 
     g = torch.Generator().manual_seed(0)
     x, B = torch.randn(2, 7, 4, 3, generator=g), torch.randn(2, 7, 2, 5, generator=g)
@@ -198,7 +198,7 @@ def test_hybrid_cache_carries_the_mamba_state(tmp_path, monkeypatch):
     assert cached.tokens == generate(model, PROMPTS, 5, greedy=True, use_cache=False).tokens
     assert cached.tokens == [_reference(model, prompt, 5) for prompt in PROMPTS]
     # A layer type that does not declare cache support: no cache, one row at a time.
-    from plugtron_gpt.mamba import MambaLayer
+    from plugtron_gpt.hybrid.mamba import MambaLayer
 
     monkeypatch.setattr(MambaLayer, "supports_kv_cache", False)
     assert generate(model, PROMPTS, 5, greedy=True).tokens == cached.tokens

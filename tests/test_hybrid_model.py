@@ -12,8 +12,8 @@ from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.plugins import registry
 from plugtron.core.training.loop import finalize_model_config
 from plugtron.testing import make_config
-from plugtron_gpt.hybrid_pattern import chunk_of
-from plugtron_gpt.hybrid_sizes import validate_hybrid
+from plugtron_gpt.hybrid.pattern import chunk_of
+from plugtron_gpt.hybrid.sizes import validate_hybrid
 
 MAMBA = {"model": "hybrid", "mamba-state-dim": 8, "mamba-head-dim": 8, "mamba-num-groups": 2,
          "mamba-chunk-size": 4}
@@ -117,7 +117,7 @@ def test_squared_relu_changes_the_mlp_and_refuses_swiglu():
     assert losses[0] != losses[1]
     assert registry.instantiate(registry.load("model", "hybrid")).model_info(
         config).architecture["--squared-relu"] is True
-    from plugtron_gpt.mlp import MLPLayer
+    from plugtron_gpt.layers.mlp import MLPLayer
 
     with pytest.raises(ConfigError, match="--squared-relu and --swiglu"):
         MLPLayer.plugtron_validate(make_config({"squared-relu": True, "swiglu": True}))

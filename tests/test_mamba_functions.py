@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from plugtron_gpt.causal_conv import causal_conv_silu
-from plugtron_gpt.gated_norm import gated_rms_norm
-from plugtron_gpt.ssd import sequential_scan
-from plugtron_gpt.ssd_chunked import chunked_scan
+from plugtron_gpt.hybrid.causal_conv import causal_conv_silu
+from plugtron_gpt.hybrid.gated_norm import gated_rms_norm
+from plugtron_gpt.hybrid.ssd import sequential_scan
+from plugtron_gpt.hybrid.ssd_chunked import chunked_scan
 
 
 def test_conv_silu_gradcheck():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from plugtron_gpt.ssd import sequential_scan, ssd_scan
+from plugtron_gpt.hybrid.ssd import sequential_scan, ssd_scan
 
 RTOL = 1e-5
 

@@ -136,7 +136,7 @@ def test_plugtron_model_exports_to_its_family_and_back_unchanged(flags, model_ty
         assert json.load(f)["model_type"] == model_type
     convert("import-hf", hf_dir, again)
     before, after = assert_same_checkpoint_tensors(saved, again, 128)
-    from plugtron_gpt.sizes import architecture
+    from plugtron_gpt.gpt.sizes import architecture
 
     assert (architecture(config_from_dict(after.config))
             == architecture(config_from_dict(before.config)))

@@ -49,7 +49,7 @@ def test_import_matches_transformers_and_exports_back(kind, tmp_path):
 
 def test_moe_layers_are_refused(tmp_path):
     from plugtron.core.errors import ConfigError
-    from plugtron_gpt.hybrid_hf_convert import nemotron_h_pattern
+    from plugtron_gpt.hybrid.hf_convert import nemotron_h_pattern
 
     with pytest.raises(ConfigError, match="only M, \\* and - layers convert"):
         nemotron_h_pattern({"hybrid_override_pattern": "ME*"})

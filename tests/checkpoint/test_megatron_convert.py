@@ -25,7 +25,7 @@ from plugtron.core.interchange.torch_dist import read_torch_dist
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.plugins.options import config_from_dict
 from plugtron.core.training.loop import setup
-from plugtron_gpt.attention_options import AttentionOptions
+from plugtron_gpt.layers.attention_options import AttentionOptions
 
 from .helpers import ckpt_config, params_of
 from .megatron_fixtures import megatron_keys, write_torch_dist

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from plugtron.api import ConfigError
 
-from .attention_options import attention_options, parse_window, rope_scaling
+from plugtron_gpt.layers.attention_options import attention_options, parse_window, rope_scaling
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",

@@ -13,10 +13,10 @@ from plugtron.api import (
     load_layer_types,
 )
 
-from .hybrid_options import mamba_sizes
-from .hybrid_pattern import check_pattern, chunk_of, layer_symbols
-from .sizes import architecture as gpt_architecture
-from .sizes import validate_sizes as validate_gpt_sizes
+from plugtron_gpt.gpt.sizes import architecture as gpt_architecture
+from plugtron_gpt.gpt.sizes import validate_sizes as validate_gpt_sizes
+from plugtron_gpt.hybrid.options import mamba_sizes
+from plugtron_gpt.hybrid.pattern import check_pattern, chunk_of, layer_symbols
 
 #: --num-layers' own default: the core cannot tell it from a value given, so it means "unset"
 #: and the pattern's count is used.

@@ -32,9 +32,9 @@ import re
 import torch
 from plugtron.api import ConfigError
 
-from .attention_options import attention_options, parse_window
-from .mlp import openai_gelu, squared_relu
-from .param_names import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS
+from plugtron_gpt.gpt.param_names import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS
+from plugtron_gpt.layers.attention_options import attention_options, parse_window
+from plugtron_gpt.layers.mlp import openai_gelu, squared_relu
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 #: Megatron TE-spec name (under a layer) -> plugtron's (local-spec) name.

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from plugtron.api import ConfigError
 
-from .attention_options import attention_architecture
-from .mlp import openai_gelu, squared_relu
+from plugtron_gpt.layers.attention_options import attention_architecture
+from plugtron_gpt.layers.mlp import openai_gelu, squared_relu
 
 
 def validate_sizes(config) -> None:

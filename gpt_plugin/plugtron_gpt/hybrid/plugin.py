@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from plugtron.api import ModelInfo, hookimpl
 
-from .hybrid_model import HybridModel
-from .hybrid_options import SECTION
-from .hybrid_sizes import hybrid_architecture, validate_hybrid
-from .plugin import MAIN_LOSS, GPTPlugin
+from plugtron_gpt.gpt.plugin import MAIN_LOSS, GPTPlugin
+from plugtron_gpt.hybrid.model import HybridModel
+from plugtron_gpt.hybrid.options import SECTION
+from plugtron_gpt.hybrid.sizes import hybrid_architecture, validate_hybrid
 
 
 class HybridPlugin(GPTPlugin):

@@ -23,13 +23,13 @@ from plugtron.api import (
     shard_of,
 )
 
-from .activations import mamba_layer_bytes
-from .attention import dropout
-from .causal_conv import causal_conv_silu
-from .gated_norm import gated_rms_norm
-from .hybrid_options import CONV_WIDTH, mamba_sizes
-from .mamba_init import a_log_init, conv_init, dt_bias_init
-from .ssd import ssd_final_state, ssd_scan, ssd_step
+from plugtron_gpt.hybrid.causal_conv import causal_conv_silu
+from plugtron_gpt.hybrid.gated_norm import gated_rms_norm
+from plugtron_gpt.hybrid.mamba_activations import mamba_layer_bytes
+from plugtron_gpt.hybrid.mamba_init import a_log_init, conv_init, dt_bias_init
+from plugtron_gpt.hybrid.options import CONV_WIDTH, mamba_sizes
+from plugtron_gpt.hybrid.ssd import ssd_final_state, ssd_scan, ssd_step
+from plugtron_gpt.layers.attention import dropout
 
 
 def _sharded(full: torch.Tensor, parallel, blocks=1) -> torch.nn.Parameter:

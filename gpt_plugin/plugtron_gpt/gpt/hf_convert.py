@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 from plugtron.api import ConfigError, TrainConfig
 
-from .attention_options import attention_options, parse_window, rope_scaling
-from .hf_families import FAMILIES, family_config, family_flags, family_of
-from .megatron_convert import export_megatron, import_megatron
-from .mlp import openai_gelu, squared_relu
-from .param_names import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS
+from plugtron_gpt.gpt.hf_families import FAMILIES, family_config, family_flags, family_of
+from plugtron_gpt.gpt.megatron_convert import export_megatron, import_megatron
+from plugtron_gpt.gpt.param_names import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS
+from plugtron_gpt.layers.attention_options import attention_options, parse_window, rope_scaling
+from plugtron_gpt.layers.mlp import openai_gelu, squared_relu
 
 
 def _layer(i: int) -> str:

@@ -10,9 +10,9 @@ imported.
 
 from __future__ import annotations
 
-from .hybrid_pattern import chunk_of, layer_symbols
-from .hybrid_sizes import with_pattern_layers
-from .model import GPTModel
+from plugtron_gpt.gpt.model import GPTModel
+from plugtron_gpt.hybrid.pattern import chunk_of, layer_symbols
+from plugtron_gpt.hybrid.sizes import with_pattern_layers
 
 
 class HybridModel(GPTModel):

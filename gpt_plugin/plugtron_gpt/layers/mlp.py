@@ -21,8 +21,8 @@ from plugtron.api import (
     scaled_normal_init,
 )
 
-from .activations import mlp_layer_bytes
-from .attention import dropout
+from plugtron_gpt.layers.activations import mlp_layer_bytes
+from plugtron_gpt.layers.attention import dropout
 
 
 @dataclass

@@ -27,10 +27,10 @@ from plugtron.api import (
     substitute_symbols,
 )
 
-from .attention import dropout
-from .attention_options import rope_scaling
-from .decoder import Decoder
-from .rope import rotary_freqs_at
+from plugtron_gpt.layers.attention import dropout
+from plugtron_gpt.layers.attention_options import rope_scaling
+from plugtron_gpt.layers.decoder import Decoder
+from plugtron_gpt.layers.rope import rotary_freqs_at
 
 #: The symbols of one GPT transformer layer: attention then MLP, under one layer index.
 GPT_LAYER = "*-"

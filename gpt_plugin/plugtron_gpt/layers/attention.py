@@ -28,11 +28,16 @@ from plugtron.api import (
     scaled_normal_init,
 )
 
-from .activations import attention_layer_bytes
-from .attention_options import SECTION, attention_options, parse_window, validate_attention
-from .rope import apply_rotary
-from .transformer_options import SECTION as TRANSFORMER
-from .transformer_options import validate_transformer
+from plugtron_gpt.layers.activations import attention_layer_bytes
+from plugtron_gpt.layers.attention_options import (
+    SECTION,
+    attention_options,
+    parse_window,
+    validate_attention,
+)
+from plugtron_gpt.layers.rope import apply_rotary
+from plugtron_gpt.layers.transformer_options import SECTION as TRANSFORMER
+from plugtron_gpt.layers.transformer_options import validate_transformer
 
 
 class SelfAttention(torch.nn.Module):

@@ -13,9 +13,9 @@ from plugtron.api import (
     load_layer_types,
 )
 
-from .model import GPTModel, gpt_layer_symbols
-from .presets import PRESETS
-from .sizes import architecture, validate_sizes
+from plugtron_gpt.gpt.model import GPTModel, gpt_layer_symbols
+from plugtron_gpt.gpt.presets import PRESETS
+from plugtron_gpt.gpt.sizes import architecture, validate_sizes
 
 #: The report key of the GPT model's loss (Megatron's).
 MAIN_LOSS = "lm loss"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .ssd_chunked import chunked_scan
+from plugtron_gpt.hybrid.ssd_chunked import chunked_scan
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from plugtron.api import ConfigError
 
-from .attention_options import attention_options, parse_window
-from .hf_convert import EMBEDDING, FINAL_NORM, OUTPUT, _take, fuse_qkv, split_qkv
-from .hybrid_options import mamba_sizes
-from .hybrid_pattern import layer_symbols
-from .mlp import squared_relu
+from plugtron_gpt.gpt.hf_convert import EMBEDDING, FINAL_NORM, OUTPUT, _take, fuse_qkv, split_qkv
+from plugtron_gpt.hybrid.options import mamba_sizes
+from plugtron_gpt.hybrid.pattern import layer_symbols
+from plugtron_gpt.layers.attention_options import attention_options, parse_window
+from plugtron_gpt.layers.mlp import squared_relu
 
 MIXER_TENSORS = ("in_proj.weight", "conv1d.weight", "conv1d.bias", "A_log", "D", "dt_bias",
                  "norm.weight", "out_proj.weight")
