@@ -53,7 +53,9 @@ class LayerBackend(ABC):
     supports_document_ids = False
 
     def __init__(self, config, parallel):
-
+        """``config``: the run's ``TrainConfig``; ``parallel``: its ``ParallelContext``. Checks
+        that the model's sizes split over tp and creates :attr:`rng_tracker`; a subclass calls
+        it first, then checks what its own layers need (``check_available``)."""
         self.config = config
         self.parallel = parallel
         validate_tensor_parallel(config, parallel.tp_size)
@@ -66,6 +68,8 @@ class LayerBackend(ABC):
 
     @property
     def sequence_parallel(self) -> bool:
+        """Whether this run shards the residual stream's sequence over tp (``--sequence-
+        parallel``): layers then scatter and gather at their tp regions' edges."""
         return bool(self.config.parallel.sequence_parallel) and self.parallel.tp_size > 1
 
     @abstractmethod

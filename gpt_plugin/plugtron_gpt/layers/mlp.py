@@ -59,10 +59,10 @@ def gelu_approximation(config) -> str:
 class MLP(torch.nn.Module):
     """fc1, activation, fc2 (no norm, no residual): ``mlp`` of a decoder layer."""
 
-    def __init__(self, config, backend, prefix: str, seed: int):
+    def __init__(self, config, backend, prefix: str, seed: int, ffn: int | None = None):
         super().__init__()
         m = config.model
-        ffn = m.ffn_hidden_size or 4 * m.hidden_size
+        ffn = ffn or m.ffn_hidden_size or 4 * m.hidden_size
         self.swiglu = m.swiglu
         self.squared_relu = squared_relu(config)
         self.gelu_approximation = gelu_approximation(config)
@@ -111,6 +111,15 @@ class MLPLayer(torch.nn.Module):
         if openai_gelu(config) and (squared_relu(config) or config.model.swiglu):
             raise ConfigError("--openai-gelu is an approximation of GeLU; it does not combine "
                               "with --swiglu or --squared-relu (choose one activation)")
+
+    @staticmethod
+    def dense_block(config, backend, prefix: str, seed: int, ffn: int | None = None):
+        """This layer type's fc1-activation-fc2 block alone (no norm, no residual), ``ffn``
+        wide (default the run's ``--ffn-hidden-size``), its weights initialised by their names
+        under ``prefix``. For layer types that embed a dense MLP (plugtron-moe's shared
+        experts) and find this type by its symbol: the same activation and biases as the run's
+        MLP layers, written once."""
+        return MLP(config, backend, prefix, seed, ffn)
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()
