@@ -26,6 +26,7 @@ from plugtron.core.checkpoint import Checkpointer, load_checkpoint
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.plugins.options import config_from_flags
 from plugtron.core.training.loop import setup
+from results import write_section
 
 MODELS = {
     "default": {},
@@ -163,12 +164,7 @@ out. On this machine the background write competes with training for the same tw
 """
     print(section)
     if not args.no_results:
-        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-        existed = os.path.exists(path)
-        with open(path, "a") as f:
-            if not existed:
-                f.write("# Benchmark results\n")
-            f.write(section)
+        write_section(section)
 
 
 if __name__ == "__main__":

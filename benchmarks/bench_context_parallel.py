@@ -56,6 +56,7 @@ from plugtron.core.contracts.hookspecs import hookimpl  # noqa: E402
 from plugtron.core.parallel import cp_attention  # noqa: E402
 from plugtron.core.parallel.context import ParallelContext  # noqa: E402
 from plugtron.core.parallel.context_parallel import split_tensor  # noqa: E402
+from results import write_section  # noqa: E402
 
 from tests.distributed.harness import DistributedPool, worker_cache  # noqa: E402
 
@@ -411,8 +412,7 @@ def main():
     text = report_model(args, run_model(args)) if args.model else report(args, *run(args))
     print(text)
     if args.write:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a") as f:
-            f.write("\n" + text)
+        write_section(text)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import datetime
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +26,7 @@ from bench_foundation import cpu_name
 from plugtron.api import cpu_matrix_support
 from plugtron.plugins.layer_backends import cpu_attention
 from plugtron.plugins.layer_backends.attention_mask import attention_mask
+from results import write_section
 
 #: (micro batch, sequence, query heads, key/value groups, packed documents)
 SIZES = [(8, 256, 4, 4, False), (4, 512, 4, 4, False), (2, 1024, 4, 4, False),
@@ -127,8 +127,7 @@ def main():
                   f"--rounds {args.rounds} --steps {args.steps} --write`. Causal attention "
                   "forward and backward per call (median of the alternating blocks); gradient "
                   "error: relative Frobenius error of the q, k, v gradients against fp64.\n\n")
-        with open(Path(__file__).with_name("RESULTS.md"), "a") as f:
-            f.write(header + table + "\n")
+        write_section(header + table)
 
 
 if __name__ == "__main__":

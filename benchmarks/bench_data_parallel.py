@@ -18,6 +18,8 @@ import os
 import statistics
 import sys
 
+from results import write_section
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -163,10 +165,7 @@ def main() -> None:
     text = report(measure(args.iters), args.iters, command)
     print(text)
     if not args.no_write:
-        path = os.path.join(ROOT, "benchmarks", "RESULTS.md")
-        header = "" if os.path.exists(path) else "# Benchmark results\n\n"
-        with open(path, "a") as f:
-            f.write(header + text + "\n")
+        write_section(text)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import platform
 import sys
 import time
@@ -29,6 +28,7 @@ from plugtron.core.parallel.distributed import single_process
 from plugtron.core.plugins.options import config_from_flags
 from plugtron.core.training.data import microbatch_iterator
 from plugtron.core.training.loop import data_iterators, setup, train_step
+from results import write_section
 
 SIZES = {"progress": False, "log-interval": 0, "eval-interval": 0, "hidden-dropout": 0.0,
          "attention-dropout": 0.0}
@@ -299,8 +299,7 @@ def main():
               f"sampled before the rounds and after each, the best kept): {peak_text}.\n\n{table}\n")
     print(report)
     if args.write:
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md"), "a") as f:
-            f.write("\n" + report)
+        write_section(report)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import transformers
 from click.testing import CliRunner
 from plugtron.api import generate, load_model
 from plugtron.cli.main import cli
+from results import write_section
 
 MODEL = dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
              num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
@@ -122,9 +123,7 @@ def write_results(args, rows) -> None:
             f"{r['transformers cache']:.0f} | {r['transformers no cache']:.0f} | "
             f"{r['plugtron cache'] / r['transformers cache']:.2f} | "
             f"{r['plugtron no cache'] / r['transformers no cache']:.2f} |")
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-    with open(path, "a") as f:
-        f.write("\n".join(lines) + "\n")
+    write_section("\n".join(lines))
 
 
 if __name__ == "__main__":

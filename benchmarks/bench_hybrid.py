@@ -28,6 +28,7 @@ import sys
 import time
 
 import torch
+from results import write_section
 
 SIZES = {"hidden-size": 256, "mamba-state-dim": 64, "mamba-head-dim": 64, "mamba-num-groups": 2,
          "mamba-chunk-size": 128, "num-attention-heads": 4, "vocab-size": 1024,
@@ -226,8 +227,11 @@ def plot(rows: list[dict], path: str) -> bool:
 
 
 def report(args, layer_rows, models, scaling_rows, plotted) -> str:
-    lines = [f"\n## Hybrid model: Mamba-2 layer, hybrid vs GPT, sequence scaling "
-             f"({datetime.date.today().isoformat()})\n",
+    # The heading names what was measured: a partial run replaces only its own section.
+    parts = [name for key, name in (("layer", "Mamba-2 layer"), ("models", "hybrid vs GPT"),
+                                    ("scaling", "sequence scaling"))
+             if key in args.sections.split(",")]
+    lines = [f"\n## Hybrid model: {', '.join(parts)} ({datetime.date.today().isoformat()})\n",
              f"Machine: {platform.machine()} CPU, {args.threads} threads, torch "
              f"{torch.__version__}. Command: "
              f"`{' '.join(['python benchmarks/bench_hybrid.py', *sys.argv[1:]])}`. "
@@ -279,8 +283,7 @@ def main():
     text = report(args, layer_rows, models, scaling_rows, plotted)
     print(text)
     if args.write:
-        with open(os.path.join(HERE, "RESULTS.md"), "a") as f:
-            f.write(text)
+        write_section(text)
 
 
 if __name__ == "__main__":

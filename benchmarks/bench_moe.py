@@ -24,6 +24,7 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+from results import write_section
 
 HIDDEN, FFN, TOKENS, EXPERTS = 256, 256, 2048, 8
 
@@ -255,8 +256,7 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     if not args.no_write:
-        with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as f:
-            f.write(text)
+        write_section(text)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from results import write_section
 
 WORLD = 2
 MODEL = {"num-layers": 8, "hidden-size": 128, "num-attention-heads": 8, "seq-length": 128,
@@ -248,18 +249,15 @@ def format_rows(rows) -> list[str]:
 
 
 def record(lines) -> None:
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
-    header = "" if os.path.exists(path) else "# Benchmark results\n"
-    with open(path, "a") as f:
-        f.write(f"{header}\n## Pipeline schedules: plugtron vs torch.distributed.pipelining "
-                f"({datetime.date.today()})\n\n"
-                f"Machine: 2-core CPU, gloo. The CPU was shared with other engineers' test runs "
-                f"while measuring, so absolute times are noisy; the two libraries' steps "
-                f"alternate, so the ratios see the same load.\n\n"
-                f"Command: `.venv/bin/python benchmarks/bench_pipeline.py`\n\n"
-                f"Bubble = 1 - (time in stage forward, loss and backward) / step time in the "
-                f"same round, averaged over ranks: idle and communication time. Simulated: "
-                f"forward 1, backward 2, free communication.\n\n" + "\n".join(lines) + "\n")
+    write_section(f"\n## Pipeline schedules: plugtron vs torch.distributed.pipelining "
+                  f"({datetime.date.today()})\n\n"
+                  f"Machine: 2-core CPU, gloo. The CPU was shared with other engineers' test runs "
+                  f"while measuring, so absolute times are noisy; the two libraries' steps "
+                  f"alternate, so the ratios see the same load.\n\n"
+                  f"Command: `.venv/bin/python benchmarks/bench_pipeline.py`\n\n"
+                  f"Bubble = 1 - (time in stage forward, loss and backward) / step time in the "
+                  f"same round, averaged over ranks: idle and communication time. Simulated: "
+                  f"forward 1, backward 2, free communication.\n\n" + "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.plugins.options import config_from_flags
 from plugtron.core.training.loop import data_iterators, setup, train_step
+from results import write_section
 
 BASE = {"num-layers": 8, "hidden-size": 256, "num-attention-heads": 4, "seq-length": 512,
         "max-position-embeddings": 512, "micro-batch-size": 4, "global-batch-size": 4,
@@ -96,8 +97,7 @@ def main():
     table = "\n".join(lines)
     print(table)
     if args.write:
-        with open("benchmarks/RESULTS.md", "a") as out:
-            out.write(f"\n## Activation recompute ({datetime.date.today()})\n\n"
+        write_section(f"\n## Activation recompute ({datetime.date.today()})\n\n"
                       f"Machine: {platform.processor() or platform.machine()}, 2 threads; "
                       f"command: `python benchmarks/bench_recompute.py --rounds "
                       f"{args.rounds} --write`. GPT 8 layers, hidden 256, seq 512, micro "

@@ -28,6 +28,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from results import write_section  # noqa: E402
 
 from tests.distributed.harness import DistributedPool  # noqa: E402
 from tests.utils import tiny_config, train_in_process  # noqa: E402
@@ -189,9 +190,7 @@ def main() -> None:
     mem = memory()
     text = report(rates, mem, time.perf_counter() - start)
     print(text)
-    results = ROOT / "benchmarks" / "RESULTS.md"
-    existing = results.read_text() if results.exists() else "# Benchmark results\n\n"
-    results.write_text(existing.rstrip("\n") + "\n\n" + text)
+    write_section(text)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where a fresh process's 10M-sample blend spends its time (RESULTS.md, data pipeline fourth
+"""Where a fresh process's 10M-sample blend spends its time (RESULTS.md's git history: data pipeline fourth
 pass): each variant named on the command line runs, in that order, in its own fresh child,
 which times allocating the outputs, the first call into them and a second call into the same
 arrays, with the minor faults (getrusage) and the machine's huge-page and compaction counters

@@ -7,7 +7,7 @@
  * cannot be vectorised; the same double arithmetic and tie-breaking (first largest error wins).
  * For 2 to 8 datasets (blend_small) the counts live in registers as doubles and every choice
  * is made with compare masks instead of branches and an indexed counter: the same integers,
- * about twice as fast (RESULTS.md, data pipeline fifth pass).
+ * about twice as fast (RESULTS.md, "Data pipeline, fifth pass").
  *
  * build_sample_index: where each sample of seq_length + 1 tokens starts in the shuffled
  * document stream. Sample j starts at token j * seq_length of the concatenated documents; one
