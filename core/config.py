@@ -325,7 +325,7 @@ class TrainConfig:
                 return core
         return None
 
-    def sections(self) -> dict[str, object]:
+    def sections(self) -> dict[str, Any]:
         """Every section, core first, as ``{name: instance}``."""
         out = {name: getattr(self, name) for name in SECTIONS}
         out.update(self.plugin_sections)
@@ -348,7 +348,9 @@ class TrainConfig:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict, sections: dict[str, type] | None = None) -> "TrainConfig":
+    def from_dict(cls, data: dict,
+                  sections: dict[str, type | tuple[type, str | None]] | None = None
+                  ) -> "TrainConfig":
         """Core sections from ``data``; plugin sections too where ``sections`` gives their
         classes (``plugin_sections.config_from_dict`` collects them). Unknown keys are ignored:
         a checkpoint may carry the section of a plugin that is no longer installed."""
@@ -424,7 +426,9 @@ def section_flag_fields(section: str, cls: type) -> list[FlagField]:
         meta = f.metadata
         if "flag" not in meta:
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = f.default
+        if default is dataclasses.MISSING:  # then it has a factory
+            default = f.default_factory()  # type: ignore[misc,operator]
         out.append(FlagField(section, f.name, meta["flag"], tuple(meta["aliases"]),
                              meta["help"], meta["choices"], meta["is_flag"],
                              meta["negative"], _field_type(f), default))

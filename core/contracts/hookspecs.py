@@ -20,9 +20,25 @@ that only needs ``config`` and ``pre_process`` declares just those.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:  # the types only: the contract imports nothing it describes
+    import torch
+    from plugtron.core.config import ConfigSection, TrainConfig
+    from plugtron.core.contracts.layer_backend import LayerBackend
+    from plugtron.core.contracts.model_info import ModelInfo
+    from plugtron.core.parallel.context import ParallelContext
+    from plugtron.core.pipeline.p2p import P2PCommunicator
+    from plugtron.core.pipeline.plan import Action
+    from plugtron.core.training.loop import TrainState
+    from plugtron.core.training.optimizer import Optimizer
+    from torch.utils.data import Dataset
+
+    #: ``(loss_sum, num_tokens, report)``: what ``loss_func`` and the forward step's closure give.
+    LossResult = tuple[torch.Tensor, torch.Tensor, dict]
 
 PROJECT_NAME = "plugtron"
 
@@ -53,7 +69,9 @@ CONTRACT_HOOKS: dict[str, str] = {
 
 
 @hookspec(firstresult=True)
-def dataset_provider(config: Any, split_sizes: tuple[int, int, int], parallel: Any) -> tuple:
+def dataset_provider(config: TrainConfig, split_sizes: tuple[int, int, int],
+                     parallel: ParallelContext
+                     ) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
     """Build the train, validation and test datasets.
 
     :param config: the run's ``TrainConfig``; ``config.data`` holds the data flags
@@ -77,13 +95,13 @@ def dataset_provider(config: Any, split_sizes: tuple[int, int, int], parallel: A
 
 @hookspec(firstresult=True)
 def model_provider(
-    config: Any,
+    config: TrainConfig,
     pre_process: bool,
     post_process: bool,
     vp_stage: int | None,
-    layer_backend: Any,
-    parallel: Any,
-) -> Any:
+    layer_backend: LayerBackend,
+    parallel: ParallelContext,
+) -> torch.nn.Module:
     """Build one pipeline chunk of the model.
 
     :param config: the run's ``TrainConfig`` (model sizes are in ``config.model``).
@@ -102,7 +120,8 @@ def model_provider(
 
 
 @hookspec(firstresult=True)
-def forward_step(data_iterator: Iterator | None, model: Any) -> tuple[Any, Callable]:
+def forward_step(data_iterator: Iterator[dict] | None, model: torch.nn.Module
+                 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], LossResult]]:
     """Run the forward pass of one microbatch on one pipeline chunk.
 
     :param data_iterator: yields microbatches (dicts of batched tensors, see
@@ -119,7 +138,7 @@ def forward_step(data_iterator: Iterator | None, model: Any) -> tuple[Any, Calla
 
 
 @hookspec(firstresult=True)
-def loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict]:
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> LossResult:
     """Reduce a microbatch's per-token losses.
 
     :param loss_mask: float tensor ``[batch, seq]``; 0 marks tokens that do not count.
@@ -136,16 +155,16 @@ def loss_func(loss_mask: Any, output_tensor: Any) -> tuple[Any, Any, dict]:
 
 @hookspec(firstresult=True)
 def forward_backward(
-    forward_step_func: Callable,
-    data_iterator: Any,
-    model: list,
+    forward_step_func: Callable[..., tuple[torch.Tensor, Callable]],
+    data_iterator: Iterator[dict] | list[Iterator[dict]],
+    model: list[torch.nn.Module],
     num_microbatches: int,
     seq_length: int,
     micro_batch_size: int,
     forward_only: bool,
-    parallel: Any,
-    config: Any,
-    p2p: Any,
+    parallel: ParallelContext,
+    config: TrainConfig,
+    p2p: P2PCommunicator | None,
     loss_scale: float,
 ) -> list[dict]:
     """Run forward and backward over all microbatches of one global batch on this rank.
@@ -180,8 +199,8 @@ def forward_backward(
 
 @hookspec(firstresult=True)
 def schedule_actions(
-    pp_rank: int, pp_size: int, num_chunks: int, num_microbatches: int, config: Any
-) -> list:
+    pp_rank: int, pp_size: int, num_chunks: int, num_microbatches: int, config: TrainConfig
+) -> list[Action]:
     """Return the ordered actions one pipeline rank executes in one iteration.
 
     :param pp_rank: the pipeline rank.
@@ -199,7 +218,8 @@ def schedule_actions(
 
 
 @hookspec(firstresult=True)
-def build_optimizer(config: Any, model_chunks: list, parallel: Any) -> Any:
+def build_optimizer(config: TrainConfig, model_chunks: list[torch.nn.Module],
+                    parallel: ParallelContext) -> Optimizer:
     """Build the optimizer over all model chunks of this rank.
 
     :param config: the run's ``TrainConfig`` (``config.training`` has lr, betas, weight decay,
@@ -216,7 +236,7 @@ def build_optimizer(config: Any, model_chunks: list, parallel: Any) -> Any:
 
 
 @hookspec(firstresult=True)
-def optimizer_shards_gradients(config: Any) -> bool:
+def optimizer_shards_gradients(config: TrainConfig) -> bool:
     """Say whether the optimizer shards gradients and parameters over data parallelism.
 
     :param config: the run's ``TrainConfig``.
@@ -237,7 +257,7 @@ def optimizer_shards_gradients(config: Any) -> bool:
 
 
 @hookspec
-def plugtron_config_sections() -> list:
+def plugtron_config_sections() -> list[ConfigSection]:
     """Declare this plugin's options as typed config sections.
 
     :returns: a list of ``plugtron.api.ConfigSection(name, cls)``; ``cls`` is a dataclass whose
@@ -256,7 +276,7 @@ def plugtron_config_sections() -> list:
 
 
 @hookspec
-def plugtron_validate(config: Any, world_size: int) -> None:
+def plugtron_validate(config: TrainConfig, world_size: int) -> None:
     """Check this plugin's part of the configuration before any rank is launched.
 
     :param config: the whole ``TrainConfig`` (core and plugin sections), not yet finalised:
@@ -272,7 +292,7 @@ def plugtron_validate(config: Any, world_size: int) -> None:
 
 
 @hookspec(firstresult=True)
-def model_info(config: Any) -> Any:
+def model_info(config: TrainConfig) -> ModelInfo:
     """Describe the model this config builds, for the core's logging and checkpoints.
 
     :param config: the run's ``TrainConfig``.
@@ -288,7 +308,7 @@ def model_info(config: Any) -> Any:
 
 
 @hookspec(firstresult=True)
-def model_presets() -> dict:
+def model_presets() -> dict[str, dict[str, Any]]:
     """Named sizes for ``--preset``.
 
     :returns: ``{preset name: {flag name: value}}``, applied after the built-in defaults and
@@ -299,7 +319,7 @@ def model_presets() -> dict:
 
 
 @hookspec(historic=True)
-def plugtron_configure(config: Any) -> None:
+def plugtron_configure(config: TrainConfig) -> None:
     """Inspect or adjust the run's configuration before anything is built.
 
     :param config: the validated ``TrainConfig``; changes made here are seen by the whole run.
@@ -309,7 +329,7 @@ def plugtron_configure(config: Any) -> None:
 
 
 @hookspec(historic=True)
-def plugtron_process_groups_ready(parallel: Any) -> None:
+def plugtron_process_groups_ready(parallel: ParallelContext) -> None:
     """Hear that the process groups exist.
 
     :param parallel: the run's ``ParallelContext``.
@@ -319,7 +339,8 @@ def plugtron_process_groups_ready(parallel: Any) -> None:
 
 
 @hookspec
-def plugtron_model_built(config: Any, model_chunks: list, parallel: Any) -> None:
+def plugtron_model_built(config: TrainConfig, model_chunks: list[torch.nn.Module],
+                         parallel: ParallelContext) -> None:
     """Hear that this rank's model chunks are built and wrapped.
 
     :param config: the run's ``TrainConfig``.
@@ -331,7 +352,7 @@ def plugtron_model_built(config: Any, model_chunks: list, parallel: Any) -> None
 
 
 @hookspec
-def plugtron_train_start(config: Any, state: Any) -> None:
+def plugtron_train_start(config: TrainConfig, state: TrainState) -> None:
     """Hear that the training loop starts.
 
     :param config: the run's ``TrainConfig``.
@@ -377,7 +398,7 @@ def plugtron_checkpoint_saved(iteration: int, path: str) -> None:
 
 
 @hookspec
-def plugtron_train_end(config: Any, state: Any, summary: dict) -> None:
+def plugtron_train_end(config: TrainConfig, state: TrainState, summary: dict) -> None:
     """Hear that the run finished.
 
     :param config: the run's ``TrainConfig``.

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
 from plugtron.core.config import TrainConfig
 from plugtron.core.contracts.converter import Converter
@@ -42,7 +43,7 @@ def converter_for_config(config: TrainConfig) -> Converter:
     return load_converter(config.plugins.model)
 
 
-def run_export(converter, config: TrainConfig, tensors: dict) -> tuple[dict, dict]:
+def run_export(converter, config: TrainConfig, tensors: Mapping) -> tuple[dict, dict]:
     """The converter's export, called the way it declares (see :class:`Converter` and :class:`ConverterExtras`)."""
     if hasattr(converter, "export_hf_from"):
         return converter.export_hf_from(config, tensors)

@@ -176,7 +176,7 @@ def model_shapes(config) -> dict[str, tuple]:
     parallel = ParallelContext.build(1, 0, device=torch.device("cpu"))
     with torch.device("meta"):
         (module,) = build_model(config, parallel, layer_backend="local")
-    out = {}
+    out: dict[str, tuple] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         out.setdefault(group_of(tensor) or name, tuple(tensor.shape))
     return out

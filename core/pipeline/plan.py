@@ -65,7 +65,7 @@ def check_actions(per_rank: list[list[Action]], num_chunks: int, num_microbatche
     iterator yields microbatches in order."""
     expected = {(mb, c) for mb in range(num_microbatches) for c in range(num_chunks)}
     for rank, actions in enumerate(per_rank):
-        seen = {FORWARD: [], BACKWARD: []}
+        seen: dict[str, list] = {FORWARD: [], BACKWARD: []}
         forwards_done = set()
         for a in actions:
             if not isinstance(a, Action) or a.kind not in seen:

@@ -80,7 +80,7 @@ def _problem(section, plugin, taken_names, taken_flags) -> str | None:
         base = SECTIONS.get(section.extends)
         if base is None or not issubclass(base, ExtensibleSection):
             return f"it extends {section.extends!r}, which is not a core section that takes extensions"
-        own = {f.name for f in dataclasses.fields(base)}
+        own = {f.name for f in dataclasses.fields(SECTIONS[section.extends])}
         clash = sorted(own & {f.name for f in dataclasses.fields(section.cls)})
         if clash:
             return f"its fields {', '.join(clash)} are already fields of {section.extends!r}"
@@ -110,7 +110,8 @@ def config_from_dict(data: dict) -> TrainConfig:
         declared = collect_sections(core_only)
     except PlugtronError:
         declared = []  # e.g. a driver name that no longer resolves: the run reports it
-    classes = {d.section.name: (d.section.cls, d.section.extends) for d in declared}
+    classes: dict[str, type | tuple[type, str | None]] = {
+        d.section.name: (d.section.cls, d.section.extends) for d in declared}
     return TrainConfig.from_dict(data, classes)
 
 
@@ -120,7 +121,7 @@ def config_from_flags(flags: dict, source: str = "settings") -> TrainConfig:
     settings are applied first, then the selected plugins' sections are attached and their
     settings applied."""
 
-    core_keys = set()
+    core_keys: set[str] = set()
     for f in flag_fields():
         core_keys.update(s.lstrip("-").replace("-", "_") for s in (f.flag, *f.aliases))
         core_keys.update((f.name, f"{f.section}.{f.name}"))

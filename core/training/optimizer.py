@@ -116,7 +116,8 @@ def named_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def param_groups_for(model_chunks, weight_decay: float) -> list[dict]:
-    decay, plain = [], []
+    decay: list = []
+    plain: list = []
     for name, param in named_params(model_chunks):
         (plain if no_weight_decay(name, param) else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay},
