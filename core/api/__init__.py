@@ -110,17 +110,20 @@ from plugtron.core.training.recompute import is_recomputing, recompute, recomput
 from plugtron.core.training.step_info import check_finite
 
 __all__ = [
-    # plugins and their options
+    # plugins, their roles and options, errors
     "hookimpl", "ConfigSection", "opt", "TrainConfig", "selected_drivers", "PluginRole",
+    "load_plugin", "saved_config",
     "PlugtronError", "ConfigError", "PluginError", "CheckpointError",
-    # models
-    "load_plugin",
-    "ModelInfo", "model_info_for", "LayerBackend", "load_layer_types", "substitute_symbols", "ComposedLayer", "chunk_layers", "stage_layer_counts",
+    # building a model: its description, layer types, composition, init, losses, parameters
+    "ModelInfo", "model_info_for", "LayerBackend", "load_layer_types", "substitute_symbols",
+    "ComposedLayer", "chunk_layers", "stage_layer_counts",
     "InitMethod", "normal_init", "scaled_normal_init", "check_finite", "add_loss",
-    "share_parameter", "ParallelContext", "load_model", "generate", "InferenceState",
+    "share_parameter", "ParallelContext",
     "ForwardContext", "forward_context", "current_forward_context", "use_forward_context",
     "recompute", "recompute_module", "run_layers", "is_recomputing",
-    "ActivationShape", "ChunkActivations", "decoder_activations", "estimate_memory",
+    "ActivationShape", "ChunkActivations", "decoder_activations",
+    # using a trained model, and sizing one
+    "load_model", "generate", "InferenceState", "estimate_memory",
     # tensor parallelism
     "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
@@ -140,12 +143,11 @@ __all__ = [
     "group_rank", "all_to_all", "all_to_all_counts",
     # schedules
     "Action", "ActionListSchedule", "execute_actions", "schedule_forward_step",
-    "schedule_backward_step",
-    "sync_context",
-    # optimizers
+    "schedule_backward_step", "sync_context",
+    # optimizers and data parallelism
     "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",
     "named_params", "no_weight_decay", "param_groups_for", "OPTIMIZER_STATE_KEY",
     "DistributedDataParallel", "BucketShard", "ParamShard",
     # datasets and tokenizers
-    "collate", "build_tokenizer", "tokenizer_for", "saved_config",
+    "collate", "build_tokenizer", "tokenizer_for",
 ]
