@@ -558,3 +558,31 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 def num_microbatches(config: TrainConfig, dp_size: int) -> int:
     t = config.training
     return t.global_batch_size // (t.micro_batch_size * dp_size)
+
+
+def validate_tensor_parallel(config: TrainConfig, tp: int | None = None) -> None:
+    """What the core itself splits over tp: the padded vocabulary (vocab-parallel embedding and
+    cross entropy) and, under sequence parallelism, the sequence. The model's own sizes (heads,
+    groups, ffn, ...) are the model plugin's to check (``plugtron_validate``). Also run by the
+    layer backend, so in-process runs fail here before any layer is built."""
+    m, p = config.model, config.parallel
+    tp = p.tensor_model_parallel_size if tp is None else tp
+    cp = p.context_parallel_size
+    if m.make_vocab_size_divisible_by < 1:
+        raise ConfigError(f"--make-vocab-size-divisible-by must be at least 1, got "
+                          f"{m.make_vocab_size_divisible_by}")
+    if m.vocab_size is not None and m.vocab_size < 1:
+        raise ConfigError(f"--vocab-size must be at least 1, got {m.vocab_size}")
+    for kind in ("bos", "eos", "pad"):
+        token = getattr(m, f"{kind}_token_id", None)
+        if token is not None and not (0 <= token < (m.vocab_size or token + 1)):
+            raise ConfigError(f"--{kind}-token-id {token} is not a token id of the vocabulary "
+                              f"(0 to --vocab-size - 1 = {(m.vocab_size or 1) - 1})")
+    if m.padded_vocab_size is not None and m.padded_vocab_size % tp:
+        raise ConfigError(f"the padded vocabulary {m.padded_vocab_size} is not divisible by "
+                          f"--tp {tp} (it is padded to a multiple of "
+                          f"--make-vocab-size-divisible-by x tp)")
+    if p.sequence_parallel and tp > 1 and m.seq_length % (tp * cp):
+        raise ConfigError(f"--seq-length {m.seq_length} is not divisible by --tp {tp} x --cp "
+                          f"{cp} = {tp * cp}, which --sequence-parallel needs (each tp rank "
+                          f"holds an equal slice of the sequence)")

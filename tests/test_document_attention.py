@@ -12,7 +12,7 @@ from plugtron.cli.main import cli
 from plugtron.plugins.datasets.sample_options import SampleOptions, sample_from_window
 from plugtron.plugins.layer_backends.attention_mask import causal_mask
 
-from .test_gpt_model import build
+from gpt_plugin.tests.test_gpt_model import build
 
 EOD = 99
 

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from plugtron.api import generate, load_model
 from plugtron.cli.main import cli
 
-from .checkpoint.test_hf_convert import make_hf
+from gpt_plugin.tests.test_hf_convert import make_hf
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,7 +55,7 @@ def test_greedy_equals_transformers_generate_on_the_exported_model(kind, tmp_pat
 def test_hybrid_greedy_equals_transformers_nemotron_h(tmp_path):
     """Mamba + attention (NemotronH ``M*-M-*``): our Mamba cache (conv window, SSM state)
     against transformers' own cache, on the exported model; equal-length prompts."""
-    from .checkpoint.test_hybrid_hf_convert import make_hf as make_hybrid
+    from gpt_plugin.tests.test_hybrid_hf_convert import make_hf as make_hybrid
 
     hf_dir, ckpt, exported = (str(tmp_path / n) for n in ("hf", "ckpt", "exported"))
     make_hybrid("nemotron_h", hf_dir)

@@ -33,8 +33,8 @@ if TYPE_CHECKING:  # the types only: the contract imports nothing it describes
     from plugtron.core.parallel.context import ParallelContext
     from plugtron.core.pipeline.p2p import P2PCommunicator
     from plugtron.core.pipeline.plan import Action
-    from plugtron.core.training.loop import TrainState
     from plugtron.core.training.optimizer import Optimizer
+    from plugtron.core.training.state import TrainState
     from torch.utils.data import Dataset
 
     #: ``(loss_sum, num_tokens, report)``: what ``loss_func`` and the forward step's closure give.

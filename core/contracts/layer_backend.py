@@ -27,6 +27,7 @@ from abc import ABC, abstractmethod
 
 import torch
 from plugtron.core.blocks.init import InitMethod
+from plugtron.core.config import validate_tensor_parallel
 from plugtron.core.parallel import tensor_parallel as tpc
 from plugtron.core.parallel.random import model_parallel_rng_tracker
 from plugtron.core.parallel.vocab_parallel import (
@@ -34,7 +35,6 @@ from plugtron.core.parallel.vocab_parallel import (
     parallel_logits,
     vocab_parallel_cross_entropy,
 )
-from plugtron.core.training.validate import validate_tensor_parallel
 
 
 class LayerBackend(ABC):

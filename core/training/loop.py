@@ -31,13 +31,8 @@ from plugtron.core.training import aux_losses, data, grads, preemption, step_inf
 from plugtron.core.training.builder import build_model
 from plugtron.core.training.lr_schedule import LRScheduler
 from plugtron.core.training.optimizer import checked_optimizer
+from plugtron.core.training.state import TrainState
 from plugtron.core.training.validate import validate_plugins
-
-
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_samples: int = 0
 
 
 @dataclass

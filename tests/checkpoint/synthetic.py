@@ -18,7 +18,7 @@ from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.distributed import WorldInfo
 from plugtron.core.parallel.sharding import set_tensor_parallel, shard_of
 from plugtron.core.pipeline.layout import chunk_layers
-from plugtron.core.training.loop import TrainState
+from plugtron.core.training.state import TrainState
 
 from tests.utils import tiny_config
 

@@ -22,8 +22,9 @@ from plugtron.core.checkpoint import checkpointer
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.training.loop import setup
 
+from gpt_plugin.tests.test_megatron_convert import GPT, LLAMA, SEQ, VOCAB, _logits, _run_for
+
 from .helpers import ckpt_config
-from .test_megatron_convert import GPT, LLAMA, SEQ, VOCAB, _logits, _run_for
 
 pytest.importorskip("megatron.core")
 

@@ -15,8 +15,7 @@ from plugtron.core.checkpoint import CheckpointReader
 from plugtron.core.errors import CheckpointError
 from plugtron.core.interchange.torch_dist import read_torch_dist
 
-from .megatron_sharded_fixtures import global_plan, save_sharded, write_common
-from .test_megatron_convert import (
+from gpt_plugin.tests.test_megatron_convert import (
     GPT,
     LLAMA,
     SEQ,
@@ -27,6 +26,8 @@ from .test_megatron_convert import (
     _run_for,
     _source,
 )
+
+from .megatron_sharded_fixtures import global_plan, save_sharded, write_common
 
 QWEN3 = {**LLAMA, "qk_layernorm": True, "add_qkv_bias": True, "window_size": "5,0",
          "use_rope_scaling": True, "rope_scaling_factor": 4.0}

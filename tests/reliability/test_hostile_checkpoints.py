@@ -399,7 +399,7 @@ def _megatron_cases(root, outside):
     directory (each target a valid copy, so a leak would import), two chunks at one offset."""
     import pickle
 
-    from tests.checkpoint.test_megatron_convert import _fixture
+    from gpt_plugin.tests.test_megatron_convert import _fixture
 
     clean = _fixture(types_path(root, "mcore-clean"))
     parent = os.path.dirname(clean)

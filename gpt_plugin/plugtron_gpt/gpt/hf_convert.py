@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 from plugtron.api import ConfigError, TrainConfig
-
 from plugtron_gpt.gpt.hf_families import FAMILIES, family_config, family_flags, family_of
 from plugtron_gpt.gpt.megatron_convert import export_megatron, import_megatron
 from plugtron_gpt.gpt.param_names import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS

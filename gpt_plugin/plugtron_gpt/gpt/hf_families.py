@@ -19,7 +19,6 @@ naming it, since plugtron would compute different angles.
 from __future__ import annotations
 
 from plugtron.api import ConfigError
-
 from plugtron_gpt.layers.attention_options import attention_options, parse_window, rope_scaling
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

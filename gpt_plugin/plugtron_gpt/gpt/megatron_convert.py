@@ -31,7 +31,6 @@ import re
 
 import torch
 from plugtron.api import ConfigError
-
 from plugtron_gpt.gpt.param_names import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS
 from plugtron_gpt.layers.attention_options import attention_options, parse_window
 from plugtron_gpt.layers.mlp import openai_gelu, squared_relu

@@ -26,7 +26,6 @@ from plugtron.api import (
     share_parameter,
     substitute_symbols,
 )
-
 from plugtron_gpt.layers.attention import dropout
 from plugtron_gpt.layers.attention_options import rope_scaling
 from plugtron_gpt.layers.decoder import Decoder

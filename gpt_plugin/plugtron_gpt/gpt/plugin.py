@@ -12,7 +12,6 @@ from plugtron.api import (
     hookimpl,
     load_layer_types,
 )
-
 from plugtron_gpt.gpt.model import GPTModel, gpt_layer_symbols
 from plugtron_gpt.gpt.presets import PRESETS
 from plugtron_gpt.gpt.sizes import architecture, validate_sizes

@@ -4,7 +4,6 @@ a checkpoint must agree on to be resumed."""
 from __future__ import annotations
 
 from plugtron.api import ConfigError
-
 from plugtron_gpt.layers.attention_options import attention_architecture
 from plugtron_gpt.layers.mlp import openai_gelu, squared_relu
 

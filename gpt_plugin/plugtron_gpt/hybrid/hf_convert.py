@@ -15,7 +15,6 @@ clamps ``softplus(dt)`` at its ``time_step_min``: ``--mamba-dt-limit-min``.
 from __future__ import annotations
 
 from plugtron.api import ConfigError
-
 from plugtron_gpt.gpt.hf_convert import EMBEDDING, FINAL_NORM, OUTPUT, _take, fuse_qkv, split_qkv
 from plugtron_gpt.hybrid.options import mamba_sizes
 from plugtron_gpt.hybrid.pattern import layer_symbols

@@ -22,7 +22,6 @@ from plugtron.api import (
     set_tensor_parallel,
     shard_of,
 )
-
 from plugtron_gpt.hybrid.causal_conv import causal_conv_silu
 from plugtron_gpt.hybrid.gated_norm import gated_rms_norm
 from plugtron_gpt.hybrid.mamba_activations import mamba_layer_bytes

@@ -4,7 +4,6 @@ layers by pattern). Forward step and loss are the GPT model's."""
 from __future__ import annotations
 
 from plugtron.api import ModelInfo, hookimpl
-
 from plugtron_gpt.gpt.plugin import MAIN_LOSS, GPTPlugin
 from plugtron_gpt.hybrid.model import HybridModel
 from plugtron_gpt.hybrid.options import SECTION

@@ -12,7 +12,6 @@ from plugtron.api import (
     check_context_parallel_layers,
     load_layer_types,
 )
-
 from plugtron_gpt.gpt.sizes import architecture as gpt_architecture
 from plugtron_gpt.gpt.sizes import validate_sizes as validate_gpt_sizes
 from plugtron_gpt.hybrid.options import mamba_sizes

@@ -15,7 +15,6 @@ which changes nothing before them, so the result is exact for any length.
 from __future__ import annotations
 
 import torch
-
 from plugtron_gpt.hybrid.ssd_chunked import chunked_scan
 
 

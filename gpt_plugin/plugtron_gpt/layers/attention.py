@@ -27,7 +27,6 @@ from plugtron.api import (
     recompute_module,
     scaled_normal_init,
 )
-
 from plugtron_gpt.layers.activations import attention_layer_bytes
 from plugtron_gpt.layers.attention_options import (
     SECTION,

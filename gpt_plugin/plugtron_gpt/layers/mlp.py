@@ -20,7 +20,6 @@ from plugtron.api import (
     recompute_module,
     scaled_normal_init,
 )
-
 from plugtron_gpt.layers.activations import mlp_layer_bytes
 from plugtron_gpt.layers.attention import dropout
 

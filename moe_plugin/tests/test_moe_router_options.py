@@ -12,7 +12,7 @@ from plugtron.api import EXPERT_PARALLEL_RNG, ParallelContext
 from plugtron_moe.experts import SequentialMLP
 from plugtron_moe.router import TopKRouter
 
-from .utils import tiny_config
+from tests.utils import tiny_config
 
 E, K, COEFF = 4, 2, 0.1
 

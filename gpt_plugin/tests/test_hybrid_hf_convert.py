@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .hf_models import assert_exports_back, convert, logits_of, save_random, tokens
+from tests.checkpoint.hf_models import assert_exports_back, convert, logits_of, save_random, tokens
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,7 +11,7 @@ from plugtron.core.plugins import registry
 from plugtron.core.training.loop import finalize_model_config
 from plugtron.core.training.step_info import NonFiniteLossError
 
-from .utils import tiny_config
+from tests.utils import tiny_config
 
 QKV = "decoder.layers.0.self_attention.linear_qkv.weight"
 

@@ -10,7 +10,7 @@ import torch
 from plugtron.api import ParallelContext
 from plugtron_moe import experts as ex
 
-from .utils import tiny_config
+from tests.utils import tiny_config
 
 
 def _working_grouped_mm(calls):

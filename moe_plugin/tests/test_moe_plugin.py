@@ -11,8 +11,8 @@ from plugtron.core.contracts.layers import substitute_symbols
 from plugtron.core.training.loop import setup
 from plugtron_moe.options import moe_layer_pattern
 
-from .fake_plugins import install_fake_distribution, remove_path
-from .utils import tiny_config, train_in_process
+from tests.fake_plugins import install_fake_distribution, remove_path
+from tests.utils import tiny_config, train_in_process
 
 ARGS = ["--data", "mock", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",

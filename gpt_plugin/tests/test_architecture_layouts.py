@@ -3,7 +3,7 @@ tp 2, tp 2 with sequence parallelism, pp 2, pp 2 with vp 2 and dp 2 with the dis
 optimizer, all on in one model: --openai-gelu, a sliding window shorter than the sequence,
 q/k/v-only biases, per-head q/k norms and Llama 3.x rope scaling; and under cp 2 all but the
 window (a window shorter than the sequence is refused with cp > 1 before launch:
-tests/test_architecture_options.py). fp32, dropout 0, relative 1e-5 on losses and grad norms.
+gpt_plugin/tests/test_architecture_options.py). fp32, dropout 0, relative 1e-5 on losses and grad norms.
 One spawn for the module."""
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.plugins import registry
 from plugtron.core.training.loop import finalize_model_config
 
-from . import fake_transformer_engine
-from .utils import tiny_config
+from tests import fake_transformer_engine
+from tests.utils import tiny_config
 
 LAYERS = 4
 EMBEDDING = {"embedding.word_embeddings.weight", "embedding.position_embeddings.weight"}

@@ -17,7 +17,7 @@ from plugtron.core.training.loop import data_iterators, setup, train_step
 from plugtron.core.training.optimizer import StepResult
 from plugtron_moe.router import TopKRouter
 
-from .utils import tiny_config
+from tests.utils import tiny_config
 
 E, K, COEFF = 4, 2, 0.5
 
