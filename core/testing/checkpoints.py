@@ -7,6 +7,7 @@ import tempfile
 from collections.abc import Callable
 
 from plugtron.core.checkpoint.layout import iteration_dirname
+from plugtron.core.checkpoint.reader import CheckpointReader
 
 from .compare import assert_records_close
 from .config import merge_flags, world_size_of
@@ -53,3 +54,18 @@ def assert_checkpoint_reshards(flags: dict, save_layout: dict, load_layout: dict
         raise AssertionError(f"{what}: resumed at iterations {[r['iteration'] for r in resumed]}"
                              f", expected {half + 1}..{iters}")
     assert_records_close(resumed, continuous[half:], rtol, f"{what} against the continuous run")
+
+
+def read_checkpoint(path: str) -> dict:
+    """A checkpoint (or the newest complete one in a directory of them) as plain data for a
+    test's own checks: ``{"iteration", "config", "layout", "plugins", "tensors"}``, every tensor
+    whole (assembled from the pieces of whatever layout wrote it) under its stored name
+    (``model/...``, ``optimizer/...``). Reading verifies every file first, as loading does."""
+    reader = CheckpointReader(path)
+    try:
+        meta = reader.metadata
+        return {"iteration": meta["iteration"], "config": meta.get("config"),
+                "layout": meta.get("layout"), "plugins": meta.get("plugins"),
+                "tensors": {name: reader.read_full(name) for name in sorted(reader.tensors)}}
+    finally:
+        reader.close()

@@ -37,3 +37,13 @@ def test_an_old_checkpoint_resumes_bitwise(tmp_path):
     resumed = {str(r["iteration"]): {"lm_loss": r["lm_loss"], "grad_norm": r["grad_norm"]}
                for r in records if "iteration" in r and not r.get("summary")}
     assert resumed == expected["uninterrupted"]
+
+
+def test_the_kit_reads_a_checkpoint_whole(tmp_path):
+    from plugtron.testing import read_checkpoint
+
+    shutil.copytree(DATA, tmp_path / "ck", ignore=shutil.ignore_patterns("expected.json"))
+    contents = read_checkpoint(str(tmp_path / "ck"))
+    assert contents["iteration"] == 3 and contents["config"]["model"]["swiglu"] is True
+    embedding = contents["tensors"]["model/embedding.word_embeddings.weight"]
+    assert tuple(embedding.shape) == (104, 16)  # vocab 100 padded to a multiple of 8
