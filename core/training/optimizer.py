@@ -128,9 +128,26 @@ def param_groups_for(model_chunks, weight_decay: float) -> list[dict]:
 class MixedPrecisionOptimizer(Optimizer):
     """Megatron's step over fp32 main parameters held in ``self.inner`` (a torch optimizer).
 
-    Subclasses say where the main gradients are (:meth:`_prepare_main_grads`), which process
-    groups the norm spans besides model parallelism (:attr:`norm_groups`), and how updated main
-    parameters reach the model (:meth:`_publish_main_params`).
+    The protocol of an optimizer plugin that keeps its own main parameters, sharded or not
+    (``plugtron.api``; plugins/optimizers/distributed_optimizer.py is the worked example of a
+    sharded one, over the buckets' ``BucketShard``/``ParamShard``):
+
+    * in ``__init__``: call ``super().__init__(config, parallel)``, build the fp32 main
+      parameters and ``self.inner`` over them; a sharding optimizer sets :attr:`norm_groups`
+      (e.g. ``(parallel.dp_cp_group,)``) and :attr:`expert_norm_groups` (``(parallel.edp_group,)``)
+      so the grad norm and the zero count are summed over its shards, and its plugin answers
+      hook ``optimizer_shards_gradients`` with True so the data-parallel wrapper reduce-scatters;
+    * :meth:`prepare_main_grads`: put the fp32 gradients on the main parameters and say which
+      model parameter each belongs to;
+    * :meth:`publish_main_params`: after ``inner.step()``, bring the main parameters back into
+      the model (copy, all-gather);
+    * :meth:`main_param_bytes`: bytes of main parameters that are copies (for the estimate and
+      the metrics), 0 where they alias the model's;
+    * ``sharded_state_dict`` / ``load_sharded_state_dict`` (from :class:`Optimizer`): state at
+      each parameter's full local shape, so a checkpoint loads into any layout and optimizer.
+
+    The step itself (fp16 unscale and skip, the global norm, clipping, ``inner.step()``) is this
+    class's and is not overridden.
     """
 
     def __init__(self, config, parallel):
@@ -162,16 +179,19 @@ class MixedPrecisionOptimizer(Optimizer):
                 p.grad = None
 
     @abstractmethod
-    def _prepare_main_grads(self) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
+    def prepare_main_grads(self) -> list[tuple[torch.Tensor, torch.nn.Parameter]]:
         """Set ``.grad`` (fp32) on every main parameter; return ``(main grad, model param)``
-        pairs, the model param telling whether the grad counts for the norm."""
+        pairs, the model param telling whether the grad counts for the norm (a tp replica or a
+        tied copy counts once). Called at the start of every step, after the data-parallel
+        reduction has finished."""
 
     @abstractmethod
-    def _publish_main_params(self) -> None:
-        """After ``inner.step()``: copy main parameters to the model (and gather shards)."""
+    def publish_main_params(self) -> None:
+        """After ``inner.step()``: copy main parameters to the model (and gather shards). Not
+        called for a skipped (fp16 overflow) step."""
 
     def step(self) -> StepResult:
-        pairs = self._prepare_main_grads()
+        pairs = self.prepare_main_grads()
         grads = [g for g, _ in pairs]
         if self.scaler is not None:
             groups = (self.parallel.mp_group, self.parallel.dp_cp_group)
@@ -191,7 +211,7 @@ class MixedPrecisionOptimizer(Optimizer):
         self.inner.step()
         self.num_steps += 1
         self._clear_main_grads()
-        self._publish_main_params()
+        self.publish_main_params()
         return StepResult(True, norm, num_zeros)
 
     def _clear_main_grads(self) -> None:
@@ -221,9 +241,10 @@ class MixedPrecisionOptimizer(Optimizer):
         copies)."""
         total = sum(v.numel() * v.element_size() for s in self.inner.state.values()
                     for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
-        return total + self._main_param_bytes()
+        return total + self.main_param_bytes()
 
-    def _main_param_bytes(self) -> int:
+    def main_param_bytes(self) -> int:
+        """Bytes of this rank's main parameters that are copies of the model's (0: aliased)."""
         return 0
 
 
@@ -260,7 +281,7 @@ class TorchOptimizer(MixedPrecisionOptimizer):
             p.grad = None
         super().zero_grad()
 
-    def _prepare_main_grads(self):
+    def prepare_main_grads(self):
         pairs = []
         for model_p, main_p in zip(self.model_params, self.main_params):
             g = grad_utils.grad_of(model_p)
@@ -269,7 +290,7 @@ class TorchOptimizer(MixedPrecisionOptimizer):
             pairs.append((g, model_p))
         return pairs
 
-    def _publish_main_params(self) -> None:
+    def publish_main_params(self) -> None:
         if self.mixed:
             with torch.no_grad():  # one fused copy (with the cast) over every parameter
                 torch._foreach_copy_(self.model_params, self.main_params)
@@ -280,7 +301,7 @@ class TorchOptimizer(MixedPrecisionOptimizer):
             with torch.no_grad():
                 torch._foreach_copy_(self.main_params, self.model_params)
 
-    def _main_param_bytes(self) -> int:
+    def main_param_bytes(self) -> int:
         if not self.mixed:
             return 0
         return sum(p.numel() * p.element_size() for p in self.main_params)

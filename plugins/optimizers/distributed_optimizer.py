@@ -68,7 +68,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     # ------------------------------------------------------------------ the step
 
-    def _prepare_main_grads(self):
+    def prepare_main_grads(self):
         for chunk in self.model_chunks:
             chunk.finish_param_sync()  # the step rewrites the parameter storage
         pairs = []
@@ -77,7 +77,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             pairs.append((main.grad, s.param))
         return pairs
 
-    def _publish_main_params(self) -> None:
+    def publish_main_params(self) -> None:
         copies = self._copied_pairs()
         if copies:
             with torch.no_grad():  # one fused copy (with the cast) over every shard
@@ -96,7 +96,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return [(s.data, main) for s, main, aliased in zip(self.slices, self.mains, self.aliased)
                 if not aliased]
 
-    def _main_param_bytes(self) -> int:
+    def main_param_bytes(self) -> int:
         return sum(m.numel() * m.element_size()
                    for m, aliased in zip(self.mains, self.aliased) if not aliased)
 
