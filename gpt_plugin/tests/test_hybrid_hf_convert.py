@@ -26,7 +26,7 @@ def make_hf(kind: str, directory: str):
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
         ssm_state_size=8, mamba_num_heads=8, mamba_head_dim=8, n_groups=2, chunk_size=4,
         layer_norm_epsilon=1e-5, initializer_range=0.2, use_mamba_kernels=False,
-        tie_word_embeddings=False, time_step_min=0.01)
+        tie_word_embeddings=False, time_step_min=0.01, time_step_limit=(0.05, float("inf")))
     return save_random(transformers.NemotronHForCausalLM, config, directory)
 
 

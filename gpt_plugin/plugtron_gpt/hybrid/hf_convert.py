@@ -8,8 +8,10 @@
 
 Both keep each layer's pre-norm at ``backbone.layers.{i}.norm`` and the mixer's tensors under the
 names plugtron uses too (``mixer.in_proj``, ``mixer.conv1d``, ``mixer.A_log``, ``mixer.D``,
-``mixer.dt_bias``, ``mixer.norm``, ``mixer.out_proj``), so Mamba layers map one to one. NemotronH
-clamps ``softplus(dt)`` at its ``time_step_min``: ``--mamba-dt-limit-min``.
+``mixer.dt_bias``, ``mixer.norm``, ``mixer.out_proj``), so Mamba layers map one to one. Both clamp
+``softplus(dt)`` from below at ``time_step_limit[0]`` (``--mamba-dt-limit-min``); ``time_step_min``
+only sets the initial range of dt. (transformers before 5.19 clamped NemotronH at
+``time_step_min`` instead; export writes both, equal, whenever the clamp is on.)
 """
 
 from __future__ import annotations
@@ -79,11 +81,20 @@ def _float(value) -> float:
     return float(value["__float__"] if isinstance(value, dict) else value)
 
 
+def dt_limit_min(c: dict) -> float:
+    """The lower clamp of ``softplus(dt)``: ``time_step_limit[0]``; an upper clamp is refused."""
+    low, high = (_float(v) for v in c.get("time_step_limit", (0.0, float("inf"))))
+    if high != float("inf"):
+        raise ConfigError(f"time_step_limit {c['time_step_limit']}: only (low, inf) converts "
+                          f"(plugtron clamps dt from below only, --mamba-dt-limit-min)")
+    return low
+
+
 def mamba2_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
     _check_mamba(c, "hidden_act")
-    limit = tuple(_float(v) for v in c.get("time_step_limit", (0.0, float("inf"))))
-    if limit != (0.0, float("inf")):
-        raise ConfigError(f"time_step_limit {c['time_step_limit']}: only (0, inf) converts")
+    if dt_limit_min(c) != 0.0:
+        raise ConfigError(f"time_step_limit {c['time_step_limit']}: only (0, inf) converts for "
+                          f"Mamba2 (a clamped all-Mamba model exports as NemotronH)")
     pattern = "M" * c["num_hidden_layers"]
     flags = _common_flags(c, pattern, c["num_heads"], c["head_dim"], c["state_size"])
     return flags, _import_tensors(c, hf, pattern, 0, 0)
@@ -118,7 +129,7 @@ def nemotron_h_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
                   "ffn-hidden-size": c["intermediate_size"], "squared-relu": True,
                   "add-bias-linear": bias,
                   "attention-dropout": float(c.get("attention_dropout", 0.0)),
-                  "mamba-dt-limit-min": float(c.get("time_step_min", 0.001))})
+                  "mamba-dt-limit-min": dt_limit_min(c)})
     return flags, _import_tensors(c, hf, pattern, heads, groups)
 
 
@@ -196,7 +207,8 @@ def hybrid_to_hf(m, config) -> dict:
             "mlp_bias": m.add_bias_linear, "attention_dropout": m.attention_dropout,
             "ssm_state_size": size["state"], "mamba_num_heads": size["heads"],
             "mamba_head_dim": size["head_dim"], "mamba_hidden_act": "silu",
-            "time_step_min": o.dt_limit_min or 0.001, "hidden_dropout": m.hidden_dropout}
+            "time_step_min": o.dt_limit_min or 0.001,
+            "time_step_limit": [o.dt_limit_min, float("inf")], "hidden_dropout": m.hidden_dropout}
 
 
 class HybridConverter:

@@ -27,8 +27,8 @@ class HybridOptions:
                                 "Mamba heads (default 2 x hidden / head dim).")
     chunk_size: int = opt(128, "--mamba-chunk-size", "Tokens per chunk of the SSD scan.")
     dt_limit_min: float = opt(0.0, "--mamba-dt-limit-min",
-                              "Clamp softplus(dt) from below (NemotronH clamps at its "
-                              "time_step_min); 0 leaves dt unclamped.")
+                              "Clamp softplus(dt) from below (HF's time_step_limit[0]); "
+                              "0 leaves dt unclamped.")
 
 
 SECTION = ConfigSection("hybrid", HybridOptions, title="Hybrid model")
