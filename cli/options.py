@@ -138,6 +138,20 @@ class SectionedCommand(click.Command):
         super().__init__(*args, **kwargs)
         self.headings = headings or {}
 
+    def parse_args(self, ctx, args):
+        given = list(args)  # click's parser consumes the list
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            # A plugin's option whose plugin this run does not select: say whose it is.
+            from plugtron.core.plugins.options import owner_of_flag
+
+            owner = owner_of_flag(exc.option_name, prescan(given))
+            if owner is None:
+                raise
+            raise click.UsageError(f"No such option: {exc.option_name}: {owner}.",
+                                   ctx=ctx) from None
+
     def format_options(self, ctx, formatter):
         groups: dict[str, list] = {}
         for param in self.get_params(ctx):

@@ -102,3 +102,23 @@ def test_topology_world8_tp2_pp2():
 def test_topology_bad_sizes():
     result = invoke(["topology", "--world-size", "6", "--tp", "4"])
     assert result.exit_code == 2 and "not divisible" in result.output
+
+
+def test_an_option_of_an_unselected_plugin_names_its_owner():
+    result = invoke(["train", *TINY, "--hybrid-layer-pattern", "M-"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert ("--hybrid-layer-pattern is an option of model 'hybrid' (plugtron-gpt "
+            in result.output) and "add --model hybrid" in result.output
+
+
+def test_an_option_of_a_disabled_extension_names_it():
+    result = invoke(["train", *TINY, "-p", "no:tensorboard", "--tensorboard-dir", "tb"])
+    assert result.exit_code == 2
+    assert "--tensorboard-dir is an option of extension 'tensorboard'" in result.output
+    assert "-p no:tensorboard" in result.output
+
+
+def test_an_option_nobody_declares_is_still_unknown():
+    result = invoke(["train", *TINY, "--no-such-thing", "1"])
+    assert result.exit_code == 2 and "No such option" in result.output
+    assert "is an option of" not in result.output

@@ -23,7 +23,9 @@ from plugtron.core.config import (
     section_flag_fields,
 )
 from plugtron.core.errors import PlugtronError
+from plugtron.core.plugins import registry
 from plugtron.core.plugins.objects import PluginObject, call_declared, run_plugin_objects, warn_once
+from plugtron.core.plugins.selection import AUTOLOAD_ENV
 
 
 @dataclass(frozen=True)
@@ -131,3 +133,37 @@ def config_from_flags(flags: dict, source: str = "settings") -> TrainConfig:
     with_plugin_sections(config)
     apply_values(config, {k: v for k, v in flags.items() if norm[k] not in core_keys}, source)
     return config
+
+
+#: The flag that selects a driver of each role, for messages.
+SELECTING_FLAGS = {"model": "--model", "schedule": "--schedule", "optimizer": "--optimizer",
+                   "dataset": "--data", "layer_backend": "--layer-backend"}
+
+
+def owner_of_flag(flag: str, config: TrainConfig) -> str | None:
+    """Which installed plugin declares ``flag`` although ``config`` does not collect its options
+    (a driver it does not select, a disabled extension), said as what to do about it; None when
+    no installed plugin declares it. Imports every installed driver: for error messages only."""
+    taking_part = {(p.role, p.name) for p in run_plugin_objects(config)}
+    candidates = [(role, info) for role in (*SELECTING_FLAGS, "extension")
+                  for info in registry.available(role) if (role, info.name) not in taking_part]
+    for role, info in candidates:
+        try:
+            obj = registry.load(role, info.name)
+            obj = obj if role == "layer_backend" else registry.instantiate(obj)
+            sections = call_declared(PluginObject(role, info.name, info.origin, obj),
+                                     "plugtron_config_sections") or []
+            flags = {spelling for section in sections
+                     for f in section_flag_fields(section.name, section.cls)
+                     for spelling in (f.flag, *f.aliases, f.negative) if spelling}
+        except Exception:  # noqa: BLE001 - a broken plugin cannot own the flag
+            continue
+        if flag not in flags:
+            continue
+        what = f"{role} {info.name!r} ({info.origin})"
+        if role == "extension":
+            return (f"{flag} is an option of {what}, which this run does not load "
+                    f"(disabled with -p no:{info.name}, or {AUTOLOAD_ENV} is set)")
+        return (f"{flag} is an option of {what}, which this run does not select: add "
+                f"{SELECTING_FLAGS[role]} {info.name}")
+    return None
