@@ -13,7 +13,7 @@ from .compare import assert_records_close
 from .config import merge_flags, world_size_of
 from .layouts import layout_name
 from .pool import DistributedPool
-from .runs import pool_for, train_run
+from .runs import pool_for, refuse_before_launch, train_run
 
 
 def assert_checkpoint_reshards(flags: dict, save_layout: dict, load_layout: dict,
@@ -41,6 +41,7 @@ def assert_checkpoint_reshards(flags: dict, save_layout: dict, load_layout: dict
     save_flags, load_flags = merge_flags(base, save_layout), merge_flags(base, load_layout)
     worlds = world_size_of(save_flags), world_size_of(load_flags)
     what = f"resumed {layout_name(load_layout)} from {layout_name(save_layout)} at {half}"
+    refuse_before_launch((save_flags, worlds[0]), (load_flags, worlds[1]))
     with tempfile.TemporaryDirectory(prefix="plugtron-reshard-") as save, \
             pool_for(max(worlds), pool) as p:
         continuous = train_run(merge_flags(save_flags, {"save": save, "save-interval": half}),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .compare import assert_records_close
 from .config import merge_flags, world_size_of
 from .pool import DistributedPool
-from .runs import pool_for, train_run
+from .runs import pool_for, refuse_before_launch, train_run
 
 #: tp 2, pp 2, pp 2 x vp 2, dp 2 (2 ranks each) and tp 2 x pp 2 x dp 2 (8 ranks). dp is what the
 #: world leaves after tp x pp x cp, so each layout's world is the product of its sizes.
@@ -40,6 +40,8 @@ def assert_layouts_match(flags: dict, layouts=DEFAULT_LAYOUTS, rtol: float = 1e-
     """
     base = merge_flags(flags, {"train-iters": iters})
     worlds = [world_size_of(merge_flags(base, layout)) for layout in layouts]
+    refuse_before_launch((base, 1), *((merge_flags(base, layout), world)
+                                      for layout, world in zip(layouts, worlds)))
     with pool_for(max(worlds, default=1), pool) as p:
         reference = train_run(base, 1, p).records
         for layout, world in zip(layouts, worlds):

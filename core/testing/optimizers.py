@@ -5,7 +5,7 @@ from __future__ import annotations
 from .compare import assert_copies_match, assert_params_close, assert_records_close
 from .config import merge_flags
 from .pool import DistributedPool
-from .runs import pool_for, train_run
+from .runs import pool_for, refuse_before_launch, train_run
 
 
 def assert_optimizer_dp_equivalent(optimizer: str, flags: dict | None = None, dp: int = 2,
@@ -26,6 +26,7 @@ def assert_optimizer_dp_equivalent(optimizer: str, flags: dict | None = None, dp
     started for the call.
     """
     base = merge_flags(flags or {}, {"optimizer": optimizer, "train-iters": iters})
+    refuse_before_launch((base, 1), (merge_flags(base, {"dp": dp}), dp))
     with pool_for(dp, pool) as p:
         reference = train_run(base, 1, p, gather_params=True)
         got = train_run(merge_flags(base, {"dp": dp}), dp, p, gather_params=True)

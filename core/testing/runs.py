@@ -20,6 +20,7 @@ from plugtron.core.monitoring.metrics import MetricsLogger
 from plugtron.core.parallel.sharding import gather_tensor_parallel, is_expert, tp_split_of
 from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.training import loop as training
+from plugtron.core.training.validate import validate
 
 from .config import make_config, merge_flags, world_size_of
 from .pool import DistributedPool
@@ -126,6 +127,14 @@ def pool_for(world_size: int, pool: DistributedPool | None = None):
         yield own
 
 
+def refuse_before_launch(*runs: tuple[dict, int]) -> None:
+    """Each ``(flags, world_size)`` through the CLI's checks before launch, in this process:
+    what the CLI refuses at once raises its ``ConfigError`` here before any rank starts, not a
+    traceback from every rank."""
+    for flags, world_size in runs:
+        validate(make_config(flags), world_size)
+
+
 def train_run(flags: dict, world_size: int | None = None, pool: DistributedPool | None = None,
               *, plugins=(), schedule=None, gather_params: bool = False,
               evaluate: bool = False, stop_at: int | None = None) -> RunResult:
@@ -146,6 +155,7 @@ def train_run(flags: dict, world_size: int | None = None, pool: DistributedPool 
                          f"world_size is {size}")
     if schedule is not None:
         flags = merge_flags(flags, {"schedule": _STAND_IN_SCHEDULE})
+    refuse_before_launch((flags, size))
     with pool_for(size, pool) as p:
         results = p.run(_rank_train, flags, tuple(plugins), schedule, stop_at, gather_params,
                         evaluate, world_size=size)
