@@ -276,3 +276,10 @@ def test_fp16_overflow_in_an_expert_skips_the_step_on_every_rank(rank_pool):
     assert any(".experts." in name for name in skipped.params)
     for name, value in skipped.params.items():
         assert torch.equal(value, before.params[name]), name
+
+
+def test_the_dispatcher_kit_check_passes_the_built_in_alltoall(rank_pool):
+    from plugtron_moe.testing import assert_dispatcher_matches
+
+    assert_dispatcher_matches("alltoall", layouts=[{"expert-model-parallel-size": 2, "dp": 2}],
+                              pool=rank_pool)
