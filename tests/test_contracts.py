@@ -10,7 +10,11 @@ from plugtron.core.errors import PluginError
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.manager import build_plugin_manager, wants_sharded_gradients
+from plugtron.core.plugins.manager import (
+    build_plugin_manager,
+    optimizer_state_per_param,
+    wants_sharded_gradients,
+)
 from plugtron.core.training.loop import finalize_model_config, setup, split_sizes
 from plugtron.core.training.optimizer import StepResult
 
@@ -154,6 +158,15 @@ def test_hook_optimizer_shards_gradients():
     # Before launch (validation): a plugin manager of the selected optimizer alone answers.
     assert wants_sharded_gradients(tiny_config(optimizer="distributed-adam"))
     assert not wants_sharded_gradients(tiny_config(optimizer="sgd"))
+
+
+def test_hook_optimizer_state_per_param():
+    # The built-in optimizers answer through the run's plugin manager and before launch alike.
+    config, run = _built()
+    assert run.pm.hook.optimizer_state_per_param(config=config) == 2
+    assert optimizer_state_per_param(tiny_config(optimizer="distributed-adam")) == 2
+    assert optimizer_state_per_param(tiny_config(optimizer="sgd")) == 1
+    assert optimizer_state_per_param(tiny_config(optimizer="sgd", sgd_momentum=0.0)) == 0
 
 
 class Recorder:

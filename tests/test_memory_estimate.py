@@ -13,6 +13,7 @@ from plugtron.core.plugins.options import config_from_flags
 from plugtron.core.tools.estimate import estimate_memory
 from plugtron.testing import assert_activation_bytes_match, saved_activation_bytes
 
+from tests.fake_plugins import install_fake_distribution, remove_path
 from tests.memory_probe import measure_training
 from tests.utils import tiny_config
 
@@ -192,6 +193,56 @@ def test_parameter_counts_and_optimizer_columns():
     # bf16 weights, fp32 grads (accumulated in fp32), fp32 master + 2 moments
     assert bf16.param_bytes == 2 * bf16.parameters and bf16.grad_bytes == 4 * bf16.parameters
     assert bf16.optimizer_bytes == 12 * bf16.parameters
+
+
+THIRD_PARTY_OPTIMIZERS = """
+    from plugtron.api import TorchOptimizer, hookimpl
+
+    class OneMoment:
+        @hookimpl
+        def optimizer_state_per_param(self, config):
+            return 1
+
+        @hookimpl
+        def build_optimizer(self, config, model_chunks, parallel):
+            raise NotImplementedError
+
+    class ShardedOneMoment(OneMoment):
+        @hookimpl
+        def optimizer_shards_gradients(self, config):
+            return True
+
+    class Silent:
+        @hookimpl
+        def build_optimizer(self, config, model_chunks, parallel):
+            raise NotImplementedError
+"""
+
+
+@pytest.fixture()
+def third_party_optimizers(tmp_path):
+    install_fake_distribution(
+        tmp_path, "plugtron-optim-estimate", "0.1",
+        {"plugtron.optimizers": {"one-moment": "optim_estimate:OneMoment",
+                                 "sharded-one-moment": "optim_estimate:ShardedOneMoment",
+                                 "silent": "optim_estimate:Silent"}},
+        {"optim_estimate": THIRD_PARTY_OPTIMIZERS})
+    yield
+    remove_path(tmp_path)
+
+
+def test_a_third_party_optimizer_is_counted_as_it_declares(third_party_optimizers):
+    """A one-moment optimizer counts 1 fp32 value per parameter, replicated or (when it shards
+    gradients) sharded over dp; one that says nothing is counted as Adam, with a note."""
+    one = _rows({"optimizer": "one-moment"}, 2)[0]
+    assert one.optimizer_bytes == 4 * one.parameters
+    assert one.optimizer_selected == one.optimizer_bytes
+    sharded = _rows({"optimizer": "sharded-one-moment"}, 2)[0]
+    assert sharded.optimizer_selected == sharded.optimizer_bytes_distributed
+    assert sharded.optimizer_bytes_distributed * 2 == sharded.optimizer_bytes
+    silent = estimate_memory(tiny_config(optimizer="silent"), 1)
+    assert silent.ranks[0].optimizer_bytes == 8 * silent.ranks[0].parameters
+    assert any("does not implement optimizer_state_per_param" in n for n in silent.notes)
 
 
 # --------------------------------------------------------------------------- CLI

@@ -7,7 +7,7 @@ Three kinds of hooks live here:
   follow Megatron-Core. For one run each must end up with exactly one implementation: the driver
   that the run selected by entry-point name. They are ``firstresult`` hooks, so calling one
   returns that implementation's value. Extension plugins may wrap them (``wrapper=True``).
-* **Optional driver hooks** (``optimizer_shards_gradients``): ``firstresult`` questions the core
+* **Optional driver hooks** (``optimizer_shards_gradients``, ``optimizer_state_per_param``, ...): ``firstresult`` questions the core
   asks the selected driver of one role; a driver that does not implement one gets the default
   its docstring states.
 * **Lifecycle hooks** (prefixed ``plugtron_``). Any number of plugins may implement them; the
@@ -50,6 +50,7 @@ OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
     "model_info": "model",
     "model_presets": "model",
     "optimizer_shards_gradients": "optimizer",
+    "optimizer_state_per_param": "optimizer",
     # absent: the core's executor runs the schedule's ``schedule_actions`` (pipeline/executor.py)
     "forward_backward": "schedule",
 }
@@ -250,6 +251,22 @@ def optimizer_shards_gradients(config: TrainConfig) -> bool:
     Optional; implemented by the optimizer driver only. Called on every rank before the model
     chunks are wrapped for data parallelism (so before ``build_optimizer``), and by the CLI
     before launch to validate ``--overlap-param-gather``, without process groups.
+    """
+
+
+@hookspec(firstresult=True)
+def optimizer_state_per_param(config: TrainConfig) -> int:
+    """Say how many fp32 values the optimizer keeps per parameter, for ``plugtron estimate``
+    and the memory check before launch.
+
+    :param config: the run's ``TrainConfig``.
+    :returns: the state values per parameter, the fp32 main copy under bf16/fp16 not included
+        (the core counts it): Adam's two moments 2, SGD 1 with momentum and 0 without, Lion 1.
+        An optimizer that answers ``optimizer_shards_gradients`` with ``True`` has them counted
+        sharded over dp x cp.
+
+    Optional; implemented by the optimizer driver only. Without an implementation the estimate
+    counts 2 (Adam's) and says so in its notes. Called before launch, without process groups.
     """
 
 

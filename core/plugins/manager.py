@@ -19,8 +19,8 @@ from plugtron.core.plugins.selection import (
     selected_drivers,
 )
 
-__all__ = ["build_plugin_manager", "new_plugin_manager", "verify_contracts",
-           "wants_sharded_gradients"]
+__all__ = ["build_plugin_manager", "new_plugin_manager", "optimizer_state_per_param",
+           "verify_contracts", "wants_sharded_gradients"]
 
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
@@ -92,7 +92,18 @@ def wants_sharded_gradients(config, pm: pluggy.PluginManager | None = None) -> b
     ``pm`` is the run's plugin manager. Without one (validation before launch) a plugin manager
     of just the selected optimizer answers, so no other plugin is imported.
     """
+    return bool(_optimizer_hooks(config, pm).optimizer_shards_gradients(config=config))
+
+
+def optimizer_state_per_param(config, pm: pluggy.PluginManager | None = None) -> int | None:
+    """The answer of hook ``optimizer_state_per_param``; None when the optimizer does not
+    implement it. ``pm`` as for :func:`wants_sharded_gradients`."""
+    return _optimizer_hooks(config, pm).optimizer_state_per_param(config=config)
+
+
+def _optimizer_hooks(config, pm: pluggy.PluginManager | None):
+    """The hooks of ``pm``, or of a plugin manager of just the selected optimizer."""
     if pm is None:
         pm = new_plugin_manager()
         register_driver(pm, "optimizer", resolve_optimizer(config))
-    return bool(pm.hook.optimizer_shards_gradients(config=config))
+    return pm.hook

@@ -7,8 +7,8 @@ tp rank, expert rank) builds its model chunks on the meta device with the model 
 one microbatch keeps for backward (``activation_bytes``, core/contracts/activations.py); the selected
 schedule's own action lists (core/pipeline/plan.py) say how many microbatch-chunks each stage
 holds at its peak. Optimizer plugins say how many fp32 values they keep per parameter
-(``state_per_param``, default 2: Adam's moments) and whether the distributed optimizer shards
-them (``shards_state``).
+(hook ``optimizer_state_per_param``, default 2: Adam's moments) and whether they shard them
+(hook ``optimizer_shards_gradients``).
 
 Counted per rank: parameters (model dtype), gradient buffers (fp32 under
 ``--accumulate-allreduce-grads-in-fp32`` with bf16/fp16, else the model dtype), optimizer state
@@ -36,8 +36,9 @@ from plugtron.core.errors import ConfigError
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.pipeline.plan import actions_of_all_ranks
 from plugtron.core.plugins import registry
+from plugtron.core.plugins.manager import optimizer_state_per_param, wants_sharded_gradients
 from plugtron.core.plugins.options import with_plugin_sections
-from plugtron.core.plugins.selection import resolve_optimizer, resolve_schedule
+from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.plugins.tokenizers import build_tokenizer
 from plugtron.core.training.builder import build_model, model_provider_of
 
@@ -210,11 +211,6 @@ def _held_peak(actions, chunk_bytes: list) -> tuple[int, int]:
     return peak, peak_count
 
 
-def _optimizer_plugin(config):
-
-    return registry.load("optimizer", resolve_optimizer(config))
-
-
 def estimate_memory(config, world_size: int, cuda: bool | None = None) -> MemoryEstimate:
     """The :class:`MemoryEstimate` of ``config`` on ``world_size`` ranks (``cuda``: default,
     whether this machine has a GPU)."""
@@ -233,17 +229,18 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
     chunks_per_rank = p.virtual_pipeline_model_parallel_size or 1
     actions = actions_of_all_ranks(schedule.schedule_actions, pp, chunks_per_rank,
                                    microbatches, config)
-    optimizer_cls = _optimizer_plugin(config)
-    state_values = getattr(optimizer_cls, "state_per_param", 2)
-    distributed = bool(getattr(optimizer_cls, "shards_state", False))
+    declared_state = optimizer_state_per_param(config)
+    state_values = 2 if declared_state is None else int(declared_state)
+    distributed = wants_sharded_gradients(config)
     e = _dtype_bytes(config)
     mixed = e == 2
     grad_e = 4 if (mixed and p.accumulate_allreduce_grads_in_fp32) else e
     shape = activation_shape(config, cuda)
     result = MemoryEstimate(world_size, schedule=schedule_name, microbatches=microbatches)
-    if not hasattr(optimizer_cls, "state_per_param"):
-        result.notes.append(f"optimizer {config.plugins.optimizer!r} does not declare "
-                            f"state_per_param: counted as 2 fp32 values per parameter (Adam)")
+    if declared_state is None:
+        result.notes.append(f"optimizer {config.plugins.optimizer!r} does not implement "
+                            f"optimizer_state_per_param: counted as 2 fp32 values per "
+                            f"parameter (Adam)")
     for (pp_rank, tp_rank, ep_rank, _), (ctx, ranks) in sorted(_contexts(config,
                                                                          world_size).items()):
         chunks = _meta_chunks(config, ctx, provider)

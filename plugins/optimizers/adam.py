@@ -6,8 +6,9 @@ from plugtron.api import TorchOptimizer, adamw_factory, hookimpl
 
 
 class Adam:
-    #: fp32 values kept per parameter (the two moments), for ``plugtron estimate``.
-    state_per_param = 2
+    @hookimpl
+    def optimizer_state_per_param(self, config):
+        return 2  # the two moments
 
     @hookimpl
     def build_optimizer(self, config, model_chunks, parallel):

@@ -11,10 +11,9 @@ from .distributed_optimizer import DistributedOptimizer
 
 
 class DistributedAdam:
-    #: fp32 values kept per parameter (the two moments), sharded over dp x cp, for
-    #: ``plugtron estimate``.
-    state_per_param = 2
-    shards_state = True
+    @hookimpl
+    def optimizer_state_per_param(self, config):
+        return 2  # the two moments, sharded over dp x cp
 
     @hookimpl
     def optimizer_shards_gradients(self, config):

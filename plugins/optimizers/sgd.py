@@ -7,8 +7,9 @@ from plugtron.api import TorchOptimizer, hookimpl
 
 
 class SGD:
-    #: fp32 values kept per parameter (the momentum buffer), for ``plugtron estimate``.
-    state_per_param = 1
+    @hookimpl
+    def optimizer_state_per_param(self, config):
+        return 1 if config.training.sgd_momentum else 0  # the momentum buffer
 
     @hookimpl
     def build_optimizer(self, config, model_chunks, parallel):
