@@ -14,6 +14,14 @@ def checkpoint():
     """Look into checkpoints."""
 
 
+def layout_shown(layout: dict) -> dict:
+    """The saved layout without ep and etp when the model has no expert parameters (etp then
+    only repeats tp). Checkpoints from before the flag was saved show every key."""
+    dense = layout.get("expert_parameters") is False
+    return {k: v for k, v in layout.items()
+            if k != "expert_parameters" and not (dense and k in ("ep", "etp"))}
+
+
 @checkpoint.command("inspect")
 @click.argument("path", type=click.Path(exists=True, file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
@@ -31,7 +39,7 @@ def inspect(path, as_json):
     click.echo(f"checkpoint {info['path']}")
     click.echo(f"  iteration {info['iteration']}, consumed samples {info['consumed_samples']}, "
                f"saved {info['saved_at']} by plugtron {info['plugtron_version']}")
-    click.echo("  layout: " + " ".join(f"{k}={v}" for k, v in layout.items()))
+    click.echo("  layout: " + " ".join(f"{k}={v}" for k, v in layout_shown(layout).items()))
     click.echo("  contents: " + " ".join(f"{k}={v}" for k, v in (info["contents"] or {}).items()))
     if info.get("source"):
         click.echo(f"  converted from: {info['source']}")

@@ -153,6 +153,10 @@ def layout_of(run) -> dict:
     return {"world_size": p.world_size, "tp": p.tp_size, "pp": p.pp_size, "vp": p.vp_size,
             "cp": p.cp_size, "ep": p.ep_size, "etp": p.etp_size, "dp": p.dp_size,
             "sequence_parallel": bool(run.config.parallel.sequence_parallel),
+            # ep and etp mean something only for a model with expert parameters (inspect shows
+            # them then); a layout records them anyway, for the RNG's rank mapping.
+            "expert_parameters": any(is_expert(param) for chunk in run.model_chunks
+                                     for param in chunk.parameters()),
             "optimizer": resolve_optimizer(run.config), "schedule": resolve_schedule(run.config)}
 
 

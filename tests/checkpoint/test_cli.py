@@ -29,6 +29,7 @@ def test_inspect(saved):
     out = result.output
     assert "iteration 3, consumed samples 24" in out
     assert "tp=1" in out and "pp=1" in out and "model: gpt (plugtron-gpt" in out
+    assert "etp=" not in out and "ep=" not in out and "expert_parameters" not in out  # dense
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
     assert f"model/{qkv}" in out and "float32   96x32" in out
     assert f"optim/{qkv}/exp_avg" in out
