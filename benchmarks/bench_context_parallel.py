@@ -52,9 +52,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from plugtron.core.contracts.hookspecs import hookimpl  # noqa: E402
-from plugtron.core.parallel import cp_attention  # noqa: E402
-from plugtron.core.parallel.context import ParallelContext  # noqa: E402
+from plugtron.api import ParallelContext, hookimpl  # noqa: E402
+from plugtron.core.parallel import cp_attention  # noqa: E402 - patches its private ring exchange
 from plugtron.core.parallel.context_parallel import split_tensor  # noqa: E402
 from results import write_section  # noqa: E402
 

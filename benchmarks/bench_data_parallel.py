@@ -37,7 +37,7 @@ WARMUP = 2
 def _train(rank, world_size, overrides: dict, iters: int) -> dict:
     """In each pool rank: a short run; its median step time and optimizer-state bytes."""
     import torch
-    from plugtron.core.contracts.hookspecs import hookimpl
+    from plugtron.api import hookimpl
     from plugtron.core.monitoring.metrics import MetricsLogger
     from plugtron.core.plugins.options import config_from_flags
     from plugtron.core.training.loop import setup, train

@@ -39,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def build(flags: dict, seq: int):
     """A one-process plugtron model of ``flags`` (tp 1), its config."""
-    from plugtron.core.parallel.context import ParallelContext
+    from plugtron.api import ParallelContext
     from plugtron.core.plugins import registry
     from plugtron.core.training.loop import finalize_model_config
     from plugtron.testing import make_config
