@@ -1,9 +1,11 @@
 """``plugtron plugin new KIND NAME [DIR]``: write a plugin package that installs and passes its
 own tests as generated.
 
-The templates are package data (``cli/templates/<kind>/``, shipped in the wheel). Every file
-is rendered in memory first and written only when all of them rendered, so a refused or broken
-call leaves nothing behind.
+The templates are package data (``cli/templates/<kind>/``, shipped in the wheel). A role that an
+installed distribution declares (``plugtron.roles``) brings its own template in its own package
+data (``PluginRole.template``, e.g. plugtron-moe's ``moe_dispatcher``) and becomes a KIND here.
+Every file is rendered in memory first and written only when all of them rendered, so a refused
+or broken call leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from plugtron.core.plugins import registry
 
 from .errors import UserError
 
-#: kind (also its registry role) -> entry-point group
+#: The core's kinds (each also its registry role) -> entry-point group; kinds() adds the roles
+#: installed distributions declare with a template.
 KINDS = {
     "model": "plugtron.models",
     "schedule": "plugtron.schedules",
@@ -33,6 +36,26 @@ KINDS = {
 
 #: Kinds whose generated tests train the ``gpt`` model, so they need plugtron-gpt to run.
 NEEDS_GPT = {"schedule", "optimizer", "dataset", "extension"}
+
+
+
+def kinds() -> dict[str, str]:
+    """Every kind ``plugin new`` writes -> its entry-point group: the core's, then each role an
+    installed distribution declares with a template."""
+    out = dict(KINDS)
+    for role, declared in registry.roles().items():
+        if declared.template and role not in out:
+            out[role] = declared.group
+    return out
+
+
+def check_kind(kind: str) -> str:
+    known = kinds()
+    if kind not in known:
+        raise UserError(f"unknown KIND {kind!r}; plugtron plugin new writes: "
+                        f"{', '.join(sorted(known))}")
+    return kind
+
 
 #: One-character symbols a layer type may not take: the built-in ones and ``|`` (the pipeline
 #: split in layer patterns).
@@ -83,7 +106,7 @@ def check_name(kind: str, name: str) -> Names:
                         f"parse; choose another")
     if names.section in {*SECTIONS, "plugin_sections", *dir(TrainConfig)}:
         raise UserError(f"NAME {name!r}: config.{names.section} is the core's; choose another")
-    group = KINDS[kind]
+    group = kinds()[kind]
     taken = [info for info in registry.available(kind) if info.name == name]
     if taken:
         raise UserError(f"a {kind} named {name!r} is already installed ({taken[0].origin}, "
@@ -105,8 +128,12 @@ def check_symbol(kind: str, symbol: str | None) -> str:
 
 
 def template_values(kind: str, names: Names, symbol: str) -> dict[str, str]:
-    group = KINDS[kind]
-    test_requires = ['"pytest>=8"'] + (['"plugtron-gpt"'] if kind in NEEDS_GPT else [])
+    group = kinds()[kind]
+    if kind in KINDS:
+        needs = ("plugtron-gpt",) if kind in NEEDS_GPT else ()
+    else:
+        needs = registry.roles()[kind].template_test_requires
+    test_requires = ['"pytest>=8"'] + [f'"{dist}"' for dist in needs]
     return {**vars(names), "kind": kind, "group": group, "symbol": symbol,
             "test_requires": ", ".join(test_requires)}
 
@@ -114,8 +141,12 @@ def template_values(kind: str, names: Names, symbol: str) -> dict[str, str]:
 def _template_files(kind: str):
     """(relative output path, template text) of every file of KIND, common ones included."""
     root = resources.files(__package__) / "templates"
-    for folder in (root / "common", root / kind):
-        yield from _walk(folder, "")
+    yield from _walk(root / "common", "")
+    if kind in KINDS:
+        yield from _walk(root / kind, "")
+    else:  # a declared role's template: "package:folder" of that package's data
+        package, _, folder = registry.roles()[kind].template.partition(":")
+        yield from _walk(resources.files(package).joinpath(*folder.split("/")), "")
 
 
 def _walk(folder, prefix: str):
@@ -164,7 +195,7 @@ def plugin():
 
 
 @plugin.command("new")
-@click.argument("kind", type=click.Choice(sorted(KINDS)))
+@click.argument("kind")
 @click.argument("name")
 @click.argument("directory", metavar="[DIR]", required=False, type=click.Path(path_type=pathlib.Path))
 @click.option("--symbol", default=None,
@@ -173,8 +204,11 @@ def plugin():
 def new(kind, name, directory, symbol):
     """Write a package for a KIND plugin called NAME into DIR (default ./plugtron-NAME): its
     pyproject.toml with the entry point, the plugin module, a README and tests that use
-    plugtron.testing. It installs (pip install -e DIR) and passes its tests as generated."""
-    names = check_name(kind, name)
+    plugtron.testing. It installs (pip install -e DIR) and passes its tests as generated.
+
+    KIND: model, schedule, optimizer, dataset, layer, extension, or a role an installed
+    distribution declares with a template (moe_dispatcher, with plugtron-moe)."""
+    names = check_name(check_kind(kind), name)
     symbol = check_symbol(kind, symbol)
     directory = directory or pathlib.Path(names.dist)
     check_options(kind, names)

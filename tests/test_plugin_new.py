@@ -21,12 +21,13 @@ import zipfile
 import pytest
 from click.testing import CliRunner
 from plugtron.cli.main import cli
-from plugtron.cli.plugin_new import KINDS, Names, render
+from plugtron.cli.plugin_new import KINDS, Names, kinds, render
 
 ROOT = pathlib.Path(__file__).parents[1]
 #: kind -> the NAME generated here, and shown on that kind's docs page
 NAMES = {"model": "prefix-mean", "schedule": "deep-warmup", "optimizer": "lion",
-         "dataset": "repeat", "layer": "gated-mlp", "extension": "csv-log"}
+         "dataset": "repeat", "layer": "gated-mlp", "extension": "csv-log",
+         "moe_dispatcher": "relay"}  # the last: plugtron-moe's declared role, its template
 #: kind -> its docs page (the model's is the tutorial, with its own test and its own model)
 PAGES = {kind: ROOT / "docs" / "plugins" / f"{kind}s.md" for kind in KINDS if kind != "model"}
 #: The names each part of a generated package may import from plugtron.
@@ -69,7 +70,11 @@ def generated(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_declared_role_with_a_template_is_a_kind():
+    assert kinds() == {**KINDS, "moe_dispatcher": "plugtron.moe_dispatchers"}
+
+
+@pytest.mark.parametrize("kind", list(kinds()))
 def test_the_generated_package_passes_its_own_tests(generated, kind):
     package, site = generated(kind)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
@@ -127,7 +132,7 @@ def plugtron_imports(source: str) -> list[str]:
     return [name for name in out if name == "plugtron" or name.startswith("plugtron.")]
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", list(kinds()))
 def test_the_generated_code_uses_only_the_public_api(kind):
     for path, text in render(kind, Names.of(kind, NAMES[kind])).items():
         if path.endswith(".py"):
@@ -140,11 +145,11 @@ def test_the_generated_code_is_ruff_clean(tmp_path):
     ruff = shutil.which("ruff", path=os.path.dirname(sys.executable)) or shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed (pip install -e '.[dev]')")
-    for kind in KINDS:
+    for kind in kinds():
         result = invoke(["plugin", "new", kind, NAMES[kind], str(tmp_path / kind)])
         assert result.exit_code == 0, result.output
     # each package is checked under its own pyproject's settings
-    for kind in KINDS:
+    for kind in kinds():
         done = subprocess.run([ruff, "check", "--no-cache", "."], cwd=tmp_path / kind,
                               capture_output=True, text=True)
         assert done.returncode == 0, f"{kind}: {done.stdout}"
@@ -189,6 +194,19 @@ def test_a_bad_name_exits_2_and_writes_nothing(tmp_path, name, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert not target.exists()
+
+
+def test_an_unknown_kind_exits_2_and_lists_the_kinds(tmp_path):
+    result = invoke(["plugin", "new", "router", "mine", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "unknown KIND 'router'" in result.output
+    assert "moe_dispatcher" in result.output and "model" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dispatcher_name_that_is_installed_exits_2(tmp_path):
+    result = invoke(["plugin", "new", "moe_dispatcher", "alltoall", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "a moe_dispatcher named 'alltoall' is already installed (plugtron-moe" in result.output
 
 
 def test_a_name_whose_options_plugtron_has_exits_2(tmp_path):
@@ -255,4 +273,24 @@ def test_the_templates_ship_in_the_wheel(tmp_path):
     shipped = {n for n in zipfile.ZipFile(wheel).namelist() if "/templates/" in n}
     templates = {"plugtron/cli/" + p.relative_to(ROOT / "cli").as_posix()
                  for p in (ROOT / "cli" / "templates").rglob("*.tmpl")}
+    assert templates and shipped == templates
+
+
+def test_the_dispatcher_template_ships_in_plugtron_moe_wheel(tmp_path):
+    source = tmp_path / "moe"
+    top = str(ROOT / "moe_plugin")
+
+    def skipped(folder, names):  # the distribution's own tests and build leftovers
+        return [n for n in names if n == "__pycache__" or n.endswith(".egg-info")
+                or (folder == top and n == "tests")]
+
+    shutil.copytree(top, source, ignore=skipped)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(tmp_path / "out"), str(source)],
+                   check=True, capture_output=True)
+    [wheel] = (tmp_path / "out").glob("plugtron_moe-*.whl")
+    shipped = {n for n in zipfile.ZipFile(wheel).namelist() if "/templates/" in n}
+    package = ROOT / "moe_plugin" / "plugtron_moe"
+    templates = {"plugtron_moe/" + p.relative_to(package).as_posix()
+                 for p in (package / "templates").rglob("*.tmpl")}
     assert templates and shipped == templates

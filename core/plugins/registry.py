@@ -35,6 +35,13 @@ class PluginRole:
     #: Every installed plugin of the role takes part in option collection and validation (like
     #: layer types), not only one a run selects.
     always_collected: bool = False
+    #: ``plugtron plugin new ROLE NAME`` writes a package from this template: ``"package:folder"``,
+    #: a folder of the declaring package's data with ``*.tmpl`` files (``plugin.py.tmpl`` becomes
+    #: the plugin module; the core's ``common`` files are added), rendered like the core's
+    #: templates. Empty: the role has no template.
+    template: str = ""
+    #: Distributions the generated package's tests need besides plugtron and pytest.
+    template_test_requires: tuple[str, ...] = ()
 
 
 #: The core's roles. The role is what error messages and the CLI call it.
