@@ -130,3 +130,26 @@ def test_the_core_names_no_model_and_no_built_in_plugin():
         if words:
             found[str(path.relative_to(ROOT))] = words
     assert found == {}
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for child in graph.get(todo.pop(), ()):
+            if child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def test_the_training_loop_never_reaches_interchange_or_tools():
+    """HF / Megatron interchange and the tools (generation, inference, estimate, evaluate) sit
+    above the loop: nothing the loop imports, at any depth, is one of them."""
+    mods = modules()
+    known = set(mods)
+    graph = {name: imports_of(name, path, known) for name, path in mods.items()}
+    above = ("plugtron.core.interchange", "plugtron.core.tools")
+    for start in ("plugtron.core.training.loop", "plugtron.core.checkpoint"):
+        bad = sorted(m for m in reachable(graph, start) if m.startswith(above))
+        assert bad == [], f"{start} reaches {bad}"
+    assert reachable({"a": {"b"}, "b": {"c"}}, "a") == {"b", "c"}  # the walk itself
