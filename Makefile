@@ -35,10 +35,14 @@ train: $(STAMP) $(BLEND)
 ## the workers, their rank pools and the runs they start already fill the cores, and
 ## oversubscribed OpenMP threads spin (the default-job test took 131 s with torch's default of
 ## one thread per core, 23 s with one).
+## Each part's timings go to build/test-*.xml: `python benchmarks/suite_costs.py` sums them by
+## file (what each part of the suite costs).
 JOBS ?= 2
 test: $(STAMP) $(BLEND)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not serial" --durations=30 $(ARGS)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m serial $(ARGS); rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not serial" --durations=30 \
+		--junitxml=build/test-parallel.xml $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m serial --junitxml=build/test-serial.xml $(ARGS); \
+		rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 ## Lint: ruff (pyflakes, pycodestyle, import order, function-level imports only with a reason)
 ## on the whole tree, then mypy on plugtron.core and plugtron.api. mypy finds modules by their
