@@ -9,33 +9,22 @@ from __future__ import annotations
 import importlib
 import os
 import pathlib
-import re
-import subprocess
 import sys
 
 import pytest
 from plugtron.testing import DistributedPool, assert_layouts_match
 
+from tests.doc_packages import doc_files, install_doc_package
+
 DOC = pathlib.Path(__file__).parents[1] / "docs" / "attention-model.md"
 FLAGS = {"model": "tinygpt", "num-layers": 4, "num-attention-heads": 4}
-
-
-def doc_files(text: str) -> dict[str, str]:
-    """``<!-- file: NAME -->`` followed by a fenced block: NAME -> its contents."""
-    pattern = re.compile(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", re.S)
-    return {name: body for name, body in pattern.findall(text)}
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("tinygpt")
     package, site = root / "plugtron-tinygpt", root / "site"
-    package.mkdir()
-    for name, body in doc_files(DOC.read_text()).items():
-        (package / name).write_text(body)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--no-build-isolation", "--target", str(site), str(package)],
-                   check=True, capture_output=True)
+    install_doc_package(DOC, package, site)
     old_path = os.environ.get("PYTHONPATH")
     # The pool's ranks are new interpreters: they find the package through PYTHONPATH.
     os.environ["PYTHONPATH"] = os.pathsep.join([str(site), *([old_path] if old_path else [])])

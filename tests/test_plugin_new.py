@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
-import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import pytest
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.cli.plugin_new import KINDS, Names, kinds, render
+
+from tests.doc_packages import doc_files
 
 ROOT = pathlib.Path(__file__).parents[1]
 #: kind -> the NAME generated here, and shown on that kind's docs page
@@ -153,11 +154,6 @@ def test_the_generated_code_is_ruff_clean(tmp_path):
         done = subprocess.run([ruff, "check", "--no-cache", "."], cwd=tmp_path / kind,
                               capture_output=True, text=True)
         assert done.returncode == 0, f"{kind}: {done.stdout}"
-
-
-def doc_files(text: str) -> dict[str, str]:
-    """``<!-- file: NAME -->`` followed by a fenced block: NAME -> its contents."""
-    return dict(re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", text, re.S))
 
 
 @pytest.mark.parametrize("kind", list(PAGES))

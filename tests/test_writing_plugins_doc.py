@@ -11,7 +11,6 @@ import importlib
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -20,6 +19,7 @@ import torch
 from plugtron.core.parallel.distributed import single_process
 
 from tests.distributed.harness import DistributedPool
+from tests.doc_packages import doc_files, install_doc_package
 from tests.utils import tiny_config, train_in_process
 
 DOC = pathlib.Path(__file__).parents[1] / "docs" / "writing-plugins.md"
@@ -27,22 +27,11 @@ FLAGS = {"model": "shiftmlp", "num_layers": 4, "hidden_size": 32, "activation_pe
          "global_batch_size": 8, "micro_batch_size": 2, "train_iters": 4}
 
 
-def doc_files(text: str) -> dict[str, str]:
-    """``<!-- file: NAME -->`` followed by a fenced block: NAME -> its contents."""
-    pattern = re.compile(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", re.S)
-    return {name: body for name, body in pattern.findall(text)}
-
-
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     root = tmp_path_factory.mktemp("tutorial")
     package, site = root / "plugtron-shiftmlp", root / "site"
-    package.mkdir()
-    for name, body in doc_files(DOC.read_text()).items():
-        (package / name).write_text(body)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
-                    "--no-build-isolation", "--target", str(site), str(package)],
-                   check=True, capture_output=True)
+    install_doc_package(DOC, package, site)
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
     yield site
