@@ -8,8 +8,8 @@ Three kinds of hooks live here:
   that the run selected by entry-point name. They are ``firstresult`` hooks, so calling one
   returns that implementation's value. Extension plugins may wrap them (``wrapper=True``).
 * **Optional driver hooks** (``optimizer_shards_gradients``, ``optimizer_state_per_param``,
-  ...): ``firstresult`` questions the core asks the selected driver of one role; a driver that does not implement one gets the default
-  its docstring states.
+  ...): ``firstresult`` questions the core asks the selected driver of one role; a driver
+  that does not implement one gets the default its docstring states.
 * **Lifecycle hooks** (prefixed ``plugtron_``). Any number of plugins may implement them; the
   core calls them at fixed points of a run. ``historic`` ones are replayed to plugins that are
   registered after the call.
