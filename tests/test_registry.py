@@ -79,3 +79,34 @@ def test_duplicate_name_from_two_distributions(fake_plugins):
 def test_unknown_role():
     with pytest.raises(PluginError, match="unknown plugin role"):
         registry.available("nope")
+
+
+def test_listing_is_read_once_and_again_after_any_change(tmp_path, monkeypatch):
+    """The installed entry points are kept between calls (a run's set-up asks about a hundred
+    times) and read again after a distribution is added, its entry points are rewritten in
+    place, or it is removed."""
+    reads = []
+    real = registry.metadata.entry_points
+    monkeypatch.setattr(registry.metadata, "entry_points", lambda: reads.append(1) or real())
+    registry.available("schedule")
+    before = len(reads)
+    registry.available("schedule")
+    registry.available("optimizer")
+    registry.roles()
+    assert len(reads) == before, "nothing changed, yet the metadata was read again"
+
+    try:
+        install_fake_distribution(tmp_path, "fake-cache", "1.0",
+                                  {"plugtron.schedules": {"cache-a": "fake_good:FakeSchedule"}},
+                                  {"fake_good": GOOD})
+        assert "cache-a" in {i.name for i in registry.available("schedule")}
+        # Rewritten in place (same directory, same file): the listing follows.
+        install_fake_distribution(tmp_path, "fake-cache", "1.0",
+                                  {"plugtron.schedules": {"cache-bb": "fake_good:FakeSchedule"}},
+                                  {"fake_good": GOOD})
+        names = {i.name for i in registry.available("schedule")}
+        assert "cache-bb" in names and "cache-a" not in names
+        assert registry.load("schedule", "cache-bb").__name__ == "FakeSchedule"
+    finally:
+        remove_path(tmp_path)
+    assert "cache-bb" not in {i.name for i in registry.available("schedule")}
