@@ -11,19 +11,21 @@ from __future__ import annotations
 
 HEAVIEST_FIRST = (
     "tests/test_plugin_new.py",
-    "tests/distributed/test_pipeline.py",
-    "tests/distributed/test_context_parallel_training.py",
-    "tests/checkpoint/test_reshard.py",
-    "tests/test_end_to_end.py",
-    "tests/test_testing_kit.py",
-    "tests/reliability/test_save_directory.py",
-    "tests/reliability/test_hostile_checkpoints.py",
-    "gpt_plugin/tests/test_hybrid_layouts.py",
-    "tests/distributed/test_recompute_layouts.py",
+    "tests/reliability/test_ranks_and_signals.py",
     "moe_plugin/tests/test_moe_expert_parallel.py",
+    "tests/distributed/test_tensor_parallel.py",
+    "tests/test_end_to_end.py",
+    "tests/reliability/test_save_directory.py",
+    "tests/test_testing_kit.py",
+    "tests/distributed/test_context_parallel_training.py",
+    "tests/distributed/test_pipeline.py",
+    "tests/test_writing_plugins_doc.py",
+    "tests/reliability/test_preflight.py",
+    "tests/checkpoint/test_reshard.py",
+    "gpt_plugin/tests/test_hybrid_layouts.py",
+    "tests/distributed/test_context_parallel_attention.py",
+    "tests/distributed/test_data_parallel_tp_pp.py",
     "tests/distributed/test_run_teardown.py",
-    "gpt_plugin/tests/test_squared_relu_layouts.py",
-    "gpt_plugin/tests/test_architecture_layouts.py",
 )
 
 
