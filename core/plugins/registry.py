@@ -21,6 +21,7 @@ import importlib.metadata as metadata
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from plugtron.core.errors import PluginError
 from stevedore import DriverManager
@@ -134,7 +135,8 @@ class _Installed:
     from them (declared roles, each role's listing)."""
 
     state: tuple
-    entry_points: metadata.EntryPoints
+    #: ``EntryPoints`` (Python 3.12+) or ``SelectableGroups`` (3.10, 3.11): both ``select()``.
+    entry_points: Any
     roles: dict[str, PluginRole] | None = None
     infos: dict[str, tuple[PluginInfo, ...]] = field(default_factory=dict)
 
