@@ -72,6 +72,29 @@ def test_pool_runs_every_world_up_to_its_size(rank_pool):
     assert rank_pool.run(_world) == [8] * 8
 
 
+def _what_a_rank_sees(rank, world_size):
+    import os
+    import sys
+
+    return os.environ.get("PLUGTRON_POOL_PROBE"), sys.path[0], os.getcwd()
+
+
+def test_a_new_pool_sees_the_parents_environment_path_and_directory(tmp_path, monkeypatch):
+    """Ranks are forked from a server that started earlier, with the environment of then: a
+    pool started now still hands each rank the parent's environment, sys.path and working
+    directory of now, as spawning did."""
+    from plugtron.testing.pool import DistributedPool
+
+    with DistributedPool(1, timeout=120) as pool:  # the fork server runs from here on
+        pool.run(_what_a_rank_sees)
+    monkeypatch.setenv("PLUGTRON_POOL_PROBE", "now")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with DistributedPool(2, timeout=120) as pool:
+        seen = pool.run(_what_a_rank_sees)
+    assert seen == [("now", str(tmp_path), str(tmp_path))] * 2
+
+
 def _mark_cache(rank, world_size):
     from plugtron.testing.pool import worker_cache
 
