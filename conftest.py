@@ -12,20 +12,20 @@ from __future__ import annotations
 HEAVIEST_FIRST = (
     "tests/test_plugin_new.py",
     "tests/reliability/test_ranks_and_signals.py",
-    "moe_plugin/tests/test_moe_expert_parallel.py",
-    "tests/distributed/test_tensor_parallel.py",
-    "tests/test_end_to_end.py",
     "tests/reliability/test_save_directory.py",
+    "moe_plugin/tests/test_moe_expert_parallel.py",
+    "tests/test_end_to_end.py",
+    "tests/distributed/test_tensor_parallel.py",
     "tests/test_testing_kit.py",
     "tests/distributed/test_context_parallel_training.py",
-    "tests/distributed/test_pipeline.py",
-    "tests/test_writing_plugins_doc.py",
     "tests/reliability/test_preflight.py",
+    "tests/distributed/test_pipeline.py",
     "tests/checkpoint/test_reshard.py",
+    "tests/reliability/test_hostile_checkpoints.py",
     "gpt_plugin/tests/test_hybrid_layouts.py",
-    "tests/distributed/test_context_parallel_attention.py",
-    "tests/distributed/test_data_parallel_tp_pp.py",
-    "tests/distributed/test_run_teardown.py",
+    "tests/distributed/test_recompute_layouts.py",
+    "tests/test_generate.py",
+    "tests/test_memory_estimate.py",
 )
 
 
