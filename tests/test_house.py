@@ -153,3 +153,47 @@ def test_the_training_loop_never_reaches_interchange_or_tools():
         bad = sorted(m for m in reachable(graph, start) if m.startswith(above))
         assert bad == [], f"{start} reaches {bad}"
     assert reachable({"a": {"b"}, "b": {"c"}}, "a") == {"b", "c"}  # the walk itself
+
+
+#: docs/architecture.md's picture of core/, top to bottom.
+LAYERS = ("tools", "interchange", "training", "checkpoint", "monitoring", "pipeline", "blocks",
+          "parallel", "plugins", "contracts")
+#: The imports that still go up the picture (module -> the folder above it), at any depth of
+#: the module, TYPE_CHECKING ones included. The list may only shrink: a new upward import
+#: moves the shared piece down instead.
+UPWARD = {
+    ("contracts.activations", "training"),   # recompute plans of the activations contract
+    ("contracts.hookspecs", "parallel"),     # TYPE_CHECKING: the real types of hook arguments
+    ("contracts.hookspecs", "pipeline"),     # TYPE_CHECKING
+    ("contracts.hookspecs", "training"),     # TYPE_CHECKING
+    ("contracts.layer_backend", "blocks"),   # the protocol's default methods use the blocks
+    ("contracts.layer_backend", "parallel"),
+    ("contracts.layers", "plugins"),         # layer types are found through the registry
+    ("contracts.model_info", "plugins"),
+    ("parallel.context_parallel", "blocks"),
+    ("parallel.ddp", "training"),            # the distributed optimizer's bucket shards
+    ("parallel.random", "training"),         # the rng tracker registers with recompute
+    ("parallel.tensor_parallel", "blocks"),  # the shared linear kernels
+    ("parallel.vocab_parallel", "blocks"),
+    ("plugins.tokenizers", "checkpoint"),    # a resumed run's saved tokenizer
+}
+
+
+def test_core_folders_import_down_the_picture_but_for_the_listed_exceptions():
+    mods = modules()
+    known = set(mods)
+
+    def layer(module: str) -> str | None:
+        parts = module.split(".")
+        in_core = parts[:2] == ["plugtron", "core"] and len(parts) > 2
+        return parts[2] if in_core and parts[2] in LAYERS else None
+
+    upward = set()
+    for name, path in mods.items():
+        source = layer(name)
+        for target in imports_of(name, path, known) if source else ():
+            above = layer(target)
+            if above and LAYERS.index(above) < LAYERS.index(source):
+                upward.add((name.removeprefix("plugtron.core."), above))
+    assert upward - UPWARD == set(), "new imports up docs/architecture.md's picture"
+    assert UPWARD - upward == set(), "gone: take them off UPWARD (and the docs' count)"
