@@ -22,9 +22,25 @@ from plugtron.core.plugins.selection import resolve_schedule
 from .errors import user_errors
 
 
+def parse_costs(text: str | None) -> tuple[float, float, float]:
+    """``--costs F,I,W`` (the combined backward costs ``I + W``); default 1,1,1."""
+    if text is None:
+        return 1.0, 1.0, 1.0
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or any(v <= 0 for v in values):
+        raise ConfigError(f"--costs takes three positive numbers F,I,W, got {text!r}")
+    return values  # type: ignore[return-value]
+
+
 def describe_schedule(name: str, pp: int, vp: int | None, microbatches: int,
-                      group_size: int | None = None) -> tuple[dict, list]:
-    """The report ``schedule show`` prints, and the simulated timeline (per-rank slots)."""
+                      group_size: int | None = None,
+                      costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> tuple[dict, list]:
+    """The report ``schedule show`` prints, and the simulated timeline (per-rank slots).
+    ``costs``: forward, input-gradient and weight-gradient time; a combined ``B`` costs
+    ``I + W``."""
     validate_sizes(pp, pp=pp, vp=vp)
     if microbatches < 1:
         raise ConfigError(f"--microbatches must be at least 1, got {microbatches}")
@@ -37,13 +53,20 @@ def describe_schedule(name: str, pp: int, vp: int | None, microbatches: int,
     resolved = resolve_schedule(config)
     schedule = registry.instantiate(registry.load("schedule", resolved))
     per_rank = check_schedule(schedule.schedule_actions, pp, vp or 1, microbatches, config)
-    slots = simulate(per_rank, vp or 1, forward_time=1.0, backward_time=2.0)
+    forward_time, input_time, weight_time = costs
+    slots = simulate(per_rank, vp or 1, forward_time=forward_time,
+                     backward_time=input_time + weight_time, input_time=input_time,
+                     weight_time=weight_time)
+    makespan = max(s.end for rank in slots for s in rank)
     report = {
         "schedule": resolved, "pp": pp, "vp": vp, "microbatches": microbatches,
+        "costs": {"F": forward_time, "I": input_time, "W": weight_time,
+                  "B": input_time + weight_time},
         "bubble_fraction": bubble_fraction(slots),
         "makespan": max(s.end for rank in slots for s in rank),
         "ranks": [{"rank": rank, "actions": [a.to_dict() for a in actions],
-                   "peak_stored_activations": peak_stored(actions)}
+                   "peak_stored_activations": peak_stored(actions),
+                   "bubble_fraction": 1.0 - sum(s.end - s.start for s in slots[rank]) / makespan}
                   for rank, actions in enumerate(per_rank)],
     }
     return report, slots
@@ -56,8 +79,14 @@ def format_report(report: dict) -> str:
     for rank in report["ranks"]:
         actions = " ".join(str(Action(**a)) for a in rank["actions"])
         lines.append(f"rank {rank['rank']}: {actions}")
-    lines.append(f"bubble fraction {report['bubble_fraction']:.4f} (forward 1, backward 2 per "
-                 f"chunk; makespan {report['makespan']:g})")
+    costs = report["costs"]
+    lines.append(f"bubble fraction {report['bubble_fraction']:.4f} (forward {costs['F']:g}, "
+                 f"backward {costs['B']:g} per chunk; makespan {report['makespan']:g})")
+    if any(a["kind"] in ("I", "W") for r in report["ranks"] for a in r["actions"]):
+        lines.append(f"split backward: I (input gradient) {costs['I']:g}, W (weight gradients) "
+                     f"{costs['W']:g}")
+        lines.append("bubble fraction per rank: " + " ".join(
+            f"{r['bubble_fraction']:.4f}" for r in report["ranks"]))
     lines.append("peak stored activations (microbatch-chunks) per rank: "
                  + " ".join(str(r["peak_stored_activations"]) for r in report["ranks"]))
     return "\n".join(lines)
@@ -77,13 +106,17 @@ def schedule():
               help="Microbatches per step on one data-parallel rank.")
 @click.option("--microbatch-group-size-per-vp-stage", "group_size", type=int, default=None,
               help="Interleaving group size (default pp).")
+@click.option("--costs", default=None, metavar="F,I,W",
+              help="Simulated time of a forward, an input-gradient I and a weight-gradient W "
+                   "(a combined backward B costs I + W). Default 1,1,1.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write the timeline as a PNG.")
 @user_errors
-def show(name, pp, vp, microbatches, group_size, as_json, plot):
+def show(name, pp, vp, microbatches, group_size, costs, as_json, plot):
     """Print each rank's ordered actions, the bubble fraction and peak stored activations."""
-    report, slots = describe_schedule(name, pp, vp, microbatches, group_size)
+    report, slots = describe_schedule(name, pp, vp, microbatches, group_size,
+                                      parse_costs(costs))
     if plot:
         from .schedule_plot import timeline_png
 

@@ -1,7 +1,7 @@
 """A PNG timeline of a simulated schedule, written with the standard library only.
 
-One row per pipeline rank, time to the right; forwards blue, backwards green (darker for later
-chunks), idle time light grey; each box carries its microbatch number in a tiny bitmap font.
+One row per pipeline rank, time to the right; forwards blue, backwards green (an input-gradient
+``I`` too), weight-gradient ``W``'s orange (darker for later chunks), idle time light grey; each box carries its microbatch number in a tiny bitmap font.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ DIGITS = ["111101101101111", "010110010010111", "111001111100111", "111001111001
           "111101111101111", "111101111001111"]
 FORWARD = [(66, 133, 244), (25, 80, 190), (10, 45, 120), (5, 25, 80)]
 BACKWARD = [(52, 168, 83), (20, 115, 50), (10, 75, 30), (5, 45, 15)]
+WEIGHT = [(244, 160, 0), (200, 120, 0), (150, 85, 0), (100, 55, 0)]
 IDLE, BACKGROUND, INK = (225, 225, 225), (255, 255, 255), (255, 255, 255)
 ROW, GAP, MARGIN = 22, 4, 24
 
@@ -58,7 +59,7 @@ def timeline_png(slots, path: str) -> None:
         for y in range(top, top + ROW):
             pixels[y][MARGIN:width - GAP] = [IDLE] * (width - GAP - MARGIN)
         for slot in rank_slots:
-            palette = FORWARD if slot.action.kind == "F" else BACKWARD
+            palette = {"F": FORWARD, "W": WEIGHT}.get(slot.action.kind, BACKWARD)
             color = palette[min(slot.action.chunk, len(palette) - 1)]
             x0, x1 = MARGIN + int(slot.start * unit), MARGIN + int(slot.end * unit) - 1
             for y in range(top, top + ROW):

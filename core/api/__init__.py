@@ -85,6 +85,11 @@ from plugtron.core.pipeline.plan import Action
 from plugtron.core.pipeline.steps import backward_step as schedule_backward_step
 from plugtron.core.pipeline.steps import forward_step as schedule_forward_step
 from plugtron.core.pipeline.steps import sync_context
+from plugtron.core.pipeline.wgrad import (
+    WeightGradStore,
+    defer_weight_grad,
+    split_backward_expected,
+)
 from plugtron.core.plugins.registry import PluginRole
 from plugtron.core.plugins.registry import load as load_plugin
 from plugtron.core.plugins.selection import selected_drivers
@@ -143,6 +148,7 @@ __all__ = [
     "group_rank", "all_to_all", "all_to_all_counts",
     # schedules
     "Action", "ActionListSchedule", "execute_actions", "schedule_forward_step",
+    "WeightGradStore", "defer_weight_grad", "split_backward_expected",
     "schedule_backward_step", "sync_context",
     # optimizers and data parallelism
     "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from plugtron.core.blocks.cpu_features import cpu_matrix_support
+from plugtron.core.pipeline import wgrad
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -68,7 +69,10 @@ class _HalfLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = input_grad(flat_grad, weight).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
-            grad_weight = weight_grad(flat_grad, x.reshape(-1, x.shape[-1]), weight)
+            flat_x = x.reshape(-1, x.shape[-1])
+            if not wgrad.defer_weight_grad(weight,
+                                           lambda: weight_grad(flat_grad, flat_x, weight)):
+                grad_weight = weight_grad(flat_grad, flat_x, weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = flat_grad.sum(dim=0)
         return grad_x, grad_weight, grad_bias
@@ -76,7 +80,11 @@ class _HalfLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, with fast half-precision backward matmuls on CPU."""
-    if _needs_layout(x, weight):
+    """``F.linear(x, weight, bias)``, with fast half-precision backward matmuls on CPU.
+
+    In the forward of a microbatch whose backward a schedule splits into ``I`` and ``W``
+    (``plugtron.core.pipeline.wgrad``), the weight gradient is deferred to ``W``."""
+    if _needs_layout(x, weight) or (wgrad.split_backward_expected() and weight.requires_grad
+                                    and torch.is_grad_enabled()):
         return _HalfLinear.apply(x, weight, bias)
     return F.linear(x, weight, bias)

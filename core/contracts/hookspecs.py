@@ -209,9 +209,15 @@ def schedule_actions(
     :param num_chunks: model chunks per rank (the virtual pipeline size, 1 without it).
     :param num_microbatches: microbatches per global batch on this data-parallel rank.
     :param config: the run's ``TrainConfig`` (schedules read their own options from it).
-    :returns: a list of ``plugtron.core.pipeline.plan.Action`` (kind ``"F"`` or ``"B"``,
-        microbatch, chunk). ``plugtron schedule show`` prints exactly this list, and
-        ``forward_backward`` executes exactly it, so both share one source of truth.
+    :returns: a list of ``plugtron.core.pipeline.plan.Action`` (kind, microbatch, chunk).
+        Kinds: ``"F"`` forward; ``"B"`` the whole backward; or the backward split in two,
+        ``"I"`` (the gradient of the stage input, sent to the previous stage) and, any time
+        after it on the same rank, ``"W"`` (the weight gradients of that microbatch on that
+        chunk: layers that opt in through ``plugtron.api.defer_weight_grad`` compute them here,
+        the others already did at ``I``). Each (microbatch, chunk) has one ``F`` and either
+        one ``B`` or one ``I`` and one ``W``; a list that leaves a ``W`` out, or puts it before
+        its ``I``, is rejected before the run. ``plugtron schedule show`` prints exactly this
+        list, and ``forward_backward`` executes exactly it, so both share one source of truth.
 
     Raises ``plugtron.core.errors.ConfigError`` for combinations the schedule does not support.
     Called without process groups (by the CLI) and inside ``forward_backward``.

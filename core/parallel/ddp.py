@@ -28,6 +28,7 @@ import weakref
 import torch
 from plugtron.core.errors import PluginError
 from plugtron.core.parallel.grad_buffer import GradBuffer, default_bucket_size
+from plugtron.core.pipeline import wgrad
 from plugtron.core.training.optimizer_shards import BucketShard, bucket_shard
 
 
@@ -83,6 +84,8 @@ class DistributedDataParallel(torch.nn.Module):
             if grad is not None and grad.data_ptr() != param.main_grad.data_ptr():
                 param.main_grad.add_(grad)
                 param.grad = None
+            if wgrad.weight_grad_deferred(param):
+                return  # the rest of this gradient comes at the split backward's W
             ddp = owner()
             if ddp is not None and ddp._sync_enabled and ddp.overlap_grad_reduce:
                 weak_buffer().mark_ready(param)

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from plugtron.core.blocks.linear import input_grad, linear, weight_grad
 from plugtron.core.parallel import comm
 from plugtron.core.parallel.sharding import local_block_sizes
+from plugtron.core.pipeline import wgrad
 
 
 def _own_chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -229,8 +230,15 @@ class _SequenceParallelLinear(torch.autograd.Function):
             grad_x = input_grad(flat_grad, weight).view(*grad.shape[:-1], weight.shape[1])
             grad_x = comm.reduce_scatter_tensor(grad_x, ctx.group, ctx.dim)
         if ctx.needs_input_grad[1]:
-            full = comm.all_gather_tensor(x, ctx.group, ctx.dim)
-            grad_weight = weight_grad(flat_grad, full.reshape(-1, full.shape[-1]), weight)
+            group, dim = ctx.group, ctx.dim
+
+            def compute():
+                # At W (deferred) the shard is gathered again then: nothing but x is held.
+                full = comm.all_gather_tensor(x, group, dim)
+                return weight_grad(flat_grad, full.reshape(-1, full.shape[-1]), weight)
+
+            if not wgrad.defer_weight_grad(weight, compute):
+                grad_weight = compute()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = flat_grad.sum(dim=0)
         return grad_x, grad_weight, grad_bias, None, None

@@ -5,8 +5,16 @@ rank). This module turns the lists of *all* ranks into communication steps and e
 rank's list: P2P, ``set_input_tensor``, ``schedule_utils.forward_step`` /
 ``schedule_utils.backward_step``, ``no_sync`` except on each chunk's last backward.
 
+Split backward. An ``I`` is a backward run while a ``wgrad.WeightGradStore`` collects: layers
+that can defer their weight gradients leave them there (the others compute theirs now), and the
+input gradient goes to the previous stage as a ``B``'s would. The matching ``W`` runs the store.
+The forward of a microbatch whose backward will be split runs under
+``wgrad.expecting_split_backward``. Grad sync: a chunk's last ``B``/``I`` and its last ``W``
+run outside ``no_sync``, so a data-parallel bucket holding a deferred weight is complete (and
+reduced, with ``--overlap-grad-reduce``) only after that weight's last ``W``.
+
 Why it cannot deadlock. :func:`communication_plan` plays the lists on a clock of unit steps
-(``schedule_plan.simulate`` with forward = backward = 1). An action at step ``t`` sends its
+(``schedule_plan.simulate`` with every action kind costing 1). An action at step ``t`` sends its
 result in step ``t``'s batch, and the receiving neighbour posts the matching receive in *its*
 batch for step ``t``; every rank posts its batches in step order, sends before it needs anything
 new. A rank blocks only to complete an op of a batch at a step earlier than the action that needs
@@ -27,6 +35,7 @@ batches up to ``t``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import weakref
@@ -36,9 +45,13 @@ import torch
 from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.errors import ConfigError
 from plugtron.core.pipeline import steps as schedule_utils
+from plugtron.core.pipeline import wgrad
 from plugtron.core.pipeline.plan import (
     BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     FORWARD,
+    INPUT_GRADIENT_KINDS,
     Action,
     actions_of_all_ranks,
     check_actions,
@@ -84,7 +97,7 @@ def communication_plan(per_rank: tuple, num_chunks: int) -> tuple:
     """Per rank, its steps in order. ``per_rank`` is a tuple (per rank) of tuples of actions."""
     pp = len(per_rank)
     stages = pp * num_chunks
-    slots = simulate([list(a) for a in per_rank], num_chunks, 1.0, 1.0)
+    slots = simulate([list(a) for a in per_rank], num_chunks, 1.0, 1.0, 1.0, 1.0)
     steps: list[dict[int, dict]] = [{} for _ in range(pp)]
     for rank, rank_slots in enumerate(slots):
         for slot in rank_slots:
@@ -95,7 +108,7 @@ def communication_plan(per_rank: tuple, num_chunks: int) -> tuple:
                 steps[rank][tick]["send_next"] = True
                 steps[(rank + 1) % pp].setdefault(tick, {})["recv_prev"] = (
                     FORWARD, a.microbatch, stage + 1)
-            elif a.kind == BACKWARD and stage > 0:
+            elif a.kind in INPUT_GRADIENT_KINDS and stage > 0:
                 steps[rank][tick]["send_prev"] = True
                 steps[(rank - 1) % pp].setdefault(tick, {})["recv_next"] = (
                     BACKWARD, a.microbatch, stage - 1)
@@ -163,7 +176,10 @@ class _Runner:
         self.inbox: dict[tuple, tuple] = {}  # message key -> (tick, exchange, role)
         self.unacknowledged: list[tuple] = []  # (tick, peer, exchange, role) of sends
         self.output = None  # this step's result to send
-        self.last_backward: dict[int, int] = {}  # chunk -> microbatch of its last backward
+        self.last_backward: dict[int, int] = {}  # chunk -> microbatch of its last B or I
+        self.last_weight: dict[int, int] = {}  # chunk -> microbatch of its last W
+        self.split: set[tuple] = set()  # (mb, chunk) whose backward is I + W
+        self.weight_grads: dict[tuple, wgrad.WeightGradStore] = {}  # (mb, chunk) -> its I's
         self.steps: tuple = ()
         self.receives_posted = 0  # steps whose receives are posted
         # Receives may run ahead of the step pairing where a posted receive blocks nothing
@@ -173,8 +189,13 @@ class _Runner:
     def prepare(self, steps) -> None:
         self.steps = steps
         for step in steps:
-            if step.action is not None and step.action.kind == BACKWARD:
-                self.last_backward[step.action.chunk] = step.action.microbatch
+            a = step.action
+            if a is not None and a.kind in INPUT_GRADIENT_KINDS:
+                self.last_backward[a.chunk] = a.microbatch
+            if a is not None and a.kind == BACKWARD_WEIGHT:
+                self.last_weight[a.chunk] = a.microbatch
+            if a is not None and a.kind == BACKWARD_INPUT:
+                self.split.add((a.microbatch, a.chunk))
 
     def post_receives(self, until: int) -> None:
         """Post the receives of steps up to ``until`` early, in step order: the data can then
@@ -194,6 +215,8 @@ class _Runner:
             self.trace.actions.append(step.action)
             if step.action.kind == FORWARD:
                 self.forward(step.action)
+            elif step.action.kind == BACKWARD_WEIGHT:
+                self.weight(step.action)
             else:
                 self.backward(step.action)
         if step.send_next or step.send_prev or step.recv_prev or step.recv_next:
@@ -227,9 +250,11 @@ class _Runner:
             input_tensor.requires_grad_(not self.forward_only)
         is_last = stage == self.stages - 1
         start = time.perf_counter()
-        output = schedule_utils.forward_step(self.forward_step_func, self.iterators[chunk],
-                                             self.chunks[chunk], input_tensor, is_last,
-                                             self.forward_only, self.reports)
+        split = not self.forward_only and (action.microbatch, chunk) in self.split
+        with wgrad.expecting_split_backward() if split else contextlib.nullcontext():
+            output = schedule_utils.forward_step(self.forward_step_func, self.iterators[chunk],
+                                                 self.chunks[chunk], input_tensor, is_last,
+                                                 self.forward_only, self.reports)
         self.trace.compute_seconds += time.perf_counter() - start
         if not is_last:
             self.output = output
@@ -240,7 +265,8 @@ class _Runner:
             # Backward needs only the graph: keep its edge and let the activation go once sent.
             kept = torch.autograd.graph.get_gradient_edge(output)
         self.stored[(action.microbatch, chunk)] = (input_tensor, kept)
-        self.trace.peak_stored = max(self.trace.peak_stored, len(self.stored))
+        self.trace.peak_stored = max(self.trace.peak_stored,
+                                     len(self.stored) + len(self.weight_grads))
 
     def backward(self, action: Action) -> None:
         chunk = action.chunk
@@ -252,16 +278,31 @@ class _Runner:
         start = time.perf_counter()
         # Grad sync (e.g. overlapped data-parallel reduction) only on the chunk's last backward.
         last = self.last_backward[chunk] == action.microbatch
-        with schedule_utils.sync_context(self.chunks[chunk], last):
+        store = wgrad.WeightGradStore()
+        collect = (wgrad.collecting_weight_grads(store) if action.kind == BACKWARD_INPUT
+                   else contextlib.nullcontext())
+        with schedule_utils.sync_context(self.chunks[chunk], last), collect:
             if isinstance(output, torch.Tensor) and not output.requires_grad:
                 input_grad = None  # nothing in this chunk depends on trainable values
             else:
                 input_grad = schedule_utils.backward_step(output, output_grad, input_tensor,
                                                           self.loss_scale)
+        if action.kind == BACKWARD_INPUT:
+            self.weight_grads[(action.microbatch, chunk)] = store
         self.trace.compute_seconds += time.perf_counter() - start
         if stage > 0:
             self.output = input_grad if input_grad is not None else torch.zeros_like(
                 input_tensor)
+
+    def weight(self, action: Action) -> None:
+        """The ``W`` of a split backward: the weight gradients its ``I`` left."""
+        chunk = action.chunk
+        store = self.weight_grads.pop((action.microbatch, chunk))
+        start = time.perf_counter()
+        last = self.last_weight[chunk] == action.microbatch
+        with schedule_utils.sync_context(self.chunks[chunk], last):
+            store.run()
+        self.trace.compute_seconds += time.perf_counter() - start
 
     def communicate(self, step: Step) -> None:
         output, self.output = self.output, None

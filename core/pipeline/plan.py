@@ -2,9 +2,12 @@
 ``plugtron schedule show``.
 
 A schedule is a list of actions per pipeline rank: forward ``F`` or backward ``B`` of one
-microbatch on one model chunk. Chunk ``c`` on rank ``p`` is virtual stage ``c * pp + p`` of the
-model; forward of a microbatch on virtual stage ``s`` needs that microbatch's forward on
-``s - 1``, its backward needs the backward on ``s + 1`` and its own forward.
+microbatch on one model chunk, or ``B`` split in two: ``I`` (the gradient of the stage input,
+what the previous stage waits for) and ``W`` (that microbatch's weight gradients on that chunk,
+see ``wgrad.py``). Chunk ``c`` on rank ``p`` is virtual stage ``c * pp + p`` of the model;
+forward of a microbatch on virtual stage ``s`` needs that microbatch's forward on ``s - 1``, its
+backward (``B`` or ``I``) needs the input gradient from ``s + 1`` (``B`` or ``I`` there) and its
+own forward; a ``W`` needs its own ``I``, and may run any time after it.
 
 :func:`simulate` plays all ranks' lists against those dependencies (each rank strictly in its
 order, any action as soon as its inputs exist). It gives the timeline that ``schedule show``
@@ -19,12 +22,15 @@ from dataclasses import dataclass
 from plugtron.core.errors import ConfigError
 from plugtron.core.plugins.signatures import declared_arguments
 
-FORWARD, BACKWARD = "F", "B"
+FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
+KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+#: Kinds that produce the stage input's gradient (what the previous stage receives).
+INPUT_GRADIENT_KINDS = (BACKWARD, BACKWARD_INPUT)
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" forward or "B" backward
+    kind: str  # "F" forward, "B" backward, "I" input-gradient half, "W" weight-gradient half
     microbatch: int
     chunk: int = 0
 
@@ -61,23 +67,43 @@ def actions_of_all_ranks(schedule_actions, pp_size: int, num_chunks: int,
 def check_actions(per_rank: list[list[Action]], num_chunks: int, num_microbatches: int,
                   forward_only: bool = False) -> None:
     """Each rank must run every (microbatch, chunk) forward once and, unless ``forward_only``,
-    its backward once after it; each chunk's forwards in microbatch order, because a chunk's data
-    iterator yields microbatches in order."""
+    its backward once after it: a ``B``, or an ``I`` and later a ``W``; each chunk's forwards in
+    microbatch order, because a chunk's data iterator yields microbatches in order."""
     expected = {(mb, c) for mb in range(num_microbatches) for c in range(num_chunks)}
     for rank, actions in enumerate(per_rank):
         seen: dict[str, list] = {FORWARD: [], BACKWARD: []}
         forwards_done = set()
+        inputs_done: set = set()
+        weights_left: set = set()
         for a in actions:
-            if not isinstance(a, Action) or a.kind not in seen:
-                raise ConfigError(f"rank {rank}: {a!r} is not an Action of kind 'F' or 'B'")
-            if (a.microbatch, a.chunk) not in expected:
+            if not isinstance(a, Action) or a.kind not in KINDS:
+                raise ConfigError(f"rank {rank}: {a!r} is not an Action of kind 'F', 'B', 'I' "
+                                  f"or 'W'")
+            key = (a.microbatch, a.chunk)
+            if key not in expected:
                 raise ConfigError(f"rank {rank}: {a} names a microbatch or chunk outside "
                                   f"{num_microbatches} microbatches x {num_chunks} chunks")
-            if a.kind == BACKWARD and (a.microbatch, a.chunk) not in forwards_done:
+            if a.kind in INPUT_GRADIENT_KINDS and key not in forwards_done:
                 raise ConfigError(f"rank {rank}: {a} runs before its forward")
-            seen[a.kind].append((a.microbatch, a.chunk))
+            if a.kind == BACKWARD_WEIGHT:
+                if key not in weights_left:
+                    raise ConfigError(f"rank {rank}: {a} runs before its I (a W computes the "
+                                      f"weight gradients the microbatch's I left), or twice")
+                weights_left.discard(key)
+                continue
+            if a.kind == BACKWARD_INPUT:
+                if key in inputs_done:
+                    raise ConfigError(f"rank {rank}: {a} runs twice")
+                inputs_done.add(key)
+                weights_left.add(key)
+            # B and I both count as the microbatch's backward
+            seen[BACKWARD if a.kind == BACKWARD_INPUT else a.kind].append(key)
             if a.kind == FORWARD:
-                forwards_done.add((a.microbatch, a.chunk))
+                forwards_done.add(key)
+        if weights_left and not forward_only:
+            left = ", ".join(str(Action(BACKWARD_WEIGHT, mb, c)) for mb, c in sorted(weights_left))
+            raise ConfigError(f"rank {rank}: the weight gradients of {len(weights_left)} split "
+                              f"backward(s) are left over at the end: no {left} after their I")
         for kind in (FORWARD,) if forward_only else (FORWARD, BACKWARD):
             got = seen[kind]
             if len(got) != len(expected) or set(got) != expected:
@@ -111,9 +137,12 @@ def forward_only_actions(actions: list[Action]) -> list[Action]:
 
 
 def dependencies(action: Action, stage: int, num_stages: int) -> list[tuple]:
-    """Keys ``(kind, microbatch, virtual stage)`` of the actions ``action`` waits for."""
+    """Keys ``(kind, microbatch, virtual stage)`` of the actions ``action`` waits for. An ``I``
+    finishes under the key of ``B`` too: both deliver the stage input's gradient."""
     if action.kind == FORWARD:
         return [(FORWARD, action.microbatch, stage - 1)] if stage > 0 else []
+    if action.kind == BACKWARD_WEIGHT:
+        return [(BACKWARD_INPUT, action.microbatch, stage)]
     deps = [(FORWARD, action.microbatch, stage)]
     if stage < num_stages - 1:
         deps.append((BACKWARD, action.microbatch, stage + 1))
@@ -131,11 +160,16 @@ class Slot:
 
 
 def simulate(per_rank: list[list[Action]], num_chunks: int, forward_time: float = 1.0,
-             backward_time: float = 2.0) -> list[list[Slot]]:
+             backward_time: float = 2.0, input_time: float | None = None,
+             weight_time: float | None = None) -> list[list[Slot]]:
     """Place every action at the earliest time its rank is free and its inputs exist.
 
-    Communication is free. Raises ``ConfigError`` when the lists wait on each other forever.
+    ``I`` and ``W`` cost half of ``backward_time`` each unless given. Communication is free.
+    Raises ``ConfigError`` when the lists wait on each other forever.
     """
+    costs = {FORWARD: forward_time, BACKWARD: backward_time,
+             BACKWARD_INPUT: backward_time / 2 if input_time is None else input_time,
+             BACKWARD_WEIGHT: backward_time / 2 if weight_time is None else weight_time}
     pp = len(per_rank)
     num_stages = pp * num_chunks
     finished: dict[tuple, float] = {}
@@ -153,8 +187,10 @@ def simulate(per_rank: list[list[Action]], num_chunks: int, forward_time: float 
                 if any(d not in finished for d in deps):
                     break
                 start = max([clock[rank]] + [finished[d] for d in deps])
-                cost = forward_time if action.kind == FORWARD else backward_time
+                cost = costs[action.kind]
                 finished[(action.kind, action.microbatch, stage)] = clock[rank] = start + cost
+                if action.kind == BACKWARD_INPUT:
+                    finished[(BACKWARD, action.microbatch, stage)] = start + cost
                 slots[rank].append(Slot(action, rank, start, start + cost))
                 position[rank] += 1
                 remaining -= 1
@@ -183,13 +219,20 @@ def _describe_waits(per_rank, position, finished, num_chunks) -> str:
 
 
 def peak_stored(actions: list[Action]) -> int:
-    """Most microbatch-chunks whose forward ran and whose backward has not yet: the
-    activations a rank holds at its peak."""
+    """Most microbatch-chunks whose forward ran and whose backward has not yet (for a split
+    backward: whose ``W`` has not, since ``W`` needs the layer inputs): the activations a rank
+    holds at its peak."""
     held = peak = 0
     for action in actions:
-        held += 1 if action.kind == FORWARD else -1
+        held += activation_change(action)
         peak = max(peak, held)
     return peak
+
+
+def activation_change(action: Action) -> int:
+    """+1 when ``action`` starts holding a microbatch-chunk's activations, -1 when it lets them
+    go, 0 for an ``I`` (its ``W`` still needs part of them)."""
+    return {FORWARD: 1, BACKWARD: -1, BACKWARD_INPUT: 0, BACKWARD_WEIGHT: -1}[action.kind]
 
 
 def bubble_fraction(slots: list[list[Slot]]) -> float:

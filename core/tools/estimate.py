@@ -34,7 +34,7 @@ from plugtron.core.contracts.activations import (
 )
 from plugtron.core.errors import ConfigError
 from plugtron.core.parallel.context import ParallelContext
-from plugtron.core.pipeline.plan import actions_of_all_ranks
+from plugtron.core.pipeline.plan import actions_of_all_ranks, activation_change
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import optimizer_state_per_param, wants_sharded_gradients
 from plugtron.core.plugins.options import with_plugin_sections
@@ -203,7 +203,7 @@ def _held_peak(actions, chunk_bytes: list) -> tuple[int, int]:
     """(peak bytes, microbatch-chunks held then) over one rank's schedule."""
     held = peak = count = peak_count = 0
     for action in actions:
-        sign = 1 if action.kind == "F" else -1
+        sign = activation_change(action)
         held += sign * chunk_bytes[action.chunk]
         count += sign
         if held > peak:
