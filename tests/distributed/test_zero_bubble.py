@@ -1,0 +1,51 @@
+"""The split backward on gloo ranks: ``zb-h1`` and a third-party schedule that defers every
+weight gradient train exactly like ``1f1b`` (one pool of 4 ranks for the module; fp32, no
+dropout; losses and grad norms relative 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+from plugtron.testing import assert_schedule_matches_1f1b
+from plugtron.testing.compare import assert_records_close
+from plugtron.testing.runs import train_run
+
+from tests.schedule_helpers import DeferredWeightsSchedule
+
+GPT = {"model": "gpt", "num-layers": 4}
+
+
+@pytest.fixture(scope="module")
+def pool(rank_pool_factory):
+    return rank_pool_factory(4)
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8)])
+def test_zb_h1_matches_1f1b(pool, pp, microbatches):
+    assert_schedule_matches_1f1b("zb-h1", pp=pp, microbatches=microbatches, flags=GPT,
+                                 rtol=1e-5, pool=pool)
+
+
+def _compare(flags, schedule, pool, world_size=4):
+    base = {**GPT, "train-iters": 3, **flags}
+    got = train_run({**base, "schedule": schedule} if isinstance(schedule, str) else base,
+                    world_size, pool, schedule=None if isinstance(schedule, str) else schedule)
+    want = train_run({**base, "schedule": "1f1b"}, world_size, pool)
+    assert_records_close(got.records, want.records, 1e-5, f"{schedule} against 1f1b {flags}")
+
+
+def test_zb_h1_matches_1f1b_under_tp_2_and_sequence_parallel(pool):
+    # the column/row linears go through sequence_parallel_linear's deferred weight gradient
+    _compare({"pp": 2, "tp": 2, "sequence-parallel": True, "global-batch-size": 8}, "zb-h1",
+             pool)
+
+
+def test_weights_deferred_past_other_backwards_match_1f1b_with_overlapped_dp_reduce(pool):
+    # dp 2 with --overlap-grad-reduce and small buckets: a bucket is reduced only after the
+    # last W of its weights, which here runs after every I
+    _compare({"pp": 2, "overlap-grad-reduce": True, "ddp-bucket-size": 4096,
+              "global-batch-size": 8}, DeferredWeightsSchedule(), pool)
+
+
+def test_a_third_party_split_schedule_matches_1f1b(pool):
+    assert_schedule_matches_1f1b(DeferredWeightsSchedule(), pp=4, microbatches=6, flags=GPT,
+                                 rtol=1e-5, pool=pool)

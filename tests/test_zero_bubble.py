@@ -1,0 +1,254 @@
+"""The split backward (``I`` / ``W``) without ranks: the plan check, the simulator, ``schedule
+show``, and the deferred weight gradients of the local linears against the combined backward."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from plugtron.cli.main import cli
+from plugtron.core.errors import ConfigError
+from plugtron.core.parallel.vocab_parallel import parallel_logits
+from plugtron.core.pipeline import wgrad
+from plugtron.core.pipeline.plan import Action, check_actions, peak_stored, simulate
+from plugtron.plugins.schedules.one_f_one_b import one_f_one_b_actions
+from plugtron.plugins.schedules.zero_bubble import zb_h1_actions
+
+
+def _split(actions):
+    out = []
+    for a in actions:
+        out += [Action("I", a.microbatch), Action("W", a.microbatch)] if a.kind == "B" else [a]
+    return out
+
+
+def test_a_w_before_its_i_is_rejected():
+    actions = [Action("F", 0), Action("W", 0), Action("I", 0)]
+    with pytest.raises(ConfigError, match="W0 runs before its I"):
+        check_actions([actions], 1, 1)
+
+
+def test_leftover_ws_are_rejected():
+    actions = [Action("F", 0), Action("F", 1), Action("I", 0), Action("I", 1), Action("W", 0)]
+    with pytest.raises(ConfigError, match="left over at the end: no W1 after their I"):
+        check_actions([actions], 1, 2)
+
+
+def test_an_i_and_a_b_of_one_microbatch_are_rejected():
+    actions = [Action("F", 0), Action("I", 0), Action("B", 0), Action("W", 0)]
+    with pytest.raises(ConfigError, match="backward exactly once"):
+        check_actions([actions], 1, 1)
+
+
+def test_an_i_before_its_forward_is_rejected():
+    with pytest.raises(ConfigError, match="I0 runs before its forward"):
+        check_actions([[Action("I", 0), Action("F", 0), Action("W", 0)]], 1, 1)
+
+
+def test_a_w_may_run_long_after_its_i_and_ws_wait_for_nobody():
+    # 1F1B with every W at the very end: valid, and the simulator finishes it.
+    per_rank = []
+    for rank in range(4):
+        order = [a if a.kind == "F" else Action("I", a.microbatch)
+                 for a in one_f_one_b_actions(rank, 4, 6)]
+        per_rank.append(order + [Action("W", mb) for mb in range(6)])
+    check_actions(per_rank, 1, 6)
+    simulate(per_rank, 1, 1.0, 2.0, 1.0, 1.0)
+    assert peak_stored(per_rank[0]) == 6  # a microbatch is held until its W
+
+
+def test_zb_h1_bubble_is_the_papers():
+    # (P - 1)(F + I) idle per rank against 1F1B's (P - 1)(F + B), F = I = W = 1, B = 2.
+    for pp, m in [(2, 4), (4, 8), (4, 12), (3, 7)]:
+        zb = simulate([zb_h1_actions(r, pp, m) for r in range(pp)], 1, 1.0, 2.0, 1.0, 1.0)
+        ref = simulate([one_f_one_b_actions(r, pp, m) for r in range(pp)], 1, 1.0, 2.0)
+        assert max(s.end for r in zb for s in r) == 3 * m + 2 * (pp - 1)
+        assert max(s.end for r in ref for s in r) == 3 * m + 3 * (pp - 1)
+        assert ([peak_stored(zb_h1_actions(r, pp, m)) for r in range(pp)]
+                == [peak_stored(one_f_one_b_actions(r, pp, m)) for r in range(pp)])
+
+
+def test_zb_h1_is_1f1b_with_each_b_split():
+    for pp, m in [(2, 4), (4, 3), (4, 8)]:
+        for rank in range(pp):
+            assert zb_h1_actions(rank, pp, m) == _split(one_f_one_b_actions(rank, pp, m))
+
+
+def test_schedule_show_prints_zb_h1():
+    out = CliRunner().invoke(cli, ["schedule", "show", "--schedule", "zb-h1", "--pp", "4",
+                                   "-m", "8"])
+    assert out.exit_code == 0, out.output
+    lines = out.output.splitlines()
+    assert lines[0] == "schedule zb-h1: pp 4, 8 microbatches"
+    assert lines[1] == ("rank 0: F0 F1 F2 F3 I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 "
+                        "I6 W6 I7 W7")
+    assert "bubble fraction 0.2000 (forward 1, backward 2 per chunk; makespan 30)" in out.output
+    assert "split backward: I (input gradient) 1, W (weight gradients) 1" in out.output
+    assert "peak stored activations (microbatch-chunks) per rank: 4 3 2 1" in out.output
+
+
+def test_schedule_show_json_and_costs(tmp_path):
+    out = CliRunner().invoke(cli, ["schedule", "show", "--schedule", "zb-h1", "--pp", "2",
+                                   "-m", "4", "--costs", "1,2,1", "--json",
+                                   "--plot", str(tmp_path / "t.png")])
+    assert out.exit_code == 0, out.output
+    report = json.loads(out.output)
+    assert report["costs"] == {"F": 1.0, "I": 2.0, "W": 1.0, "B": 3.0}
+    assert report["ranks"][1]["actions"][:3] == [{"kind": "F", "microbatch": 0, "chunk": 0},
+                                                 {"kind": "I", "microbatch": 0, "chunk": 0},
+                                                 {"kind": "W", "microbatch": 0, "chunk": 0}]
+    # (P - 1)(F + I) = 3 idle of a makespan 4 x 4 + 3
+    assert report["makespan"] == 19.0
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    bad = CliRunner().invoke(cli, ["schedule", "show", "--schedule", "zb-h1", "--pp", "2",
+                                   "-m", "4", "--costs", "1,2"])
+    assert bad.exit_code != 0 and "--costs takes three positive numbers" in bad.output
+
+
+def _grads(fn, params, x, grad_out, split):
+    """Run ``fn`` forward and backward twice (two microbatches accumulating) either combined or
+    as I then (after both I's) W; return the input and parameter gradients."""
+    for p in params:
+        p.grad = None
+    input_grads = []
+    stores = []
+    for mb in range(2):
+        xi = x[mb].clone().requires_grad_(True)
+        with wgrad.expecting_split_backward() if split else _null():
+            out = fn(xi)
+        if split:
+            store = wgrad.WeightGradStore()
+            with wgrad.collecting_weight_grads(store):
+                out.backward(grad_out[mb])
+            stores.append(store)
+        else:
+            out.backward(grad_out[mb])
+        input_grads.append(xi.grad)
+    for store in stores:
+        assert len(store) > 0  # the weight gradients really waited
+        store.run()
+    return input_grads, [p.grad.clone() for p in params]
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("layer", ["column", "row", "logits"])
+def test_deferred_linears_equal_the_combined_backward(layer):
+    from plugtron.api import ParallelContext  # noqa: F401 - only to make sure it imports
+    from plugtron.plugins.layer_backends.local import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+
+    class _Single:
+        tp_group, tp_rank, tp_size = None, 0, 1
+
+    def init(shape):
+        return torch.randn(shape)
+
+    if layer == "column":
+        module = ColumnParallelLinear(8, 6, bias=True, init_method=init, parallel=_Single())
+        params = [module.weight, module.bias]
+
+        def fn(x):
+            return module(x)[0]
+    elif layer == "row":
+        module = RowParallelLinear(8, 6, bias=True, init_method=init, parallel=_Single())
+        params = [module.weight, module.bias]
+
+        def fn(x):
+            return module(x)[0]
+    else:
+        weight = torch.nn.Parameter(torch.randn(6, 8))
+        params = [weight]
+
+        def fn(x):
+            return parallel_logits(x, weight, None, False)
+    x = torch.randn(2, 3, 5, 8)
+    grad_out = torch.randn(2, 3, 5, 6)
+    want_inputs, want = _grads(fn, params, x, grad_out, split=False)
+    got_inputs, got = _grads(fn, params, x, grad_out, split=True)
+    for g, w in zip(got_inputs + got, want_inputs + want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_post_accumulate_hooks_see_the_final_gradient_only_at_w():
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    seen = []
+    weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append((wgrad.weight_grad_deferred(p),
+                               None if p.grad is None else p.grad.clone())))
+    x = torch.randn(5, 3, requires_grad=True)
+    with wgrad.expecting_split_backward():
+        out = _linear(x, weight)
+    store = wgrad.WeightGradStore()
+    with wgrad.collecting_weight_grads(store):
+        out.sum().backward()
+    assert seen == [(True, None)]  # at I: marked deferred, nothing accumulated
+    store.run()
+    assert seen[-1][0] is False
+    torch.testing.assert_close(seen[-1][1], torch.ones(5, 4).t() @ x.detach())
+
+
+def _linear(x, weight):
+    from plugtron.api import linear
+
+    return linear(x, weight)
+
+
+def test_a_layer_that_does_not_opt_in_computes_its_weight_gradient_at_i():
+    weight = torch.nn.Parameter(torch.randn(4, 3))
+    x = torch.randn(5, 3, requires_grad=True)
+    with wgrad.expecting_split_backward():
+        out = torch.nn.functional.linear(x, weight)  # plain torch: no deferral
+    store = wgrad.WeightGradStore()
+    with wgrad.collecting_weight_grads(store):
+        out.sum().backward()
+    assert len(store) == 0 and weight.grad is not None
+
+
+def test_the_documented_third_party_layer_defers_exactly():
+    # the example of docs/plugins.md, "Deferred weight gradients"
+    from plugtron.api import defer_weight_grad, split_backward_expected
+
+    class _Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight):
+            ctx.save_for_backward(x, weight)
+            return x * weight
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, weight = ctx.saved_tensors
+
+            def compute():
+                return (grad * x).reshape(-1, weight.shape[-1]).sum(0)
+            grad_weight = None if defer_weight_grad(weight, compute) else compute()
+            return grad * weight, grad_weight
+
+    class Scale(torch.nn.Module):
+        def __init__(self, size):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(size))
+
+        def forward(self, x):
+            if split_backward_expected():
+                return _Scale.apply(x, self.weight)
+            return x * self.weight
+
+    torch.manual_seed(1)
+    layer = Scale(8)
+    with torch.no_grad():
+        layer.weight.normal_()
+    x, grad_out = torch.randn(2, 3, 8), torch.randn(2, 3, 8)
+    want_inputs, want = _grads(layer, [layer.weight], x, grad_out, split=False)
+    got_inputs, got = _grads(layer, [layer.weight], x, grad_out, split=True)
+    for g, w in zip(got_inputs + got, want_inputs + want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
