@@ -10,7 +10,7 @@ import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.errors import ConfigError
-from plugtron.core.parallel.vocab_parallel import parallel_logits
+from plugtron.core.parallel.vocab_parallel import VocabParallelEmbedding, parallel_logits
 from plugtron.core.pipeline import wgrad
 from plugtron.core.pipeline.plan import Action, check_actions, peak_stored, simulate
 from plugtron.plugins.schedules.one_f_one_b import one_f_one_b_actions
@@ -252,3 +252,31 @@ def test_the_documented_third_party_layer_defers_exactly():
     got_inputs, got = _grads(layer, [layer.weight], x, grad_out, split=True)
     for g, w in zip(got_inputs + got, want_inputs + want):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_the_deferred_embedding_equals_the_combined_backward():
+    class _Single:
+        tp_group, tp_rank, tp_size = None, 0, 1
+
+    torch.manual_seed(2)
+    module = VocabParallelEmbedding(16, 6, init_method=torch.randn, parallel=_Single())
+    ids = torch.randint(0, 16, (2, 3, 5))
+    ids[:, 0, :2] = 7  # a row looked up several times accumulates
+    grad_out = torch.randn(2, 3, 5, 6)
+
+    def grads(split):
+        module.weight.grad = None
+        stores = []
+        for mb in range(2):
+            with wgrad.expecting_split_backward() if split else _null():
+                out = module(ids[mb])
+            store = wgrad.WeightGradStore()
+            with wgrad.collecting_weight_grads(store) if split else _null():
+                out.backward(grad_out[mb])
+            stores.append(store)
+        assert all(len(s) == (1 if split else 0) for s in stores)
+        for store in stores:
+            store.run()
+        return module.weight.grad.clone()
+
+    assert torch.equal(grads(split=True), grads(split=False))  # bitwise, here

@@ -19,6 +19,7 @@ from plugtron.core.blocks.linear import linear
 from plugtron.core.parallel import comm
 from plugtron.core.parallel import tensor_parallel as tpc
 from plugtron.core.parallel.sharding import set_tensor_parallel, shard_of
+from plugtron.core.pipeline import wgrad
 
 
 def vocab_range(padded_vocab_size: int, rank: int, size: int) -> tuple[int, int]:
@@ -49,11 +50,41 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self._parallel.tp_size == 1:
-            return F.embedding(ids, self.weight)
+            return _embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = _embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         return tpc.reduce_from_tensor_parallel_region(out, self._parallel.tp_group)
+
+
+class _DeferrableEmbedding(torch.autograd.Function):
+    """``F.embedding`` whose weight gradient (a scatter-add of the output gradient into the
+    looked-up rows) may wait for the split backward's ``W``."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids, weight)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ids, weight = ctx.saved_tensors
+
+        def compute():
+            rows = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)
+            return torch.zeros_like(weight).index_add_(0, ids.reshape(-1), rows)
+
+        if wgrad.defer_weight_grad(weight, compute):
+            return None, None
+        return None, compute()
+
+
+def _embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding``; in the forward of a microbatch whose backward is split into ``I`` and
+    ``W``, the deferrable version."""
+    if wgrad.split_backward_expected() and weight.requires_grad and torch.is_grad_enabled():
+        return _DeferrableEmbedding.apply(ids, weight)
+    return F.embedding(ids, weight)
 
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, group, sequence_parallel: bool,
