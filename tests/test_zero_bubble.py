@@ -222,6 +222,7 @@ def test_the_documented_third_party_layer_defers_exactly():
         @staticmethod
         def forward(ctx, x, weight):
             ctx.save_for_backward(x, weight)
+            ctx.weight = weight
             return x * weight
 
         @staticmethod
@@ -230,7 +231,7 @@ def test_the_documented_third_party_layer_defers_exactly():
 
             def compute():
                 return (grad * x).reshape(-1, weight.shape[-1]).sum(0)
-            grad_weight = None if defer_weight_grad(weight, compute) else compute()
+            grad_weight = None if defer_weight_grad(ctx.weight, compute) else compute()
             return grad * weight, grad_weight
 
     class Scale(torch.nn.Module):

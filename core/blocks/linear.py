@@ -59,6 +59,9 @@ class _HalfLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        # The parameter itself, for deferral: a saved tensor may come back as another object
+        # (e.g. from a recompute), and a deferred gradient must reach this one.
+        ctx.weight = weight
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -70,7 +73,7 @@ class _HalfLinear(torch.autograd.Function):
             grad_x = input_grad(flat_grad, weight).view(*grad.shape[:-1], weight.shape[1])
         if ctx.needs_input_grad[1]:
             flat_x = x.reshape(-1, x.shape[-1])
-            if not wgrad.defer_weight_grad(weight,
+            if not wgrad.defer_weight_grad(ctx.weight,
                                            lambda: weight_grad(flat_grad, flat_x, weight)):
                 grad_weight = weight_grad(flat_grad, flat_x, weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -219,6 +219,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group, dim):
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
+        ctx.weight = weight  # the parameter itself, for deferral (see blocks/linear.py)
         return F.linear(comm.all_gather_tensor(x, group, dim), weight, bias)
 
     @staticmethod
@@ -237,7 +238,7 @@ class _SequenceParallelLinear(torch.autograd.Function):
                 full = comm.all_gather_tensor(x, group, dim)
                 return weight_grad(flat_grad, full.reshape(-1, full.shape[-1]), weight)
 
-            if not wgrad.defer_weight_grad(weight, compute):
+            if not wgrad.defer_weight_grad(ctx.weight, compute):
                 grad_weight = compute()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = flat_grad.sum(dim=0)

@@ -64,6 +64,7 @@ class _DeferrableEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight):
         ctx.save_for_backward(ids, weight)
+        ctx.weight = weight  # the parameter itself, for deferral (see blocks/linear.py)
         return F.embedding(ids, weight)
 
     @staticmethod
@@ -74,7 +75,7 @@ class _DeferrableEmbedding(torch.autograd.Function):
             rows = grad.reshape(-1, grad.shape[-1]).to(weight.dtype)
             return torch.zeros_like(weight).index_add_(0, ids.reshape(-1), rows)
 
-        if wgrad.defer_weight_grad(weight, compute):
+        if wgrad.defer_weight_grad(ctx.weight, compute):
             return None, None
         return None, compute()
 

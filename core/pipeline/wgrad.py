@@ -104,7 +104,9 @@ def defer_weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor])
     """Called from a layer's backward: store ``compute`` (which returns ``weight``'s gradient
     for this microbatch) for the coming ``W``. Returns False, and stores nothing, when no ``I``
     is running or ``weight`` is not a leaf that requires grad; the layer then computes the
-    gradient itself, now."""
+    gradient itself, now. ``weight`` must be the parameter object itself (keep it on ``ctx`` at
+    forward): a tensor from ``ctx.saved_tensors`` may be another object (activation recompute
+    returns one), and the gradient ``W`` hands to it would not reach the parameter."""
     store = _current("store")
     if store is None or not weight.is_leaf or not weight.requires_grad:
         return False

@@ -29,6 +29,7 @@ import torch
 import torch.utils.checkpoint
 from plugtron.core.blocks.forward_context import current_forward_context, use_forward_context
 from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.pipeline import wgrad
 from plugtron.core.plugins import registry
 
 #: Megatron's default part for selective recompute.
@@ -55,6 +56,9 @@ class _Replay:
     def __init__(self):
         self.streams = {tracker: tracker.get_state() for tracker in list(_trackers)}
         self.context = current_forward_context()
+        # A microbatch whose backward is split (I + W) builds deferrable layers: the recompute,
+        # which runs inside its I, must build the same graph (and so defers the same weights).
+        self.split = wgrad.split_backward_expected()
 
     @contextlib.contextmanager
     def first_run(self):
@@ -66,8 +70,9 @@ class _Replay:
         for tracker, states in self.streams.items():
             tracker.set_state(states)
         _rerunning[0] += 1
+        split = wgrad.expecting_split_backward() if self.split else contextlib.nullcontext()
         try:
-            with use_forward_context(self.context):
+            with use_forward_context(self.context), split:
                 yield
         finally:
             _rerunning[0] -= 1

@@ -49,3 +49,14 @@ def test_weights_deferred_past_other_backwards_match_1f1b_with_overlapped_dp_red
 def test_a_third_party_split_schedule_matches_1f1b(pool):
     assert_schedule_matches_1f1b(DeferredWeightsSchedule(), pp=4, microbatches=6, flags=GPT,
                                  rtol=1e-5, pool=pool)
+
+
+def test_zb_h1_matches_1f1b_with_full_recompute(pool):
+    # the recomputed forward runs inside I and must build the same (deferrable) graph
+    _compare({"pp": 2, "recompute-granularity": "full", "recompute-method": "uniform",
+              "recompute-num-layers": 1, "global-batch-size": 8}, "zb-h1", pool, world_size=2)
+
+
+def test_zb_h1_matches_1f1b_with_selective_recompute(pool):
+    _compare({"pp": 2, "recompute-granularity": "selective", "global-batch-size": 8}, "zb-h1",
+             pool, world_size=2)
