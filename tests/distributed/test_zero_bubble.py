@@ -60,3 +60,20 @@ def test_zb_h1_matches_1f1b_with_full_recompute(pool):
 def test_zb_h1_matches_1f1b_with_selective_recompute(pool):
     _compare({"pp": 2, "recompute-granularity": "selective", "global-batch-size": 8}, "zb-h1",
              pool, world_size=2)
+
+
+def test_zb_h1_matches_1f1b_with_the_distributed_optimizer_and_overlap(pool):
+    # dp 2, sharded gradient buckets reduced (reduce-scatter) as their last W finishes, and
+    # the parameter all-gather overlapped with the next forward
+    _compare({"pp": 2, "use-distributed-optimizer": True, "overlap-grad-reduce": True,
+              "overlap-param-gather": True, "ddp-bucket-size": 4096,
+              "global-batch-size": 8}, "zb-h1", pool)
+
+
+def test_zb_h1_matches_1f1b_with_moe_experts_on_ep_2(pool):
+    # the MoE plugin's experts go through plugtron.api.linear (deferred) or grouped matmuls
+    # (computed at I); either way the result must not change
+    pytest.importorskip("plugtron_moe")
+    _compare({"pp": 2, "ep": 2, "num-experts": 4, "moe-router-topk": 2,
+              "moe-aux-loss-coeff": 1e-2, "moe-shared-expert-intermediate-size": 32,
+              "global-batch-size": 8}, "zb-h1", pool)
