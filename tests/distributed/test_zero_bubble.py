@@ -77,3 +77,10 @@ def test_zb_h1_matches_1f1b_with_moe_experts_on_ep_2(pool):
     _compare({"pp": 2, "ep": 2, "num-experts": 4, "moe-router-topk": 2,
               "moe-aux-loss-coeff": 1e-2, "moe-shared-expert-intermediate-size": 32,
               "global-batch-size": 8}, "zb-h1", pool)
+
+
+def test_zb_h1_matches_1f1b_for_the_hybrid_model(pool):
+    # Mamba-2 layers: their projections are linears (deferred), the convolution falls back
+    _compare({"model": "hybrid", "hybrid-layer-pattern": "M*M-", "mamba-state-dim": 8,
+              "mamba-head-dim": 8, "mamba-num-groups": 2, "pp": 2, "global-batch-size": 8},
+             "zb-h1", pool, world_size=2)
