@@ -32,7 +32,9 @@ RUNS = [(2, None, "1f1b", True), (2, None, "gpipe", True), (2, None, "interleave
         (4, None, "1f1b", False), (4, None, "gpipe", False),
         (2, 2, "interleaved-1f1b", False), (2, 2, "gpipe", False),
         (4, 2, "interleaved-1f1b", True), (4, 2, "gpipe", True),
-        (4, 2, "random-order", True)]
+        (4, 2, "random-order", True),
+        # the split backward (I + W), on the tied and the untied layout
+        (2, None, "zb-h1", True), (4, None, "zb-h1", False)]
 
 
 def config_for(pp=1, vp=None, schedule="auto", tied=True, **extra):
