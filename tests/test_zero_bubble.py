@@ -281,3 +281,21 @@ def test_the_deferred_embedding_equals_the_combined_backward():
         return module.weight.grad.clone()
 
     assert torch.equal(grads(split=True), grads(split=False))  # bitwise, here
+
+
+def test_the_memory_estimate_holds_a_microbatch_until_its_w():
+    from plugtron.api import estimate_memory
+    from plugtron.core.tools.estimate import _held_peak
+    from plugtron.testing.config import make_config
+
+    # zb-h1 holds what 1f1b holds; every W at the end holds all microbatches
+    flags = {"model": "gpt", "num-layers": 4, "pp": 4, "global-batch-size": 8,
+             "micro-batch-size": 1}
+    peaks = {}
+    for schedule in ("1f1b", "zb-h1"):
+        estimate = estimate_memory(make_config({**flags, "schedule": schedule}), 4, cuda=False)
+        peaks[schedule] = [r.in_flight for r in estimate.ranks]
+    assert peaks["zb-h1"] == peaks["1f1b"] == [4, 3, 2, 1]
+    deferred = ([Action("F", mb) for mb in range(3)] + [Action("I", mb) for mb in range(3)]
+                + [Action("W", mb) for mb in range(3)])
+    assert _held_peak(deferred, [10]) == (30, 3)

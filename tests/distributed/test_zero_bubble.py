@@ -84,3 +84,8 @@ def test_zb_h1_matches_1f1b_for_the_hybrid_model(pool):
     _compare({"model": "hybrid", "hybrid-layer-pattern": "M*M-", "mamba-state-dim": 8,
               "mamba-head-dim": 8, "mamba-num-groups": 2, "pp": 2, "global-batch-size": 8},
              "zb-h1", pool, world_size=2)
+
+
+def test_zb_h1_matches_1f1b_with_context_parallel_2(pool):
+    _compare({"pp": 2, "cp": 2, "seq-length": 16, "max-position-embeddings": 16,
+              "global-batch-size": 8}, "zb-h1", pool)
