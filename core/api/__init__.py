@@ -81,7 +81,7 @@ from plugtron.core.parallel.vocab_parallel import (
 )
 from plugtron.core.pipeline.executor import ActionListSchedule, execute_actions
 from plugtron.core.pipeline.layout import chunk_layers, stage_layer_counts
-from plugtron.core.pipeline.plan import Action
+from plugtron.core.pipeline.plan import Action, ActionKind
 from plugtron.core.pipeline.steps import backward_step as schedule_backward_step
 from plugtron.core.pipeline.steps import forward_step as schedule_forward_step
 from plugtron.core.pipeline.steps import sync_context
@@ -147,7 +147,7 @@ __all__ = [
     "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "broadcast", "group_size",
     "group_rank", "all_to_all", "all_to_all_counts",
     # schedules
-    "Action", "ActionListSchedule", "execute_actions", "schedule_forward_step",
+    "Action", "ActionKind", "ActionListSchedule", "execute_actions", "schedule_forward_step",
     "WeightGradStore", "defer_weight_grad", "split_backward_expected",
     "schedule_backward_step", "sync_context",
     # optimizers and data parallelism

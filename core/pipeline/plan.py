@@ -18,11 +18,17 @@ cannot finish is rejected with the cycle's first waits named.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final, Literal
 
 from plugtron.core.errors import ConfigError
 from plugtron.core.plugins.signatures import declared_arguments
 
-FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT = "F", "B", "I", "W"
+#: ``F`` forward, ``B`` whole backward, ``I`` its input-gradient half, ``W`` its weight half.
+ActionKind = Literal["F", "B", "I", "W"]
+FORWARD: Final = "F"
+BACKWARD: Final = "B"
+BACKWARD_INPUT: Final = "I"
+BACKWARD_WEIGHT: Final = "W"
 KINDS = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
 #: Kinds that produce the stage input's gradient (what the previous stage receives).
 INPUT_GRADIENT_KINDS = (BACKWARD, BACKWARD_INPUT)
@@ -30,7 +36,7 @@ INPUT_GRADIENT_KINDS = (BACKWARD, BACKWARD_INPUT)
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # "F" forward, "B" backward, "I" input-gradient half, "W" weight-gradient half
+    kind: ActionKind  # "F" forward, "B" backward, "I" input-gradient half, "W" weight half
     microbatch: int
     chunk: int = 0
 
