@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+from plugtron import api
 from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.pipeline.executor import ActionListSchedule
 from plugtron.core.pipeline.plan import Action, dependencies, virtual_stage
@@ -53,17 +54,18 @@ class RandomOrderSchedule(ActionListSchedule):
         return random_valid_orders(pp_size, num_chunks, num_microbatches, self.seed)[pp_rank]
 
 
-class DeferredWeightsSchedule(ActionListSchedule):
-    """A third-party split-backward schedule: 1F1B's order with each ``B`` as an ``I``, and
-    every ``W`` of the iteration after the last ``I`` (in reverse microbatch order), so weight
-    gradients are deferred past other microbatches' backwards and the grad sync must wait for
-    the last ``W``."""
+class DeferredWeightsSchedule(api.ActionListSchedule):
+    """A third-party split-backward schedule, written against ``plugtron.api`` only: 1F1B's
+    order with each ``B`` as an ``I``, and every ``W`` of the iteration after the last ``I`` (in
+    reverse microbatch order), so weight gradients are deferred past other microbatches'
+    backwards and the grad sync must wait for the last ``W``."""
 
-    @hookimpl
+    @api.hookimpl
     def schedule_actions(self, pp_rank, pp_size, num_microbatches):
         warmup = min(pp_size - pp_rank - 1, num_microbatches)
-        actions = [Action("F", mb) for mb in range(warmup)]
+        actions = [api.Action("F", mb) for mb in range(warmup)]
         for i in range(num_microbatches - warmup):
-            actions += [Action("F", warmup + i), Action("I", i)]
-        actions += [Action("I", mb) for mb in range(num_microbatches - warmup, num_microbatches)]
-        return actions + [Action("W", mb) for mb in reversed(range(num_microbatches))]
+            actions += [api.Action("F", warmup + i), api.Action("I", i)]
+        actions += [api.Action("I", mb)
+                    for mb in range(num_microbatches - warmup, num_microbatches)]
+        return actions + [api.Action("W", mb) for mb in reversed(range(num_microbatches))]
