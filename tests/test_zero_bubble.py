@@ -9,9 +9,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
+from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.errors import ConfigError
 from plugtron.core.parallel.vocab_parallel import VocabParallelEmbedding, parallel_logits
-from plugtron.core.pipeline import wgrad
 from plugtron.core.pipeline.plan import Action, check_actions, peak_stored, simulate
 from plugtron.plugins.schedules.one_f_one_b import one_f_one_b_actions
 from plugtron.plugins.schedules.zero_bubble import zb_h1_actions

@@ -28,6 +28,11 @@ from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.contracts.layer_backend import LayerBackend
 from plugtron.core.contracts.layers import load_layer_types, substitute_symbols
 from plugtron.core.contracts.model_info import ModelInfo, model_info_for
+from plugtron.core.contracts.weight_grads import (
+    WeightGradStore,
+    defer_weight_grad,
+    split_backward_expected,
+)
 from plugtron.core.errors import CheckpointError, ConfigError, PluginError, PlugtronError
 from plugtron.core.parallel.comm import (
     all_gather_tensor,
@@ -85,11 +90,6 @@ from plugtron.core.pipeline.plan import Action, ActionKind
 from plugtron.core.pipeline.steps import backward_step as schedule_backward_step
 from plugtron.core.pipeline.steps import forward_step as schedule_forward_step
 from plugtron.core.pipeline.steps import sync_context
-from plugtron.core.pipeline.wgrad import (
-    WeightGradStore,
-    defer_weight_grad,
-    split_backward_expected,
-)
 from plugtron.core.plugins.registry import PluginRole
 from plugtron.core.plugins.registry import load as load_plugin
 from plugtron.core.plugins.selection import selected_drivers

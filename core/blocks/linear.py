@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from plugtron.core.blocks.cpu_features import cpu_matrix_support
-from plugtron.core.pipeline import wgrad
+from plugtron.core.contracts import weight_grads as wgrad
 
 _HALF = (torch.bfloat16, torch.float16)
 
@@ -86,7 +86,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``, with fast half-precision backward matmuls on CPU.
 
     In the forward of a microbatch whose backward a schedule splits into ``I`` and ``W``
-    (``plugtron.core.pipeline.wgrad``), the weight gradient is deferred to ``W``."""
+    (``plugtron.core.contracts.weight_grads``), the weight gradient is deferred to ``W``."""
     if _needs_layout(x, weight) or (wgrad.split_backward_expected() and weight.requires_grad
                                     and torch.is_grad_enabled()):
         return _HalfLinear.apply(x, weight, bias)

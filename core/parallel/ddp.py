@@ -26,9 +26,9 @@ import contextlib
 import weakref
 
 import torch
+from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.errors import PluginError
 from plugtron.core.parallel.grad_buffer import GradBuffer, default_bucket_size
-from plugtron.core.pipeline import wgrad
 from plugtron.core.training.optimizer_shards import BucketShard, bucket_shard
 
 

@@ -40,9 +40,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from plugtron.core.blocks.linear import input_grad, linear, weight_grad
+from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.parallel import comm
 from plugtron.core.parallel.sharding import local_block_sizes
-from plugtron.core.pipeline import wgrad
 
 
 def _own_chunk(x: torch.Tensor, group, dim: int) -> torch.Tensor:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from plugtron.core.blocks.linear import linear
+from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.parallel import comm
 from plugtron.core.parallel import tensor_parallel as tpc
 from plugtron.core.parallel.sharding import set_tensor_parallel, shard_of
-from plugtron.core.pipeline import wgrad
 
 
 def vocab_range(padded_vocab_size: int, rank: int, size: int) -> tuple[int, int]:

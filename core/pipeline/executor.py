@@ -42,10 +42,10 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
+from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.errors import ConfigError
 from plugtron.core.pipeline import steps as schedule_utils
-from plugtron.core.pipeline import wgrad
 from plugtron.core.pipeline.plan import (
     BACKWARD,
     BACKWARD_INPUT,

@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 import torch
 import torch.utils.checkpoint
 from plugtron.core.blocks.forward_context import current_forward_context, use_forward_context
+from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.errors import ConfigError, PluginError
-from plugtron.core.pipeline import wgrad
 from plugtron.core.plugins import registry
 
 #: Megatron's default part for selective recompute.
