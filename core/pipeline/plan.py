@@ -4,10 +4,11 @@
 A schedule is a list of actions per pipeline rank: forward ``F`` or backward ``B`` of one
 microbatch on one model chunk, or ``B`` split in two: ``I`` (the gradient of the stage input,
 what the previous stage waits for) and ``W`` (that microbatch's weight gradients on that chunk,
-see ``core/contracts/weight_grads.py``). Chunk ``c`` on rank ``p`` is virtual stage ``c * pp + p`` of the model;
-forward of a microbatch on virtual stage ``s`` needs that microbatch's forward on ``s - 1``, its
-backward (``B`` or ``I``) needs the input gradient from ``s + 1`` (``B`` or ``I`` there) and its
-own forward; a ``W`` needs its own ``I``, and may run any time after it.
+see ``core/contracts/weight_grads.py``). Chunk ``c`` on rank ``p`` is virtual stage
+``c * pp + p`` of the model; forward of a microbatch on virtual stage ``s`` needs that
+microbatch's forward on ``s - 1``, its backward (``B`` or ``I``) needs the input gradient from
+``s + 1`` (``B`` or ``I`` there) and its own forward; a ``W`` needs its own ``I``, and may run
+any time after it.
 
 :func:`simulate` plays all ranks' lists against those dependencies (each rank strictly in its
 order, any action as soon as its inputs exist). It gives the timeline that ``schedule show``
