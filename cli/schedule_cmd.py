@@ -12,12 +12,14 @@ from plugtron.core.pipeline.plan import (
     Action,
     bubble_fraction,
     check_schedule,
+    idle_in_span,
     peak_stored,
     simulate,
 )
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.options import with_plugin_sections
 from plugtron.core.plugins.selection import resolve_schedule
+from plugtron.core.training.validate import apply_schedule_placement
 
 from .errors import user_errors
 
@@ -52,21 +54,30 @@ def describe_schedule(name: str, pp: int, vp: int | None, microbatches: int,
     with_plugin_sections(config)  # a plugin schedule reads its own options (defaults here)
     resolved = resolve_schedule(config)
     schedule = registry.instantiate(registry.load("schedule", resolved))
-    per_rank = check_schedule(schedule.schedule_actions, pp, vp or 1, microbatches, config)
+    placement = apply_schedule_placement(config, schedule)
+    vp = config.parallel.virtual_pipeline_model_parallel_size  # a V holds two chunks per rank
+    per_rank = check_schedule(schedule.schedule_actions, pp, vp or 1, microbatches, config,
+                              placement)
     forward_time, input_time, weight_time = costs
     slots = simulate(per_rank, vp or 1, forward_time=forward_time,
                      backward_time=input_time + weight_time, input_time=input_time,
-                     weight_time=weight_time)
+                     weight_time=weight_time, placement=placement)
     makespan = max(s.end for rank in slots for s in rank)
+    idle = idle_in_span(slots)
+    work = [sum(s.end - s.start for s in rank) for rank in slots]
     report = {
         "schedule": resolved, "pp": pp, "vp": vp, "microbatches": microbatches,
+        "pipeline_placement": placement,
         "costs": {"F": forward_time, "I": input_time, "W": weight_time,
                   "B": input_time + weight_time},
         "bubble_fraction": bubble_fraction(slots),
         "makespan": max(s.end for rank in slots for s in rank),
+        # the paper's bubble rate: idle inside a rank's own span over its work, worst rank
+        "bubble_rate_in_span": max(i / w for i, w in zip(idle, work)),
         "ranks": [{"rank": rank, "actions": [a.to_dict() for a in actions],
                    "peak_stored_activations": peak_stored(actions),
-                   "bubble_fraction": 1.0 - sum(s.end - s.start for s in slots[rank]) / makespan}
+                   "bubble_fraction": 1.0 - work[rank] / makespan,
+                   "idle_in_span": idle[rank]}
                   for rank, actions in enumerate(per_rank)],
     }
     return report, slots
@@ -74,6 +85,8 @@ def describe_schedule(name: str, pp: int, vp: int | None, microbatches: int,
 
 def format_report(report: dict) -> str:
     vp = f", vp {report['vp']}" if report["vp"] else ""
+    if report.get("pipeline_placement", "looped") != "looped":
+        vp += f" ({report['pipeline_placement']}-shape placement)"
     lines = [(f"schedule {report['schedule']}: pp {report['pp']}{vp}, "
               f"{report['microbatches']} microbatches")]
     for rank in report["ranks"]:
@@ -87,8 +100,32 @@ def format_report(report: dict) -> str:
                      f"{costs['W']:g}")
         lines.append("bubble fraction per rank: " + " ".join(
             f"{r['bubble_fraction']:.4f}" for r in report["ranks"]))
+    lines.append("idle inside each rank's own span (the paper's bubble, iterations back to "
+                 "back): " + " ".join(f"{r['idle_in_span']:g}" for r in report["ranks"])
+                 + f"; bubble rate {report['bubble_rate_in_span']:.4f}")
     lines.append("peak stored activations (microbatch-chunks) per rank: "
                  + " ".join(str(r["peak_stored_activations"]) for r in report["ranks"]))
+    return "\n".join(lines)
+
+
+def format_timeline(slots) -> str:
+    """The simulated timeline as text, one column per time unit: ``F3`` a forward of microbatch
+    3 on a rank's chunk 0, ``f3`` on its chunk 1 (``*3`` on later chunks), ``B``/``b`` a whole
+    backward, ``I``/``i`` and ``W``/``w`` its halves; ``..`` idle. A longer action repeats its
+    cell. Needs whole-number costs."""
+    end = max(s.end for rank in slots for s in rank)
+    if any(float(x) != int(x) for rank in slots for s in rank for x in (s.start, s.end)):
+        raise ConfigError("--timeline draws one column per time unit: give whole-number --costs")
+    width = max(2, len(str(max(s.action.microbatch for rank in slots for s in rank))) + 1)
+    lines = []
+    for rank, rank_slots in enumerate(slots):
+        cells = [".." .ljust(width)] * int(end)
+        for slot in rank_slots:
+            a = slot.action
+            kind = a.kind if a.chunk == 0 else a.kind.lower() if a.chunk == 1 else "*"
+            for t in range(int(slot.start), int(slot.end)):
+                cells[t] = f"{kind}{a.microbatch}".ljust(width)
+        lines.append(f"rank {rank}: " + " ".join(cells).rstrip())
     return "\n".join(lines)
 
 
@@ -112,13 +149,19 @@ def schedule():
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write the timeline as a PNG.")
+@click.option("--timeline", is_flag=True,
+              help="Also print the timeline as text, one column per time unit (chunk 0 upper "
+                   "case, chunk 1 lower case, .. idle).")
 @user_errors
-def show(name, pp, vp, microbatches, group_size, costs, as_json, plot):
+def show(name, pp, vp, microbatches, group_size, costs, as_json, plot, timeline):
     """Print each rank's ordered actions, the bubble fraction and peak stored activations."""
     report, slots = describe_schedule(name, pp, vp, microbatches, group_size,
                                       parse_costs(costs))
+    picture = format_timeline(slots) if timeline and not as_json else None
     if plot:
         from .schedule_plot import timeline_png
 
         timeline_png(slots, plot)
     click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
+    if picture:
+        click.echo(picture)

@@ -127,6 +127,9 @@ class ParallelConfig:
         None, "--decoder-first-pipeline-num-layers", "Layers on the first pipeline stage.")
     decoder_last_pipeline_num_layers: int | None = opt(
         None, "--decoder-last-pipeline-num-layers", "Layers on the last pipeline stage.")
+    #: Where the virtual stages live, as the schedule declares (hook ``pipeline_placement``):
+    #: set when the run is validated; not a flag.
+    pipeline_placement: str = "looped"
     use_distributed_optimizer: bool = opt(False, "--use-distributed-optimizer",
                                           "Alias of --optimizer distributed-adam.", is_flag=True)
     overlap_grad_reduce: bool = opt(False, "--overlap-grad-reduce",

@@ -69,3 +69,20 @@ class DeferredWeightsSchedule(api.ActionListSchedule):
         actions += [api.Action("I", mb)
                     for mb in range(num_microbatches - warmup, num_microbatches)]
         return actions + [api.Action("W", mb) for mb in reversed(range(num_microbatches))]
+
+
+class VShapeGPipe(api.ActionListSchedule):
+    """A third-party V-shape schedule, written against ``plugtron.api`` only: it declares the
+    V placement, runs every forward of chunk 0 then of chunk 1, every ``I`` of chunk 1 then of
+    chunk 0 (each stage waits for the one after it), and all ``W``'s at the end."""
+
+    @api.hookimpl
+    def pipeline_placement(self):
+        return api.V_SHAPE
+
+    @api.hookimpl
+    def schedule_actions(self, num_microbatches):
+        mbs = range(num_microbatches)
+        return ([api.Action("F", mb, 0) for mb in mbs] + [api.Action("F", mb, 1) for mb in mbs]
+                + [api.Action("I", mb, 1) for mb in mbs] + [api.Action("I", mb, 0) for mb in mbs]
+                + [api.Action("W", mb, c) for c in (1, 0) for mb in mbs])

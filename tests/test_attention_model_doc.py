@@ -1,6 +1,7 @@
 """docs/attention-model.md, executed: its package is copied out of the page and pip-installed;
 the model, built from the installed attention and MLP layer types, trains under tp 2 with
-sequence parallelism x pp 2 (the tied embedding on both end stages) with the single-process
+sequence parallelism x pp 2 (the tied embedding on both end stages), and under zbv's V-shape
+placement, with the single-process
 losses and grad norms within relative 1e-5 (fp32), through the kit's own
 ``assert_layouts_match``. The plugin stays under 100 lines of code."""
 
@@ -50,6 +51,8 @@ def test_the_page_has_the_package_and_the_plugin_is_short():
 
 def test_sequence_parallel_and_the_tied_embedding_match_one_process(installed):
     with DistributedPool(4, timeout=300) as pool:  # started after the install
-        # One layout holds all three: the SP blocks, pp's stage split and the tied copies.
-        assert_layouts_match(FLAGS, layouts=[{"tp": 2, "sequence-parallel": True, "pp": 2}],
-                             pool=pool)
+        # One layout holds all three: the SP blocks, pp's stage split and the tied copies. The
+        # page's model calls chunk_layers without a placement: under zbv's V the builder's
+        # placement still gives each chunk its stage's layers (both tied copies on rank 0).
+        assert_layouts_match(FLAGS, layouts=[{"tp": 2, "sequence-parallel": True, "pp": 2},
+                                             {"pp": 2, "schedule": "zbv"}], pool=pool)

@@ -12,7 +12,7 @@ from plugtron.cli.main import cli
 from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.errors import ConfigError
 from plugtron.core.parallel.vocab_parallel import VocabParallelEmbedding, parallel_logits
-from plugtron.core.pipeline.plan import Action, check_actions, peak_stored, simulate
+from plugtron.core.pipeline.plan import Action, check_actions, idle_in_span, peak_stored, simulate
 from plugtron.plugins.schedules.one_f_one_b import one_f_one_b_actions
 from plugtron.plugins.schedules.zero_bubble import zb_h1_actions
 
@@ -59,21 +59,35 @@ def test_a_w_may_run_long_after_its_i_and_ws_wait_for_nobody():
     assert peak_stored(per_rank[0]) == 6  # a microbatch is held until its W
 
 
-def test_zb_h1_bubble_is_the_papers():
-    # (P - 1)(F + I) idle per rank against 1F1B's (P - 1)(F + B), F = I = W = 1, B = 2.
+@pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (2.0, 2.0, 1.0),
+                                   (1.0, 1.0, 0.5)])
+def test_zb_h1_bubble_is_the_papers(costs):
+    # The paper's ZB-H1 (p - 1)(T_F + T_B - T_W) (T_B: the input gradient, W <= I) against
+    # 1F1B's (p - 1)(T_F + T_B + T_W): makespan over the work, and idle inside rank 0's span.
+    f, i, w = costs
     for pp, m in [(2, 4), (4, 8), (4, 12), (3, 7)]:
-        zb = simulate([zb_h1_actions(r, pp, m) for r in range(pp)], 1, 1.0, 2.0, 1.0, 1.0)
-        ref = simulate([one_f_one_b_actions(r, pp, m) for r in range(pp)], 1, 1.0, 2.0)
-        assert max(s.end for r in zb for s in r) == 3 * m + 2 * (pp - 1)
-        assert max(s.end for r in ref for s in r) == 3 * m + 3 * (pp - 1)
+        zb = simulate([zb_h1_actions(r, pp, m) for r in range(pp)], 1, f, i + w, i, w)
+        ref = simulate([one_f_one_b_actions(r, pp, m) for r in range(pp)], 1, f, i + w)
+        assert max(s.end for r in zb for s in r) == m * (f + i + w) + (pp - 1) * (f + i - w)
+        assert max(s.end for r in ref for s in r) == m * (f + i + w) + (pp - 1) * (f + i + w)
+        assert idle_in_span(zb)[0] == (pp - 1) * (f + i - w)
+        assert idle_in_span(ref)[0] == (pp - 1) * (f + i + w)
+        # every rank holds what 1F1B's first rank holds
         assert ([peak_stored(zb_h1_actions(r, pp, m)) for r in range(pp)]
-                == [peak_stored(one_f_one_b_actions(r, pp, m)) for r in range(pp)])
+                == [peak_stored(one_f_one_b_actions(0, pp, m))] * pp)
 
 
-def test_zb_h1_is_1f1b_with_each_b_split():
+def test_zb_h1_is_1f1b_with_each_b_split_and_rank_r_deferring_r_weights():
     for pp, m in [(2, 4), (4, 3), (4, 8)]:
         for rank in range(pp):
-            assert zb_h1_actions(rank, pp, m) == _split(one_f_one_b_actions(rank, pp, m))
+            order = zb_h1_actions(rank, pp, m)
+            assert [a for a in order if a.kind != "W"] == [
+                a for a in _split(one_f_one_b_actions(rank, pp, m)) if a.kind != "W"]
+            inputs = [a.microbatch for a in order if a.kind in "IW"]
+            # the W of microbatch k follows the I of microbatch k + rank (or the last I)
+            for k in range(m):
+                after = inputs.index(min(k + rank, m - 1))
+                assert k in inputs[after + 1:]
 
 
 def test_schedule_show_prints_zb_h1():
@@ -84,9 +98,11 @@ def test_schedule_show_prints_zb_h1():
     assert lines[0] == "schedule zb-h1: pp 4, 8 microbatches"
     assert lines[1] == ("rank 0: F0 F1 F2 F3 I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 "
                         "I6 W6 I7 W7")
-    assert "bubble fraction 0.2000 (forward 1, backward 2 per chunk; makespan 30)" in out.output
+    assert "bubble fraction 0.1111 (forward 1, backward 2 per chunk; makespan 27)" in out.output
     assert "split backward: I (input gradient) 1, W (weight gradients) 1" in out.output
-    assert "peak stored activations (microbatch-chunks) per rank: 4 3 2 1" in out.output
+    assert ("idle inside each rank's own span (the paper's bubble, iterations back to back): "
+            "3 2 1 0; bubble rate 0.1250") in out.output  # (p - 1) / 3m
+    assert "peak stored activations (microbatch-chunks) per rank: 4 4 4 4" in out.output
 
 
 def test_schedule_show_json_and_costs(tmp_path):
@@ -96,11 +112,13 @@ def test_schedule_show_json_and_costs(tmp_path):
     assert out.exit_code == 0, out.output
     report = json.loads(out.output)
     assert report["costs"] == {"F": 1.0, "I": 2.0, "W": 1.0, "B": 3.0}
-    assert report["ranks"][1]["actions"][:3] == [{"kind": "F", "microbatch": 0, "chunk": 0},
+    assert report["ranks"][1]["actions"][:4] == [{"kind": "F", "microbatch": 0, "chunk": 0},
                                                  {"kind": "I", "microbatch": 0, "chunk": 0},
-                                                 {"kind": "W", "microbatch": 0, "chunk": 0}]
-    # (P - 1)(F + I) = 3 idle of a makespan 4 x 4 + 3
-    assert report["makespan"] == 19.0
+                                                 {"kind": "F", "microbatch": 1, "chunk": 0},
+                                                 {"kind": "I", "microbatch": 1, "chunk": 0}]
+    # (P - 1)(F + I - W) = 2 idle of a makespan 4 x 4 + 2
+    assert report["makespan"] == 18.0
+    assert report["ranks"][0]["idle_in_span"] == 2.0
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     bad = CliRunner().invoke(cli, ["schedule", "show", "--schedule", "zb-h1", "--pp", "2",
                                    "-m", "4", "--costs", "1,2"])
@@ -288,14 +306,14 @@ def test_the_memory_estimate_holds_a_microbatch_until_its_w():
     from plugtron.core.tools.estimate import _held_peak
     from plugtron.testing.config import make_config
 
-    # zb-h1 holds what 1f1b holds; every W at the end holds all microbatches
+    # zb-h1 holds on every rank what 1f1b holds on its first; every W at the end holds all
     flags = {"model": "gpt", "num-layers": 4, "pp": 4, "global-batch-size": 8,
              "micro-batch-size": 1}
     peaks = {}
     for schedule in ("1f1b", "zb-h1"):
         estimate = estimate_memory(make_config({**flags, "schedule": schedule}), 4, cuda=False)
         peaks[schedule] = [r.in_flight for r in estimate.ranks]
-    assert peaks["zb-h1"] == peaks["1f1b"] == [4, 3, 2, 1]
+    assert peaks["1f1b"] == [4, 3, 2, 1] and peaks["zb-h1"] == [4, 4, 4, 4]
     deferred = ([Action("F", mb) for mb in range(3)] + [Action("I", mb) for mb in range(3)]
                 + [Action("W", mb) for mb in range(3)])
     assert _held_peak(deferred, [10]) == (30, 3)

@@ -42,7 +42,13 @@ from plugtron.core.parallel.comm import (
     group_size,
     reduce_scatter_tensor,
 )
-from plugtron.core.parallel.context import ParallelContext
+from plugtron.core.parallel.context import (
+    LOOPED,
+    V_SHAPE,
+    ParallelContext,
+    stage_owner,
+    virtual_stage,
+)
 from plugtron.core.parallel.context_parallel import (
     check_context_parallel_layers,
     local_positions,
@@ -122,6 +128,7 @@ __all__ = [
     # building a model: its description, layer types, composition, init, losses, parameters
     "ModelInfo", "model_info_for", "LayerBackend", "load_layer_types", "substitute_symbols",
     "ComposedLayer", "chunk_layers", "stage_layer_counts",
+    "virtual_stage", "stage_owner", "LOOPED", "V_SHAPE",
     "InitMethod", "normal_init", "scaled_normal_init", "check_finite", "add_loss",
     "share_parameter", "ParallelContext",
     "ForwardContext", "forward_context", "current_forward_context", "use_forward_context",

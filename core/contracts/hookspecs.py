@@ -53,6 +53,7 @@ OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
     "optimizer_state_per_param": "optimizer",
     # absent: the core's executor runs the schedule's ``schedule_actions`` (pipeline/executor.py)
     "forward_backward": "schedule",
+    "pipeline_placement": "schedule",
 }
 
 #: Hooks that exactly one selected driver implements, with the registry role that provides it.
@@ -221,6 +222,29 @@ def schedule_actions(
 
     Raises ``plugtron.core.errors.ConfigError`` for combinations the schedule does not support.
     Called without process groups (by the CLI) and inside ``forward_backward``.
+    """
+
+
+@hookspec(firstresult=True)
+def pipeline_placement(pp_size: int, config: TrainConfig) -> str:
+    """Say where the schedule's virtual stages live.
+
+    :param pp_size: number of pipeline ranks.
+    :param config: the run's ``TrainConfig``.
+    :returns: ``"looped"`` (chunk ``c`` of rank ``p`` is stage ``c * pp + p``: Megatron's
+        interleaving) or ``"v"`` (two chunks per rank; rank ``p`` holds stages ``p`` and
+        ``2 * pp - 1 - p``, so the first and the last stage share rank 0: ZB-V, DualPipeV).
+        No implementation: ``"looped"``. Under ``"v"`` the run has two chunks per rank (``--vp``
+        left out means 2, any other ``--vp`` is refused), and everything that follows the
+        stages follows the placement: the layers each chunk builds (``chunk_layers`` with
+        ``placement=parallel.pipeline_placement``), which chunk gets ``pre_process`` and
+        ``post_process``, the point-to-point plan (a hand-over between two chunks of one rank
+        is local), the tied-embedding group and ``plugtron topology``. Checkpoints are
+        layout-free: a run saved under one placement resumes under the other.
+
+    Optional; implemented by the schedule driver only. Called before the process groups are
+    built, on every rank and by the CLI (``schedule show``, validation) without process
+    groups, so it must depend on its arguments alone.
     """
 
 

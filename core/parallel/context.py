@@ -18,11 +18,47 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Literal
 
 import torch
 import torch.distributed as dist
 from plugtron.core.errors import ConfigError
+
+# Where the virtual pipeline stages live. The model is cut into ``pp * chunks`` virtual stages
+# and the schedule chooses their placement: ``looped`` (Megatron's interleaving, and every
+# schedule without a V): chunk ``c`` on rank ``p`` is stage ``c * pp + p``, the stages go round
+# the ranks ``chunks`` times; ``v`` (the V-shape of ZB-V and DualPipeV): two chunks per rank,
+# rank ``p`` holds stages ``p`` and ``2 * pp - 1 - p``. Activations go down the ranks and back
+# up, so the first and the last stage share rank 0 and the two middle stages share the last rank
+# (their hand-over is local).
+Placement = Literal["looped", "v"]
+LOOPED: Final = "looped"
+V_SHAPE: Final = "v"
+PLACEMENTS: tuple[str, ...] = (LOOPED, V_SHAPE)
+
+
+def check_placement(placement: str, pp: int, chunks: int) -> None:
+    if placement not in PLACEMENTS:
+        raise ConfigError(f"pipeline placement {placement!r} is not one of "
+                          f"{', '.join(PLACEMENTS)}")
+    if placement == V_SHAPE and chunks != 2:
+        raise ConfigError(f"a V-shape placement holds exactly two model chunks per pipeline "
+                          f"rank; got --vp {chunks}: leave --vp out or give --vp 2")
+
+
+def virtual_stage(pp_rank: int, chunk: int, pp_size: int, placement: str = LOOPED) -> int:
+    """The virtual stage that chunk ``chunk`` of rank ``pp_rank`` holds."""
+    if placement == V_SHAPE and chunk == 1:
+        return 2 * pp_size - 1 - pp_rank
+    return chunk * pp_size + pp_rank
+
+
+def stage_owner(stage: int, pp_size: int, placement: str = LOOPED) -> tuple[int, int]:
+    """(pp rank, chunk) that holds virtual stage ``stage``."""
+    if placement == V_SHAPE and stage >= pp_size:
+        return 2 * pp_size - 1 - stage, 1
+    return stage % pp_size, stage // pp_size
+
 
 # Group kinds in creation order. Every rank creates the groups in this order (torch requires that
 # all ranks call ``new_group`` for every group, in the same order).
@@ -98,7 +134,7 @@ def _grid_groups(sizes: dict[str, int], kinds: tuple[str, ...]) -> list[list[int
 
 
 def rank_groups(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-                etp: int | None = None) -> dict[str, list[list[int]]]:
+                etp: int | None = None, placement: str = LOOPED) -> dict[str, list[list[int]]]:
     """Every group of every kind (keys: :data:`GROUP_KINDS`), as lists of global ranks.
 
     A pure function: the same answer on every rank and without any process running, which is what
@@ -111,6 +147,8 @@ def rank_groups(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int 
     dec = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
     exp = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
     pp_groups = _grid_groups(dec, ("pp",))
+    # The rank of the last stage (a V-shape placement puts it on the first rank, beside stage 0)
+    last_stage_rank = stage_owner(pp * (2 if placement == V_SHAPE else 1) - 1, pp, placement)[0]
     return {
         "tp": _grid_groups(dec, ("tp",)),
         "cp": _grid_groups(dec, ("cp",)),
@@ -120,7 +158,7 @@ def rank_groups(world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, ep: int 
         "pp": pp_groups,
         "model-parallel": _grid_groups(dec, ("tp", "pp")),
         # First and last stage of each pipeline: they share the tied word embedding.
-        "embedding": [sorted({g[0], g[-1]}) for g in pp_groups],
+        "embedding": [sorted({g[0], g[last_stage_rank]}) for g in pp_groups],
         "etp": _grid_groups(exp, ("tp",)),
         "ep": _grid_groups(exp, ("ep",)),
         "edp": _grid_groups(exp, ("dp",)),
@@ -154,11 +192,13 @@ class ParallelContext:
     device: torch.device
     ranks: dict[str, list[int]] = field(repr=False)
     groups: dict[str, Any] = field(repr=False)
+    #: Where the virtual stages live (``core/pipeline/layout.py``): the schedule chooses.
+    pipeline_placement: str = LOOPED
 
     @classmethod
     def build(cls, world_size: int, rank: int, tp: int = 1, pp: int = 1, vp: int | None = None,
               cp: int = 1, ep: int = 1, etp: int | None = None, create_groups: bool = True,
-              device: torch.device | str = "cpu") -> ParallelContext:
+              device: torch.device | str = "cpu", placement: str = LOOPED) -> ParallelContext:
         """Lay out the ranks and, in a multi-process run, create the process groups.
 
         When ``torch.distributed`` is initialised, ``world_size > 1`` and ``create_groups`` is
@@ -168,10 +208,11 @@ class ParallelContext:
         when cp is 1, say) share one handle.
         """
         validate_sizes(world_size, tp, pp, cp, ep, etp, vp)
+        check_placement(placement, pp, vp or 1)
         if not _is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank!r} is outside world size {world_size}")
         etp = tp if etp is None else etp
-        all_groups = rank_groups(world_size, tp, pp, cp, ep, etp)
+        all_groups = rank_groups(world_size, tp, pp, cp, ep, etp, placement)
         ranks = {kind: _mine(groups, rank) for kind, groups in all_groups.items()}
 
         handles: dict[str, Any] = dict.fromkeys(all_groups)
@@ -191,7 +232,7 @@ class ParallelContext:
         return cls(world_size=world_size, rank=rank, tp_size=tp, pp_size=pp, vp_size=vp,
                    cp_size=cp, ep_size=ep, etp_size=etp, dp_size=world_size // (tp * cp * pp),
                    edp_size=world_size // (etp * ep * pp), device=torch.device(device),
-                   ranks=ranks, groups=handles)
+                   ranks=ranks, groups=handles, pipeline_placement=placement)
 
     # Rank lists of this rank's groups.
     tp_ranks = property(lambda self: self.ranks["tp"])
@@ -229,14 +270,28 @@ class ParallelContext:
     ep_rank = property(lambda self: self.ranks["ep"].index(self.rank))
     edp_rank = property(lambda self: self.ranks["edp"].index(self.rank))
 
+    def virtual_stage(self, vp_rank: int | None = None) -> int:
+        """The virtual stage that this rank's chunk ``vp_rank`` (default 0) holds."""
+        return virtual_stage(self.pp_rank, vp_rank or 0, self.pp_size, self.pipeline_placement)
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return self.pp_size * (self.vp_size or 1)
+
     def is_pipeline_first_stage(self, vp_rank: int | None = None) -> bool:
-        """First pipeline stage; with ``vp_rank`` given, also the first virtual chunk."""
-        return self.pp_rank == 0 and (vp_rank is None or vp_rank == 0)
+        """This rank holds the first stage; with ``vp_rank`` given: its chunk ``vp_rank`` is
+        the first stage."""
+        if vp_rank is None:
+            return self.pp_rank == 0
+        return self.virtual_stage(vp_rank) == 0
 
     def is_pipeline_last_stage(self, vp_rank: int | None = None) -> bool:
-        """Last pipeline stage; with ``vp_rank`` given, also the last virtual chunk."""
-        last_chunk = (self.vp_size or 1) - 1
-        return self.pp_rank == self.pp_size - 1 and (vp_rank is None or vp_rank == last_chunk)
+        """This rank holds the last stage (the last rank; the first under a V-shape placement);
+        with ``vp_rank`` given: its chunk ``vp_rank`` is the last stage."""
+        last = self.num_virtual_stages - 1
+        if vp_rank is None:
+            return stage_owner(last, self.pp_size, self.pipeline_placement)[0] == self.pp_rank
+        return self.virtual_stage(vp_rank) == last
 
     @property
     def pp_prev_rank(self) -> int:
@@ -259,5 +314,6 @@ class ParallelContext:
                  "ep": self.ep_size, "etp": self.etp_size, "dp": self.dp_size,
                  "edp": self.edp_size}
         return {"world_size": self.world_size, "sizes": sizes,
+                "pipeline_placement": self.pipeline_placement,
                 "groups": rank_groups(self.world_size, self.tp_size, self.pp_size, self.cp_size,
-                                      self.ep_size, self.etp_size)}
+                                      self.ep_size, self.etp_size, self.pipeline_placement)}

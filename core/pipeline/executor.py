@@ -45,6 +45,7 @@ import torch
 from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.errors import ConfigError
+from plugtron.core.parallel.context import LOOPED
 from plugtron.core.pipeline import steps as schedule_utils
 from plugtron.core.pipeline.plan import (
     BACKWARD,
@@ -57,6 +58,7 @@ from plugtron.core.pipeline.plan import (
     check_actions,
     forward_only_actions,
     simulate,
+    stage_owner,
     virtual_stage,
 )
 
@@ -93,46 +95,57 @@ RECEIVE_LOOKAHEAD = 8
 
 
 @functools.lru_cache(maxsize=64)
-def communication_plan(per_rank: tuple, num_chunks: int) -> tuple:
-    """Per rank, its steps in order. ``per_rank`` is a tuple (per rank) of tuples of actions."""
+def communication_plan(per_rank: tuple, num_chunks: int, placement: str = LOOPED) -> tuple:
+    """Per rank, its steps in order. ``per_rank`` is a tuple (per rank) of tuples of actions.
+
+    A message goes to the rank that holds the receiving stage, in the direction of the ring
+    that reaches it: ``next`` (rank + 1) or ``prev`` (rank - 1). Activations go ``next`` and
+    gradients ``prev`` under the looped placement; under a V the second chunk's run the other
+    way, and the hand-over between the two chunks of one rank is local (no message)."""
     pp = len(per_rank)
     stages = pp * num_chunks
-    slots = simulate([list(a) for a in per_rank], num_chunks, 1.0, 1.0, 1.0, 1.0)
+    slots = simulate([list(a) for a in per_rank], num_chunks, 1.0, 1.0, 1.0, 1.0,
+                     placement=placement)
     steps: list[dict[int, dict]] = [{} for _ in range(pp)]
     for rank, rank_slots in enumerate(slots):
         for slot in rank_slots:
             tick, a = int(slot.start), slot.action
-            stage = virtual_stage(rank, a.chunk, pp)
+            stage = virtual_stage(rank, a.chunk, pp, placement)
             steps[rank].setdefault(tick, {})["action"] = a
             if a.kind == FORWARD and stage < stages - 1:
-                steps[rank][tick]["send_next"] = True
-                steps[(rank + 1) % pp].setdefault(tick, {})["recv_prev"] = (
-                    FORWARD, a.microbatch, stage + 1)
+                key, ahead = (FORWARD, a.microbatch, stage + 1), True
             elif a.kind in INPUT_GRADIENT_KINDS and stage > 0:
-                steps[rank][tick]["send_prev"] = True
-                steps[(rank - 1) % pp].setdefault(tick, {})["recv_next"] = (
-                    BACKWARD, a.microbatch, stage - 1)
+                key, ahead = (BACKWARD, a.microbatch, stage - 1), False
+            else:
+                continue
+            receiver = stage_owner(key[2], pp, placement)[0]
+            if receiver == rank:
+                continue  # the next chunk of this rank: handed over locally
+            forward_ring = receiver == (rank + 1) % pp if ahead else receiver != (rank - 1) % pp
+            steps[rank][tick]["send_next" if forward_ring else "send_prev"] = True
+            steps[receiver].setdefault(tick, {})[
+                "recv_prev" if forward_ring else "recv_next"] = key
     return tuple(tuple(Step(tick, **fields) for tick, fields in sorted(rank_steps.items()))
                  for rank_steps in steps)
 
 
 def plan_for(per_rank: list[list[Action]], num_chunks: int, num_microbatches: int,
-             forward_only: bool) -> tuple:
+             forward_only: bool, placement: str = LOOPED) -> tuple:
     """Check the lists and build the communication steps of every rank (cached: a schedule
     returns the same lists every iteration)."""
     return _checked_plan(tuple(tuple(a) for a in per_rank), num_chunks, num_microbatches,
-                         forward_only)
+                         forward_only, placement)
 
 
 @functools.lru_cache(maxsize=64)
 def _checked_plan(per_rank: tuple, num_chunks: int, num_microbatches: int,
-                  forward_only: bool) -> tuple:
+                  forward_only: bool, placement: str) -> tuple:
     if forward_only:
         per_rank = tuple(tuple(forward_only_actions(actions)) for actions in per_rank)
     if len(per_rank) == 1 and num_chunks > 1:
         raise ConfigError("model chunks on a single pipeline stage need --pp > 1")
     check_actions([list(a) for a in per_rank], num_chunks, num_microbatches, forward_only)
-    return communication_plan(per_rank, num_chunks)
+    return communication_plan(per_rank, num_chunks, placement)
 
 
 def execute_actions(per_rank: list[list[Action]], forward_step_func, data_iterator, model,
@@ -148,7 +161,8 @@ def execute_actions(per_rank: list[list[Action]], forward_step_func, data_iterat
         raise ConfigError("an interleaved schedule needs one data iterator per model chunk")
     if parallel.pp_size > 1 and p2p is None:
         raise ConfigError("a pipeline of more than one stage needs the run's P2P communicator")
-    plan = plan_for(per_rank, len(chunks), num_microbatches, forward_only)
+    plan = plan_for(per_rank, len(chunks), num_microbatches, forward_only,
+                    getattr(parallel, "pipeline_placement", LOOPED))
     runner = _Runner(chunks, iterators, forward_step_func, forward_only, parallel, p2p,
                      loss_scale)
     runner.prepare(plan[parallel.pp_rank])
@@ -168,12 +182,14 @@ class _Runner:
         self.chunks, self.iterators = chunks, iterators
         self.forward_step_func, self.forward_only = forward_step_func, forward_only
         self.pp, self.rank, self.p2p = parallel.pp_size, parallel.pp_rank, p2p
+        self.placement = getattr(parallel, "pipeline_placement", LOOPED)
         self.stages = self.pp * len(chunks)
         self.loss_scale = loss_scale
         self.reports: list[dict] = []
         self.trace = ExecutionTrace()
         self.stored: dict[tuple, tuple] = {}  # (mb, chunk) -> (input, output or its edge)
         self.inbox: dict[tuple, tuple] = {}  # message key -> (tick, exchange, role)
+        self.handed_over: dict[tuple, torch.Tensor] = {}  # message key -> tensor, same rank
         self.unacknowledged: list[tuple] = []  # (tick, peer, exchange, role) of sends
         self.output = None  # this step's result to send
         self.last_backward: dict[int, int] = {}  # chunk -> microbatch of its last B or I
@@ -222,7 +238,15 @@ class _Runner:
         if step.send_next or step.send_prev or step.recv_prev or step.recv_next:
             self.communicate(step)
 
+    def stage_of(self, chunk: int) -> int:
+        return virtual_stage(self.rank, chunk, self.pp, self.placement)
+
+    def is_local(self, stage: int) -> bool:
+        return stage_owner(stage, self.pp, self.placement)[0] == self.rank
+
     def receive(self, key: tuple) -> torch.Tensor:
+        if key in self.handed_over:
+            return self.handed_over.pop(key)
         tick, exchange, role = self.inbox.pop(key)
         start = time.perf_counter()
         exchange.wait(role)
@@ -243,7 +267,7 @@ class _Runner:
 
     def forward(self, action: Action) -> None:
         chunk = action.chunk
-        stage = virtual_stage(self.rank, chunk, self.pp)
+        stage = self.stage_of(chunk)
         input_tensor = None
         if stage > 0:
             input_tensor = self.receive((FORWARD, action.microbatch, stage))
@@ -256,7 +280,9 @@ class _Runner:
                                                  self.chunks[chunk], input_tensor, is_last,
                                                  self.forward_only, self.reports)
         self.trace.compute_seconds += time.perf_counter() - start
-        if not is_last:
+        if not is_last and self.is_local(stage + 1):
+            self.handed_over[(FORWARD, action.microbatch, stage + 1)] = output.detach()
+        elif not is_last:
             self.output = output
         if self.forward_only:
             return
@@ -270,7 +296,7 @@ class _Runner:
 
     def backward(self, action: Action) -> None:
         chunk = action.chunk
-        stage = virtual_stage(self.rank, chunk, self.pp)
+        stage = self.stage_of(chunk)
         input_tensor, output = self.stored.pop((action.microbatch, chunk))
         output_grad = None
         if stage < self.stages - 1:
@@ -291,8 +317,11 @@ class _Runner:
             self.weight_grads[(action.microbatch, chunk)] = store
         self.trace.compute_seconds += time.perf_counter() - start
         if stage > 0:
-            self.output = input_grad if input_grad is not None else torch.zeros_like(
-                input_tensor)
+            grad = input_grad if input_grad is not None else torch.zeros_like(input_tensor)
+            if self.is_local(stage - 1):
+                self.handed_over[(BACKWARD, action.microbatch, stage - 1)] = grad
+            else:
+                self.output = grad
 
     def weight(self, action: Action) -> None:
         """The ``W`` of a split backward: the weight gradients its ``I`` left."""

@@ -1,8 +1,34 @@
-"""Which decoder layers each pipeline chunk holds (Megatron's layer offsets)."""
+"""Which decoder layers each pipeline chunk holds (Megatron's layer offsets), under the
+placement of virtual stages that the schedule chose (``core/parallel/context.py``)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+
 from plugtron.core.errors import ConfigError
+from plugtron.core.parallel.context import (
+    LOOPED,
+    V_SHAPE,
+    check_placement,
+    stage_owner,
+    virtual_stage,
+)
+
+#: The placement of the run whose model is being built (set by the one model builder), so that a
+#: model plugin that calls ``chunk_layers`` without ``placement`` still builds the right layers.
+_BUILDING_FOR: ContextVar[str] = ContextVar("plugtron_building_placement", default=LOOPED)
+
+
+@contextlib.contextmanager
+def building_for(placement: str) -> Iterator[None]:
+    """While building a run's model chunks: ``chunk_layers`` defaults to ``placement``."""
+    token = _BUILDING_FOR.set(placement)
+    try:
+        yield
+    finally:
+        _BUILDING_FOR.reset(token)
 
 
 def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
@@ -34,14 +60,20 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
 
 
 def chunk_layers(num_layers: int, pp: int, pp_rank: int, vp: int | None, vp_stage: int | None,
-                 first: int | None = None, last: int | None = None) -> range:
+                 first: int | None = None, last: int | None = None,
+                 placement: str | None = None) -> range:
     """0-based global indices of the layers held by chunk ``vp_stage`` on ``pp_rank``.
 
     Without interleaving a stage holds one contiguous block. With ``vp`` chunks per rank the
     model is cut into ``pp * vp`` virtual stages and virtual stage ``v * pp + p`` lives on rank
     ``p`` as chunk ``v`` (offset ``v*L/vp + p*L/(pp*vp)`` for even splits). Uneven first/last
-    stages split their layers evenly over their ``vp`` chunks, as Megatron does.
+    stages split their layers evenly over their ``vp`` chunks, as Megatron does. Under the
+    ``v`` placement (``core/parallel/context.py``) the chunk holds the layers of its stage in
+    the V. ``placement`` defaults to the one of the run whose model is being built
+    (``parallel.pipeline_placement``; looped outside a build).
     """
+    if placement is None:
+        placement = _BUILDING_FOR.get()
     chunks = vp or 1
     v = vp_stage or 0
     if not 0 <= v < chunks:
@@ -58,7 +90,13 @@ def chunk_layers(num_layers: int, pp: int, pp_rank: int, vp: int | None, vp_stag
                               f"evenly over --vp {chunks} chunks; with "
                               f"--decoder-first/last-pipeline-num-layers every stage's layer "
                               f"count must be divisible by --vp")
+    if placement == V_SHAPE and (first is not None or last is not None):
+        raise ConfigError("--decoder-first/last-pipeline-num-layers name pipeline ranks, but "
+                          "under a V-shape schedule rank 0 holds both the first and the last "
+                          "stage; leave them out (every stage then holds the same number)")
+    check_placement(placement, pp, chunks)
     per_chunk = [c // chunks for c in counts]
-    # Virtual stages before this one: all of the earlier chunks, then this chunk's earlier ranks.
-    start = v * sum(per_chunk) + sum(per_chunk[:pp_rank])
+    # The layers of every virtual stage before this one come first.
+    stage = virtual_stage(pp_rank, v, pp, placement)
+    start = sum(per_chunk[stage_owner(s, pp, placement)[0]] for s in range(stage))
     return range(start, start + per_chunk[pp_rank])

@@ -4,8 +4,9 @@
 A schedule is a list of actions per pipeline rank: forward ``F`` or backward ``B`` of one
 microbatch on one model chunk, or ``B`` split in two: ``I`` (the gradient of the stage input,
 what the previous stage waits for) and ``W`` (that microbatch's weight gradients on that chunk,
-see ``core/contracts/weight_grads.py``). Chunk ``c`` on rank ``p`` is virtual stage
-``c * pp + p`` of the model; forward of a microbatch on virtual stage ``s`` needs that
+see ``core/contracts/weight_grads.py``). Chunk ``c`` on rank ``p`` is a virtual stage of the
+model: ``c * pp + p`` under the looped placement, the V's ``p`` / ``2 * pp - 1 - p`` under the
+V-shape one (``core/pipeline/layout.py``); forward of a microbatch on virtual stage ``s`` needs that
 microbatch's forward on ``s - 1``, its backward (``B`` or ``I``) needs the input gradient from
 ``s + 1`` (``B`` or ``I`` there) and its own forward; a ``W`` needs its own ``I``, and may run
 any time after it.
@@ -22,6 +23,9 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from plugtron.core.errors import ConfigError
+
+# virtual_stage and stage_owner are used by callers of this module too: the placement's rule
+from plugtron.core.parallel.context import LOOPED, stage_owner, virtual_stage
 from plugtron.core.plugins.signatures import declared_arguments
 
 #: ``F`` forward, ``B`` whole backward, ``I`` its input-gradient half, ``W`` its weight half.
@@ -48,15 +52,6 @@ class Action:
         return {"kind": self.kind, "microbatch": self.microbatch, "chunk": self.chunk}
 
 
-def virtual_stage(pp_rank: int, chunk: int, pp_size: int) -> int:
-    return chunk * pp_size + pp_rank
-
-
-def stage_owner(stage: int, pp_size: int) -> tuple[int, int]:
-    """(pp rank, chunk) that holds virtual stage ``stage``."""
-    return stage % pp_size, stage // pp_size
-
-
 def actions_of_all_ranks(schedule_actions, pp_size: int, num_chunks: int,
                          num_microbatches: int, config) -> list[list[Action]]:
     """Call a ``schedule_actions`` implementation once per pipeline rank. Like pluggy, pass only
@@ -69,6 +64,18 @@ def actions_of_all_ranks(schedule_actions, pp_size: int, num_chunks: int,
         out.append(list(schedule_actions(**{k: v for k, v in kwargs.items()
                                             if wanted is None or k in wanted})))
     return out
+
+
+def placement_of(schedule, pp_size: int, config) -> str:
+    """The placement ``schedule`` (a schedule plugin object, or a plugin manager's ``hook``)
+    declares through its optional ``pipeline_placement`` hook; ``looped`` without one."""
+    hook = getattr(schedule, "pipeline_placement", None)
+    if hook is None:
+        return LOOPED
+    wanted = declared_arguments(hook)
+    kwargs = {"pp_size": pp_size, "config": config}
+    value = hook(**{k: v for k, v in kwargs.items() if wanted is None or k in wanted})
+    return LOOPED if value is None else value
 
 
 def check_actions(per_rank: list[list[Action]], num_chunks: int, num_microbatches: int,
@@ -126,15 +133,15 @@ def check_actions(per_rank: list[list[Action]], num_chunks: int, num_microbatche
 
 
 def check_schedule(schedule_actions, pp_size: int, num_chunks: int, num_microbatches: int,
-                   config) -> list[list[Action]]:
+                   config, placement: str = LOOPED) -> list[list[Action]]:
     """Everything about a schedule that can fail, before a run starts: its own constraints, the
     shape of its lists, and that they finish for training and for evaluation. Returns the
     lists."""
     per_rank = actions_of_all_ranks(schedule_actions, pp_size, num_chunks, num_microbatches,
                                     config)
     check_actions(per_rank, num_chunks, num_microbatches)
-    simulate(per_rank, num_chunks)
-    simulate([forward_only_actions(a) for a in per_rank], num_chunks)
+    simulate(per_rank, num_chunks, placement=placement)
+    simulate([forward_only_actions(a) for a in per_rank], num_chunks, placement=placement)
     return per_rank
 
 
@@ -168,7 +175,7 @@ class Slot:
 
 def simulate(per_rank: list[list[Action]], num_chunks: int, forward_time: float = 1.0,
              backward_time: float = 2.0, input_time: float | None = None,
-             weight_time: float | None = None) -> list[list[Slot]]:
+             weight_time: float | None = None, placement: str = LOOPED) -> list[list[Slot]]:
     """Place every action at the earliest time its rank is free and its inputs exist.
 
     ``I`` and ``W`` cost half of ``backward_time`` each unless given. Communication is free.
@@ -189,7 +196,7 @@ def simulate(per_rank: list[list[Action]], num_chunks: int, forward_time: float 
         for rank, actions in enumerate(per_rank):
             while position[rank] < len(actions):
                 action = actions[position[rank]]
-                stage = virtual_stage(rank, action.chunk, pp)
+                stage = virtual_stage(rank, action.chunk, pp, placement)
                 deps = dependencies(action, stage, num_stages)
                 if any(d not in finished for d in deps):
                     break
@@ -204,21 +211,22 @@ def simulate(per_rank: list[list[Action]], num_chunks: int, forward_time: float 
                 progressed = True
         if not progressed:
             raise ConfigError("the schedule's per-rank orders wait on each other forever: "
-                              + _describe_waits(per_rank, position, finished, num_chunks))
+                              + _describe_waits(per_rank, position, finished, num_chunks,
+                                                placement))
     return slots
 
 
-def _describe_waits(per_rank, position, finished, num_chunks) -> str:
+def _describe_waits(per_rank, position, finished, num_chunks, placement) -> str:
     pp = len(per_rank)
     waits = []
     for rank, actions in enumerate(per_rank):
         if position[rank] == len(actions):
             continue
         action = actions[position[rank]]
-        stage = virtual_stage(rank, action.chunk, pp)
+        stage = virtual_stage(rank, action.chunk, pp, placement)
         for kind, mb, dep_stage in dependencies(action, stage, pp * num_chunks):
             if (kind, mb, dep_stage) not in finished:
-                owner, chunk = stage_owner(dep_stage, pp)
+                owner, chunk = stage_owner(dep_stage, pp, placement)
                 waits.append(f"rank {rank} at {action} needs {Action(kind, mb, chunk)} on "
                              f"rank {owner}")
                 break
@@ -249,3 +257,11 @@ def bubble_fraction(slots: list[list[Slot]]) -> float:
         return 0.0
     busy = sum(s.end - s.start for rank in slots for s in rank)
     return 1.0 - busy / (len(slots) * makespan)
+
+
+def idle_in_span(slots: list[list[Slot]]) -> list[float]:
+    """Per rank, the time it idles between its own first start and last end: the zero-bubble
+    paper's accounting (iterations run back to back, so the ramp before a rank's first action
+    and after its last overlaps the neighbouring iterations)."""
+    return [(rank[-1].end - rank[0].start) - sum(s.end - s.start for s in rank) if rank else 0.0
+            for rank in slots]

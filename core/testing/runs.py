@@ -18,7 +18,6 @@ from plugtron.core.checkpoint.state import stored_name
 from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.monitoring.metrics import MetricsLogger
 from plugtron.core.parallel.sharding import gather_tensor_parallel, is_expert, tp_split_of
-from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.training import loop as training
 from plugtron.core.training.validate import validate
 
@@ -57,12 +56,6 @@ class _StepRecorder:
         self.records.append(dict(metrics))
 
 
-def _replace_schedule(run, schedule) -> None:
-    """Put a schedule object in place of the driver ``setup`` selected."""
-    run.pm.unregister(name=f"schedule:{resolve_schedule(run.config)}")
-    run.pm.register(schedule)
-
-
 def gathered_params(run) -> dict[str, torch.Tensor]:
     """This rank's parameters as full tensors by stored name (a collective over tp: every rank
     calls it), those it is the first replica of: dense ones on dp-cp rank 0, expert ones
@@ -90,9 +83,7 @@ def _rank_train(rank, world_size, flags, plugins=(), schedule=None, stop_at=None
     """One rank of a run (called by the pool in every rank of the world)."""
     config = make_config(flags)
     recorder = _StepRecorder()
-    run = training.setup(config, extra_plugins=[recorder, *plugins])
-    if schedule is not None:
-        _replace_schedule(run, schedule)
+    run = training.setup(config, extra_plugins=[recorder, *plugins], schedule=schedule)
     if stop_at is not None:  # end early; data and lr schedule stay those of --train-iters
         run.config.training.train_iters = stop_at
     try:

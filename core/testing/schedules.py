@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from plugtron.core.config import section_flag_fields
 from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.parallel.context import LOOPED
 from plugtron.core.pipeline.plan import check_schedule
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.options import collect_sections
+from plugtron.core.training.validate import apply_schedule_placement
 
 from .compare import assert_records_close, assert_value_close
 from .config import canonical, make_config, merge_flags
@@ -47,9 +49,11 @@ def assert_schedule_matches_1f1b(schedule, pp: int = 2, vp: int | None = None,
     rank, ``core.schedule_plan.check_schedule`` plays its lists for ``pp`` ranks, ``vp`` chunks
     and ``microbatches`` microbatches, for training and for forward-only (evaluation); lists
     that miss, repeat or misorder an action, or wait on each other forever, fail the check with
-    the schedule's own message. Then it trains ``iters`` iterations on ``pp`` ranks (dp 1) and
+    the schedule's own message; the lists are played under the placement the schedule declares
+    (hook ``pipeline_placement``; a V-shape schedule gets its two chunks per rank without
+    ``vp``). Then it trains ``iters`` iterations on ``pp`` ranks (dp 1) and
     evaluates once (forward-only), against ``1f1b`` (or ``interleaved-1f1b`` when ``vp`` is set)
-    on the same layout.
+    on the same layout (plain ``1f1b`` for a V-shape schedule).
 
     Tolerance (fp32): ``lm_loss``, ``grad_norm`` and the validation loss relative ``rtol``
     (default 1e-6: only the order in which microbatch gradients are summed differs). ``flags``
@@ -66,13 +70,18 @@ def assert_schedule_matches_1f1b(schedule, pp: int = 2, vp: int | None = None,
     config = make_config(base)
     obj = _schedule_object(schedule)
     try:
-        check_schedule(obj.schedule_actions, pp, vp or 1, microbatches, config)
+        placement = apply_schedule_placement(config, obj)
+        check_schedule(obj.schedule_actions, pp, config.parallel.virtual_pipeline_model_parallel_size
+                       or 1, microbatches, config, placement)
     except ConfigError as exc:
         raise AssertionError(f"schedule {schedule!r} on pp {pp} vp {vp} with {microbatches} "
                              f"microbatches: {exc}") from None
-    reference_name = "interleaved-1f1b" if vp else "1f1b"
+    # A V-shape schedule's chunks are its own (always two): it is compared with plain 1F1B.
+    looped_chunks = vp if placement == LOOPED else None
+    reference_name = "interleaved-1f1b" if looped_chunks else "1f1b"
     own_options = _schedule_option_keys(config) if named else set()
-    reference = {k: v for k, v in base.items() if k not in own_options}
+    reference = {k: v for k, v in base.items()
+                 if k not in own_options and (k != "vp" or looped_chunks)}
     with pool_for(pp, pool) as p:
         got = train_run(base, pp, p, schedule=None if named else obj, evaluate=True)
         want = train_run(merge_flags(reference, {"schedule": reference_name}), pp, p,

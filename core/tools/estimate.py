@@ -41,6 +41,7 @@ from plugtron.core.plugins.options import with_plugin_sections
 from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.plugins.tokenizers import build_tokenizer
 from plugtron.core.training.builder import build_model, model_provider_of
+from plugtron.core.training.validate import apply_schedule_placement
 
 GIB = 2**30
 
@@ -120,6 +121,7 @@ def _finalized(config, world_size: int):
     a run: here the tokenizer it would use)."""
 
     config = with_plugin_sections(copy.deepcopy(config))
+    apply_schedule_placement(config)
     m = config.model
     if m.vocab_size is None:
 
@@ -144,7 +146,8 @@ def _contexts(config, world_size: int) -> dict:
             world_size, rank, tp=p.tensor_model_parallel_size,
             pp=p.pipeline_model_parallel_size, vp=p.virtual_pipeline_model_parallel_size,
             cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-            etp=p.expert_tensor_parallel_size, create_groups=False)
+            etp=p.expert_tensor_parallel_size, create_groups=False,
+            placement=p.pipeline_placement)
         key = (ctx.pp_rank, ctx.tp_rank, ctx.ep_rank, ctx.etp_rank)
         out.setdefault(key, [ctx, []])[1].append(rank)
     return out

@@ -2,8 +2,8 @@
 
 Training, ``load_model`` (inference), the strict Hugging Face import's shape check and the
 memory estimate all build here, so a model plugin is called one way everywhere: one chunk per
-virtual pipeline stage, the embedding on the first chunk of the first stage, the output layer
-and loss on the last chunk of the last stage. Callers choose where the parameters live (a
+virtual pipeline stage, the embedding on the chunk that holds the first stage, the output layer
+and loss on the chunk that holds the last (wherever the schedule's placement puts them). Callers choose where the parameters live (a
 ``torch.device("meta")`` context builds shapes only) and what wraps the chunks.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from plugtron.core.pipeline.layout import building_for
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import new_plugin_manager
 
@@ -45,10 +46,10 @@ def build_model(config: TrainConfig, parallel: ParallelContext, *,
         name = layer_backend or config.plugins.layer_backend
         layer_backend = registry.load("layer_backend", name)(config, parallel)
     stages = config.parallel.virtual_pipeline_model_parallel_size
-    last = (stages or 1) - 1
-    return [provider(config=config,
-                     pre_process=parallel.is_pipeline_first_stage() and stage == 0,
-                     post_process=parallel.is_pipeline_last_stage() and stage == last,
-                     vp_stage=stage if stages else None,
-                     layer_backend=layer_backend, parallel=parallel)
-            for stage in range(stages or 1)]
+    with building_for(parallel.pipeline_placement):
+        return [provider(config=config,
+                         pre_process=parallel.is_pipeline_first_stage(stage),
+                         post_process=parallel.is_pipeline_last_stage(stage),
+                         vp_stage=stage if stages else None,
+                         layer_backend=layer_backend, parallel=parallel)
+                for stage in range(stages or 1)]

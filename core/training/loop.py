@@ -27,12 +27,13 @@ from plugtron.core.pipeline.plan import check_schedule
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import build_plugin_manager, wants_sharded_gradients
 from plugtron.core.plugins.options import with_plugin_sections
+from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.training import aux_losses, data, grads, preemption, step_info
 from plugtron.core.training.builder import build_model
 from plugtron.core.training.lr_schedule import LRScheduler
 from plugtron.core.training.optimizer import checked_optimizer
 from plugtron.core.training.state import TrainState
-from plugtron.core.training.validate import validate_plugins
+from plugtron.core.training.validate import apply_schedule_placement, validate_plugins
 
 
 @dataclass
@@ -69,7 +70,7 @@ def build_parallel(config: TrainConfig, world: WorldInfo) -> ParallelContext:
         world.world_size, world.rank, tp=p.tensor_model_parallel_size,
         pp=p.pipeline_model_parallel_size, vp=p.virtual_pipeline_model_parallel_size,
         cp=p.context_parallel_size, ep=p.expert_model_parallel_size,
-        etp=p.expert_tensor_parallel_size, device=world.device)
+        etp=p.expert_tensor_parallel_size, device=world.device, placement=p.pipeline_placement)
 
 
 def split_sizes(config: TrainConfig) -> tuple[int, int, int]:
@@ -107,20 +108,28 @@ def build_model_chunks(config, pm, backend, parallel, device) -> list:
     return chunks
 
 
-def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None) -> Run:
-    """Build everything one rank needs. ``world`` defaults to the torchrun/initialised world."""
+def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None,
+          schedule=None) -> Run:
+    """Build everything one rank needs. ``world`` defaults to the torchrun/initialised world.
+    ``schedule``: a schedule plugin object that takes the place of the driver the config
+    selects (the testing kit's way to run a schedule that is not installed)."""
     world = world or init_distributed()
     with_plugin_sections(config)  # a config built in Python may not carry them yet
     validate_plugins(config, world.world_size)
+    pm = build_plugin_manager(config, extra_plugins)
+    if schedule is not None:
+        pm.unregister(name=f"schedule:{resolve_schedule(config)}")
+        pm.register(schedule)
+    apply_schedule_placement(config, pm.hook)
     parallel = build_parallel(config, world)
     step_info.current.rank = world.rank
-    pm = build_plugin_manager(config, extra_plugins)
     ensure_forward_backward(pm)
     pm.hook.plugtron_configure.call_historic(kwargs={"config": config})
     pm.hook.plugtron_process_groups_ready.call_historic(kwargs={"parallel": parallel})
     # A schedule that cannot run this layout fails now, not at the first step.
     check_schedule(pm.hook.schedule_actions, parallel.pp_size, parallel.vp_size or 1,
-                   num_microbatches(config, parallel.dp_size), config)
+                   num_microbatches(config, parallel.dp_size), config,
+                   parallel.pipeline_placement)
     seed_everything(config.training.seed, parallel)
 
     datasets = pm.hook.dataset_provider(config=config, split_sizes=split_sizes(config),

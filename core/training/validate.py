@@ -9,10 +9,10 @@ from plugtron.core.config import TrainConfig, validate_tensor_parallel
 from plugtron.core.contracts.model_info import model_info_for
 from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.monitoring.profiling import validate_profile
-from plugtron.core.parallel.context import validate_sizes
+from plugtron.core.parallel.context import V_SHAPE, check_placement, validate_sizes
 from plugtron.core.parallel.context_parallel import check_support
 from plugtron.core.pipeline.layout import chunk_layers
-from plugtron.core.pipeline.plan import check_schedule
+from plugtron.core.pipeline.plan import check_schedule, placement_of
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import wants_sharded_gradients
 from plugtron.core.plugins.objects import call_declared, run_plugin_objects
@@ -36,6 +36,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
     tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                   p.context_parallel_size)
     _refuse_unbuilt(config)
+    apply_schedule_placement(config)
     validate_sizes(world_size, tp, pp, cp, p.expert_model_parallel_size,
                    p.expert_tensor_parallel_size, p.virtual_pipeline_model_parallel_size)
     dp = world_size // (tp * pp * cp)
@@ -66,7 +67,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
             for stage in range(vp or 1):
                 chunk_layers(m.num_layers, pp, rank, vp, stage if vp else None,
                              p.decoder_first_pipeline_num_layers,
-                             p.decoder_last_pipeline_num_layers)
+                             p.decoder_last_pipeline_num_layers, p.pipeline_placement)
     check_pipeline_schedule(config, dp)
     if config.checkpoint.save_interval is not None and not config.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
@@ -79,6 +80,22 @@ def validate(config: TrainConfig, world_size: int) -> None:
 #: Parallel dimensions whose flags exist (Megatron's names) but whose machinery is not built
 #: yet: refused rather than accepted and ignored.
 NOT_YET_SUPPORTED: tuple = ()
+
+
+def apply_schedule_placement(config: TrainConfig, schedule=None) -> str:
+    """Ask the run's schedule (``schedule``: its plugin object or a plugin manager's ``hook``;
+    default: load it) where its virtual stages live, and fix the config to that: a V-shape
+    placement has two chunks per rank, so ``--vp`` left out becomes 2. Idempotent."""
+    p = config.parallel
+    if schedule is None:
+        schedule = registry.instantiate(registry.load("schedule", resolve_schedule(config)))
+    placement = placement_of(schedule, p.pipeline_model_parallel_size, config)
+    if placement == V_SHAPE and p.virtual_pipeline_model_parallel_size is None:
+        p.virtual_pipeline_model_parallel_size = 2
+    check_placement(placement, p.pipeline_model_parallel_size,
+                    p.virtual_pipeline_model_parallel_size or 1)
+    p.pipeline_placement = placement
+    return placement
 
 
 def _refuse_unbuilt(config: TrainConfig) -> None:
@@ -145,4 +162,5 @@ def check_pipeline_schedule(config: TrainConfig, dp: int) -> None:
         _positive("--microbatch-group-size-per-vp-stage", p.microbatch_group_size_per_vp_stage)
     check_schedule(schedule.schedule_actions, p.pipeline_model_parallel_size,
                    p.virtual_pipeline_model_parallel_size or 1,
-                   t.global_batch_size // (t.micro_batch_size * dp), config)
+                   t.global_batch_size // (t.micro_batch_size * dp), config,
+                   p.pipeline_placement)

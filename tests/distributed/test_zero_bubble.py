@@ -9,7 +9,7 @@ from plugtron.testing import assert_schedule_matches_1f1b
 from plugtron.testing.compare import assert_records_close
 from plugtron.testing.runs import train_run
 
-from tests.schedule_helpers import DeferredWeightsSchedule
+from tests.schedule_helpers import DeferredWeightsSchedule, VShapeGPipe
 
 GPT = {"model": "gpt", "num-layers": 4}
 
@@ -89,3 +89,54 @@ def test_zb_h1_matches_1f1b_for_the_hybrid_model(pool):
 def test_zb_h1_matches_1f1b_with_context_parallel_2(pool):
     _compare({"pp": 2, "cp": 2, "seq-length": 16, "max-position-embeddings": 16,
               "global-batch-size": 8}, "zb-h1", pool)
+
+
+# ---------------------------------------------------------------- the V and the looped family
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8)])
+def test_v_shape_schedules_match_1f1b(pool, schedule, pp, microbatches):
+    # rank 0 holds the first and the last stage (the tied embedding's two copies on one rank,
+    # summed locally); the last rank hands its chunk-0 output to its chunk 1 without a message
+    assert_schedule_matches_1f1b(schedule, pp=pp, microbatches=microbatches,
+                                 flags={**GPT, "num-layers": 2 * pp}, rtol=1e-5, pool=pool)
+
+
+@pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8)])
+def test_interleaved_zero_bubble_matches_interleaved_1f1b(pool, pp, microbatches):
+    assert_schedule_matches_1f1b("interleaved-zero-bubble", pp=pp, vp=2,
+                                 microbatches=microbatches, flags={**GPT, "num-layers": 2 * pp},
+                                 rtol=1e-5, pool=pool)
+
+
+def test_a_third_party_v_shape_schedule_matches_1f1b(pool):
+    # it declares the placement through the optional hook, from plugtron.api alone
+    assert_schedule_matches_1f1b(VShapeGPipe(), pp=2, microbatches=4,
+                                 flags={**GPT, "num-layers": 4}, rtol=1e-5, pool=pool)
+
+
+def test_zbv_matches_1f1b_for_moe_on_ep_2(pool):
+    pytest.importorskip("plugtron_moe")
+    _compare({"pp": 2, "ep": 2, "num-experts": 4, "moe-router-topk": 2,
+              "moe-aux-loss-coeff": 1e-2, "global-batch-size": 8}, "zbv", pool)
+
+
+def test_dualpipev_matches_1f1b_for_the_hybrid_model(pool):
+    _compare({"model": "hybrid", "hybrid-layer-pattern": "M*M-", "mamba-state-dim": 8,
+              "mamba-head-dim": 8, "mamba-num-groups": 2, "pp": 2, "global-batch-size": 8},
+             "dualpipev", pool, world_size=2)
+
+
+def test_zbv_matches_1f1b_under_tp_2_sequence_parallel_and_distributed_optimizer(pool):
+    _compare({"pp": 2, "tp": 2, "sequence-parallel": True, "global-batch-size": 8}, "zbv",
+             pool)
+    _compare({"pp": 2, "use-distributed-optimizer": True, "overlap-grad-reduce": True,
+              "ddp-bucket-size": 4096, "global-batch-size": 8}, "zbv", pool)
+
+
+def test_zbv_matches_1f1b_with_recompute_and_context_parallel(pool):
+    _compare({"pp": 2, "recompute-granularity": "full", "recompute-method": "uniform",
+              "recompute-num-layers": 1, "global-batch-size": 8}, "zbv", pool, world_size=2)
+    _compare({"pp": 2, "cp": 2, "seq-length": 16, "max-position-embeddings": 16,
+              "global-batch-size": 8}, "zbv", pool)

@@ -120,7 +120,7 @@ class GPTModel(torch.nn.Module):
         indices = chunk_layers(config.model.num_layers, parallel.pp_size, parallel.pp_rank,
                                p.virtual_pipeline_model_parallel_size, vp_stage,
                                p.decoder_first_pipeline_num_layers,
-                               p.decoder_last_pipeline_num_layers)
+                               p.decoder_last_pipeline_num_layers, parallel.pipeline_placement)
         # An installed layer type may take a slot of the pattern at some layers (the MoE layer
         # `E` replaces `-` where --num-experts and --moe-layer-freq say); the registry answers.
         symbols_at = substitute_symbols(layer_symbols, config, [index + 1 for index in indices])

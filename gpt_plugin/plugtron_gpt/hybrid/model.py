@@ -28,6 +28,6 @@ class HybridModel(GPTModel):
         indices = chunk_of(pattern, parallel.pp_size, parallel.pp_rank,
                            p.virtual_pipeline_model_parallel_size, vp_stage,
                            p.decoder_first_pipeline_num_layers,
-                           p.decoder_last_pipeline_num_layers)
+                           p.decoder_last_pipeline_num_layers, parallel.pipeline_placement)
         symbols = layer_symbols(pattern)
         return {index: symbols[index] for index in indices}

@@ -9,7 +9,7 @@ pp_rank`` is the chunk ``vp_stage`` of rank ``pp_rank``, so a pattern with ``|``
 
 from __future__ import annotations
 
-from plugtron.api import ConfigError, chunk_layers
+from plugtron.api import LOOPED, ConfigError, chunk_layers, virtual_stage
 
 SEGMENT = "|"
 
@@ -44,10 +44,12 @@ def segment_ranges(pattern: str) -> list[range]:
 
 
 def chunk_of(pattern: str, pp: int, pp_rank: int, vp: int | None, vp_stage: int | None,
-             first: int | None = None, last: int | None = None) -> range:
-    """Global indices of the layers held by chunk ``vp_stage`` of ``pp_rank``."""
+             first: int | None = None, last: int | None = None,
+             placement: str = LOOPED) -> range:
+    """Global indices of the layers held by chunk ``vp_stage`` of ``pp_rank``; segment ``s``
+    of a ``|`` pattern is virtual stage ``s``, wherever ``placement`` puts it."""
     if SEGMENT not in pattern:
-        return chunk_layers(len(pattern), pp, pp_rank, vp, vp_stage, first, last)
+        return chunk_layers(len(pattern), pp, pp_rank, vp, vp_stage, first, last, placement)
     segments = segment_ranges(pattern)
     chunks = pp * (vp or 1)
     if len(segments) != chunks:
@@ -56,4 +58,4 @@ def chunk_of(pattern: str, pp: int, pp_rank: int, vp: int | None, vp_stage: int 
     if first is not None or last is not None:
         raise ConfigError("--decoder-first/last-pipeline-num-layers cannot be combined with "
                           "'|' in --hybrid-layer-pattern: the pattern places the layers")
-    return segments[(vp_stage or 0) * pp + pp_rank]
+    return segments[virtual_stage(pp_rank, vp_stage or 0, pp, placement)]

@@ -71,7 +71,8 @@ def validate_hybrid(config) -> None:
     for rank in range(pp):
         for stage in range(vp or 1):
             chunk_of(pattern, pp, rank, vp, stage if vp else None,
-                     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers)
+                     p.decoder_first_pipeline_num_layers, p.decoder_last_pipeline_num_layers,
+                     p.pipeline_placement)
 
 
 def _validate_mamba(config, tp: int) -> None:
