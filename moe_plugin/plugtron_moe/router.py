@@ -90,7 +90,8 @@ class TopKRouter(torch.nn.Module):
         if o.moe_expert_capacity_factor is not None:
             probs, routing_map = routing.apply_token_dropping(
                 probs, routing_map, self.topk, o.moe_expert_capacity_factor,
-                o.moe_token_drop_policy, o.moe_pad_expert_input_to_capacity)
+                o.moe_token_drop_policy, o.moe_pad_expert_input_to_capacity,
+                batch_size=self._seq_shape[1])
         if (self.training and torch.is_grad_enabled() and o.moe_aux_loss_coeff > 0
                 and o.moe_router_load_balancing_type != "none"):
             aux.append(("load_balancing_loss", self.balancing_loss(logits, x.shape[0])))

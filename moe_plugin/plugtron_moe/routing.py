@@ -103,28 +103,51 @@ def capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
     return math.ceil((num_tokens / num_experts) * capacity_factor)
 
 
+def sequence_major(x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Rows of ``x`` (tokens flattened batch-major, ``[b, s]``, plugtron's layout) reordered
+    sequence-major (``[s, b]``, Megatron's): row ``j * b + i`` is position j of sequence i."""
+    if batch_size == 1:
+        return x
+    return x.reshape(batch_size, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
+def batch_major(x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """The inverse of :func:`sequence_major`."""
+    if batch_size == 1:
+        return x
+    return x.reshape(-1, batch_size, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
 def apply_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, topk: int,
                          capacity_factor: float, drop_policy: str = "probs",
-                         pad_to_capacity: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         pad_to_capacity: bool = False,
+                         batch_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop what exceeds each expert's capacity: ``probs`` keeps the highest-weight tokens,
     ``position`` the earliest. ``pad_to_capacity``: every expert takes exactly ``capacity``
-    tokens (unrouted ones with weight 0)."""
+    tokens (unrouted ones with weight 0).
+
+    The rows are ``batch_size`` sequences flattened batch-major (``[b, s]``); they are ranked
+    sequence-major, in Megatron's ``[s, b]`` order, so ``position`` keeps the earliest
+    positions of every sequence (not the whole first sequence) and ties go as in Megatron's
+    own layout. The returned tensors are in the input's (batch-major) order."""
     num_tokens, num_experts = probs.shape
     cap = capacity(num_tokens * topk, num_experts, capacity_factor)
     if cap > num_tokens:
         keep = torch.ones_like(routing_map)
     else:
         if drop_policy == "probs":
-            order = probs
+            order = sequence_major(probs, batch_size)
         elif drop_policy == "position":
-            # Earliest first: rank routed tokens by position (Megatron's top-k over the 0/1 map,
-            # with its ties broken towards the lower index made explicit).
-            position = torch.arange(num_tokens, 0, -1, device=probs.device).unsqueeze(1)
-            order = routing_map.long() * position
+            # Earliest first, sequence-major: Megatron's top-k over the 0/1 map of its
+            # [s, b] rows, with ties made explicit: routed rows before unrouted ones (the
+            # padding), each in row order.
+            rows = torch.arange(num_tokens, 0, -1, device=probs.device).unsqueeze(1)
+            routed = sequence_major(routing_map, batch_size).long()
+            order = routed * (num_tokens + 1) + rows
         else:
             raise ValueError(f"unknown drop policy {drop_policy!r}")
         indices = torch.topk(order, k=cap, dim=0, sorted=False).indices
-        keep = torch.zeros_like(probs).scatter(0, indices, 1).bool()
+        keep = batch_major(torch.zeros_like(probs).scatter(0, indices, 1).bool(), batch_size)
     final_map = keep if pad_to_capacity else routing_map & keep
     return probs * final_map, final_map
 

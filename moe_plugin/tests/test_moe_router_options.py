@@ -91,3 +91,20 @@ def test_experts_compute_under_the_expert_rng_stream():
     experts.rng_tracker = Tracker()
     experts(torch.randn(8, 32), [2, 2, 2, 2])
     assert forks == [EXPERT_PARALLEL_RNG]
+
+
+def test_position_drop_in_the_router_keeps_the_earliest_positions_of_every_sequence():
+    # b > 1: the router ranks its [b, s] rows sequence-major, as Megatron's [s, b] rows.
+    router, _ = _router(moe_expert_capacity_factor=0.5, moe_token_drop_policy="position")
+    batch, seq = 3, 8
+    x = torch.randn(batch, seq, 32)
+    router._seq_shape = (seq, batch)  # the layer sets it from its [b, s, h] input
+    _, kept, _ = router(x.reshape(-1, 32))
+    chosen = torch.softmax(x.reshape(-1, 32) @ router.weight.detach().t(), -1).topk(K).indices
+    routed = torch.zeros(batch * seq, E, dtype=torch.bool).scatter(1, chosen, True)
+    cap = -(-batch * seq * K * 0.5 // E)  # ceil(tokens x k / E x factor)
+    in_order = routed.reshape(batch, seq, E).transpose(0, 1)  # [s, b, E]: Megatron's order
+    rank = in_order.reshape(-1, E).long().cumsum(0).reshape(seq, batch, E)
+    want = (in_order & (rank <= cap)).transpose(0, 1).reshape(-1, E)
+    assert torch.equal(kept, want)
+    assert (kept.reshape(batch, seq, E)[:, 0] == routed.reshape(batch, seq, E)[:, 0]).all()
