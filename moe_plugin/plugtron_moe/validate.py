@@ -37,6 +37,15 @@ def validate(config, world_size: int) -> None:
     if not 1 <= o.moe_router_topk <= o.num_experts:
         raise ConfigError(f"--moe-router-topk {o.moe_router_topk} must be in 1.."
                           f"{o.num_experts} (--num-experts)")
+    if (o.moe_router_topk == 1 and o.moe_router_score_function == "softmax"
+            and not o.moe_router_pre_softmax):
+        # Softmax over the one chosen logit is 1 whatever the logit: the router's weight would
+        # get no gradient from the output (Megatron refuses it the same way).
+        raise ConfigError("--moe-router-topk 1 with softmax after top-k gives every token the "
+                          "weight 1, so the router learns nothing from the output: add "
+                          "--moe-router-pre-softmax (softmax over all experts, then top-1; "
+                          "Megatron: 'use --moe-router-pre-softmax when topk is 1'), or use "
+                          "--moe-router-score-function sigmoid")
     if o.moe_pad_expert_input_to_capacity and o.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs "
                           "--moe-expert-capacity-factor (the capacity to pad to)")
