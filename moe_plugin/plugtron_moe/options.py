@@ -22,8 +22,9 @@ class MoEOptions:
                               "'([0]+[1]*3)*2'.")
     moe_router_topk: int = opt(2, "--moe-router-topk", "Experts per token.")
     moe_router_score_function: str = opt("softmax", "--moe-router-score-function",
-                                         "Router score function.",
-                                         choices=("softmax", "sigmoid"))
+                                         "Router score function: softmax, sigmoid, or "
+                                         "sqrtsoftplus (sqrt(softplus(logit))).",
+                                         choices=("softmax", "sigmoid", "sqrtsoftplus"))
     moe_router_pre_softmax: bool = opt(False, "--moe-router-pre-softmax",
                                        "Softmax over all experts before top-k (no "
                                        "renormalisation).", is_flag=True)
@@ -44,7 +45,7 @@ class MoEOptions:
     moe_router_enable_expert_bias: bool = opt(
         False, "--moe-router-enable-expert-bias",
         "Aux-loss-free balancing: a per-expert bias on the selection scores, updated after "
-        "each step (sigmoid scores).", is_flag=True)
+        "each step (sigmoid or sqrtsoftplus scores).", is_flag=True)
     moe_router_bias_update_rate: float = opt(1e-3, "--moe-router-bias-update-rate",
                                              "Step of the expert-bias update.")
     moe_router_dtype: str | None = opt(None, "--moe-router-dtype",

@@ -42,6 +42,7 @@ def topk_routing(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
     * softmax with ``pre_softmax``: softmax over all experts, then top-k (not renormalised);
     * sigmoid: top-k on ``sigmoid(logits) + expert_bias``; weights are the unbiased scores of
       the chosen experts over their sum (when k > 1);
+    * sqrtsoftplus: as sigmoid, with the scores ``sqrt(softplus(logits))``;
     * then times ``scaling_factor``. Intermediate maths in fp32, probs in the logits' dtype.
     """
     if score_function == "softmax":
@@ -51,8 +52,8 @@ def topk_routing(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
         else:
             chosen, indices = _topk(logits, topk, num_groups, group_topk)
             probs = torch.softmax(chosen, dim=-1, dtype=torch.float32)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float())
+    elif score_function in ("sigmoid", "sqrtsoftplus"):
+        scores = _scores(logits, score_function)
         if expert_bias is not None:
             _, indices = _topk(scores + expert_bias.float(), topk, num_groups, group_topk)
             chosen = torch.gather(scores, 1, indices)
@@ -69,15 +70,25 @@ def topk_routing(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
     return routing_probs, routing_map
 
 
+def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """The unnormalised fp32 scores of the sigmoid-like score functions."""
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits.float())
+    return torch.nn.functional.softplus(logits.float()).sqrt()
+
+
 def scores_for_aux_loss(logits: torch.Tensor, topk: int,
                         score_function: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(routing_map, scores)`` the balancing loss uses: softmax over all experts (or the
-    normalised sigmoid scores) and their plain top-k, whatever the routing options."""
+    normalised sigmoid or sqrtsoftplus scores) and their plain top-k, whatever the routing
+    options."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        scores = torch.sigmoid(logits.float())
+    elif score_function in ("sigmoid", "sqrtsoftplus"):
+        scores = _scores(logits, score_function)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"unknown score function {score_function!r}")
     indices = torch.topk(scores, k=topk, dim=1).indices
     routing_map = torch.zeros_like(logits, dtype=torch.int32).scatter(1, indices, 1).bool()
     return routing_map, scores

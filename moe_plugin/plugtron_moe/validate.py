@@ -62,9 +62,10 @@ def validate(config, world_size: int) -> None:
                               f"divisible by --moe-router-num-groups {groups}, 1 <= "
                               f"--moe-router-group-topk {group_topk} <= groups, and "
                               f"--moe-router-topk {o.moe_router_topk} divisible by it")
-    if o.moe_router_enable_expert_bias and o.moe_router_score_function != "sigmoid":
+    if o.moe_router_enable_expert_bias and o.moe_router_score_function == "softmax":
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
-                          "sigmoid (Megatron's aux-loss-free balancing)")
+                          "sigmoid or sqrtsoftplus (Megatron's aux-loss-free balancing), not "
+                          "softmax")
     if o.moe_shared_expert_gate and not o.moe_shared_expert_intermediate_size:
         raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
     for name, size in (("--moe-ffn-hidden-size", expert_ffn_size(config)),
