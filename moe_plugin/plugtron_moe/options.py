@@ -35,11 +35,19 @@ class MoEOptions:
                                             "routing).")
     moe_router_topk_scaling_factor: float | None = opt(None, "--moe-router-topk-scaling-factor",
                                                        "Multiply the routing weights by this.")
-    moe_router_load_balancing_type: str = opt(
-        "aux_loss", "--moe-router-load-balancing-type", "Load-balancing loss.",
+    # Megatron's nargs='+': one type, or several balancing losses at once with one coefficient
+    # each (``--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff
+    # 1e-2 1e-3``). A value given on the command line or in a file is a list; the default and
+    # the configs of older checkpoints are a single value: read them with load_balancing().
+    moe_router_load_balancing_type: list[str] | str = opt(
+        "aux_loss", "--moe-router-load-balancing-type",
+        "Load-balancing loss; several (aux_loss, seq_aux_loss, global_aux_loss) add up, each "
+        "with its own --moe-aux-loss-coeff.",
         choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
-    moe_aux_loss_coeff: float = opt(0.0, "--moe-aux-loss-coeff",
-                                    "Coefficient of the load-balancing loss (0: off).")
+    moe_aux_loss_coeff: list[float] | float = opt(
+        0.0, "--moe-aux-loss-coeff",
+        "Coefficient of the load-balancing loss (0: off); one per "
+        "--moe-router-load-balancing-type when several are given.")
     moe_z_loss_coeff: float | None = opt(None, "--moe-z-loss-coeff",
                                          "Coefficient of the router z-loss.")
     moe_router_enable_expert_bias: bool = opt(
@@ -77,6 +85,48 @@ class MoEOptions:
                                          "plugtron.moe_dispatchers name (allgather, alltoall).")
     moe_per_layer_logging: bool = opt(False, "--moe-per-layer-logging",
                                       "Also log the aux losses of each layer.", is_flag=True)
+
+
+#: The balancing losses that may be combined, and the names they are reported under when they
+#: are (Megatron's); a single type is reported as ``load_balancing_loss`` whatever it is.
+BALANCING_LOSSES = {"aux_loss": "load_balancing_loss",
+                    "seq_aux_loss": "seq_load_balancing_loss",
+                    "global_aux_loss": "global_load_balancing_loss"}
+BALANCING_TYPES = (*BALANCING_LOSSES, "none")
+
+
+def load_balancing(options) -> list[tuple[str, float, str]]:
+    """The balancing losses a run adds, ``[(type, coefficient, reported name)]``, from
+    ``--moe-router-load-balancing-type`` and ``--moe-aux-loss-coeff`` (each a single value or a
+    list, as Megatron's nargs='+'): the types whose coefficient is positive (Megatron's
+    ``get_aux_loss_coeff(type) > 0``). Raises ConfigError on lists that do not pair up."""
+    types, coeffs = options.moe_router_load_balancing_type, options.moe_aux_loss_coeff
+    types = list(types) if isinstance(types, (list, tuple)) else [types]
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs]
+    shown = " ".join(str(t) for t in types)
+    if not types:
+        raise ConfigError("--moe-router-load-balancing-type needs a value: one of "
+                          f"{', '.join(BALANCING_TYPES)}")
+    values = []
+    for c in coeffs:
+        try:
+            values.append(float(c))
+        except (TypeError, ValueError):
+            raise ConfigError(f"--moe-aux-loss-coeff {c!r} is not a number") from None
+    if len(values) != len(types):
+        raise ConfigError(f"--moe-aux-loss-coeff gives {len(values)} coefficient(s) for "
+                          f"{len(types)} --moe-router-load-balancing-type(s) ({shown}): give "
+                          f"one coefficient per type, in the same order")
+    unknown = [t for t in types if t not in BALANCING_TYPES]
+    if unknown:
+        raise ConfigError(f"--moe-router-load-balancing-type {' '.join(map(str, unknown))} is "
+                          f"not one of {', '.join(BALANCING_TYPES)}")
+    if len(types) > 1 and len(set(types)) != len(types):
+        raise ConfigError(f"--moe-router-load-balancing-type {shown} names a type twice; "
+                          f"give each once with its coefficient")
+    named = len(types) > 1
+    return [(t, c, BALANCING_LOSSES[t] if named else "load_balancing_loss")
+            for t, c in zip(types, values) if t != "none" and c > 0]
 
 
 #: A list expression may hold only these characters (it is evaluated without builtins).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from plugtron.api import ConfigError, PluginError, load_plugin
 
-from .options import expert_ffn_size, moe_layer_pattern
+from .options import expert_ffn_size, load_balancing, moe_layer_pattern
 
 
 def validate(config, world_size: int) -> None:
@@ -46,6 +46,7 @@ def validate(config, world_size: int) -> None:
                           "--moe-router-pre-softmax (softmax over all experts, then top-1; "
                           "Megatron: 'use --moe-router-pre-softmax when topk is 1'), or use "
                           "--moe-router-score-function sigmoid")
+    load_balancing(o)  # raises on types and coefficients that do not pair up
     if o.moe_pad_expert_input_to_capacity and o.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs "
                           "--moe-expert-capacity-factor (the capacity to pad to)")

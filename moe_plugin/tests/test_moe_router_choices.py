@@ -11,6 +11,7 @@ from click.testing import CliRunner
 from plugtron.api import ConfigError
 from plugtron.cli.main import cli
 from plugtron_moe import routing
+from plugtron_moe.options import load_balancing
 from plugtron_moe.validate import validate
 
 from tests.utils import tiny_config
@@ -92,3 +93,132 @@ def test_sqrtsoftplus_with_expert_bias_validates_and_softmax_with_bias_does_not(
                          moe_router_enable_expert_bias=True, moe_router_topk=1), 1)
     with pytest.raises(ConfigError, match="sigmoid or sqrtsoftplus"):
         validate(tiny_config(num_experts=4, moe_router_enable_expert_bias=True), 1)
+
+
+# ---------------------------------------------------------------- several balancing losses
+
+def _parse(args):
+    """The config `plugtron train ARGS` would run (parsed as the train command parses)."""
+    import click
+    from plugtron.cli.options import (
+        SectionedCommand,
+        build_config,
+        config_options,
+        declared_sections,
+        prescan,
+    )
+
+    declared = declared_sections(prescan(args))
+    seen = {}
+
+    @click.command(cls=SectionedCommand)
+    @click.option("--config", "config_file")
+    @config_options(declared)
+    def command(config_file, **params):
+        seen["config"] = build_config(params, config_file, None, declared=declared)
+
+    result = CliRunner().invoke(command, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return seen["config"]
+
+
+def test_several_types_and_coefficients_after_one_flag_as_megatron():
+    config = _parse(["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss",
+                     "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2", "1e-3", "--seq-length",
+                     "16"])
+    assert config.moe.moe_router_load_balancing_type == ["aux_loss", "seq_aux_loss"]
+    assert load_balancing(config.moe) == [("aux_loss", 1e-2, "load_balancing_loss"),
+                                          ("seq_aux_loss", 1e-3, "seq_load_balancing_loss")]
+    assert config.model.seq_length == 16  # the values stop at the next flag
+    # repeating the flag says the same
+    again = _parse(["--num-experts", "4", "--moe-router-load-balancing-type", "aux_loss",
+                    "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff",
+                    "1e-2", "--moe-aux-loss-coeff", "1e-3"])
+    assert load_balancing(again.moe) == load_balancing(config.moe)
+
+
+def test_one_type_reads_as_before():
+    assert load_balancing(tiny_config(num_experts=4).moe) == []  # coefficient 0: off
+    for moe in (_parse(["--num-experts", "4", "--moe-router-load-balancing-type",
+                        "seq_aux_loss", "--moe-aux-loss-coeff", "0.01"]).moe,
+                tiny_config(num_experts=4, moe_router_load_balancing_type="seq_aux_loss",
+                            moe_aux_loss_coeff=0.01).moe):
+        assert load_balancing(moe) == [("seq_aux_loss", 0.01, "load_balancing_loss")]
+    # a config of an older checkpoint holds single values, not lists
+    old = tiny_config(num_experts=4).moe
+    old.moe_router_load_balancing_type, old.moe_aux_loss_coeff = "global_aux_loss", 0.1
+    assert load_balancing(old) == [("global_aux_loss", 0.1, "load_balancing_loss")]
+    old.moe_router_load_balancing_type = "none"
+    assert load_balancing(old) == []
+
+
+def test_zero_coefficient_and_none_in_a_list_add_nothing():
+    moe = tiny_config(num_experts=4, moe_router_load_balancing_type=["aux_loss", "none",
+                                                                      "global_aux_loss"],
+                      moe_aux_loss_coeff=[0.0, 1.0, 0.5]).moe
+    assert load_balancing(moe) == [("global_aux_loss", 0.5, "global_load_balancing_loss")]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss", "--moe-aux-loss-coeff",
+      "1e-2"], "gives 1 coefficient(s) for 2 --moe-router-load-balancing-type(s) (aux_loss "
+               "seq_aux_loss): give one coefficient per type"),
+    (["--moe-aux-loss-coeff", "1e-2", "1e-3"], "gives 2 coefficient(s) for 1"),
+    (["--moe-router-load-balancing-type", "aux_loss", "aux_loss", "--moe-aux-loss-coeff",
+      "1e-2", "1e-3"], "names a type twice"),
+    (["--moe-router-load-balancing-type", "aux_loss", "nosuch", "--moe-aux-loss-coeff",
+      "1e-2", "1e-3"], "'nosuch' is not one of 'aux_loss', 'seq_aux_loss'"),
+    (["--moe-aux-loss-coeff", "abc"], "--moe-aux-loss-coeff 'abc' is not a number"),
+])
+def test_lists_that_do_not_pair_up_exit_2(extra, message):
+    result = invoke(extra)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_each_balancing_loss_is_its_own_term_with_its_own_coefficient():
+    from plugtron.api import ParallelContext
+    from plugtron_moe.router import TopKRouter
+
+    def router(types, coeffs):
+        config = tiny_config(num_experts=4, moe_router_topk=2,
+                             moe_router_load_balancing_type=types, moe_aux_loss_coeff=coeffs)
+        torch.manual_seed(0)
+        r = TopKRouter(config, ParallelContext.build(1, 0), "r", 0, 1)
+        r._seq_shape = (5, 2)
+        return r
+
+    x = torch.randn(10, 32)
+    both = dict(router(["aux_loss", "seq_aux_loss"], [1e-2, 1e-3])(x)[2])
+    alone = dict(router("aux_loss", 1e-2)(x)[2])
+    seq = dict(router("seq_aux_loss", 1e-3)(x)[2])
+    assert set(both) == {"load_balancing_loss", "seq_load_balancing_loss"}
+    torch.testing.assert_close(both["load_balancing_loss"], alone["load_balancing_loss"])
+    torch.testing.assert_close(both["seq_load_balancing_loss"], seq["load_balancing_loss"])
+
+
+def test_training_with_two_balancing_losses_reports_both():
+    from tests.utils import train_in_process
+
+    config = tiny_config(num_experts=4, moe_router_topk=2, train_iters=2,
+                         moe_router_load_balancing_type=["aux_loss", "global_aux_loss"],
+                         moe_aux_loss_coeff=[1e-2, 1e-3], moe_router_score_function="sqrtsoftplus")
+    records, _ = train_in_process(config)
+    for record in records:
+        assert record["load_balancing_loss"] > 0 and record["global_load_balancing_loss"] > 0
+
+
+def test_a_config_file_list_is_checked_value_by_value(tmp_path):
+    good = tmp_path / "good.yaml"
+    good.write_text("num-experts: 4\nmoe-router-load-balancing-type: [aux_loss, seq_aux_loss]\n"
+                    "moe-aux-loss-coeff: [0.01, 0.001]\n")
+    config = _parse(["--config", str(good)])
+    assert load_balancing(config.moe) == [("aux_loss", 0.01, "load_balancing_loss"),
+                                          ("seq_aux_loss", 0.001, "seq_load_balancing_loss")]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("num-experts: 4\nmoe-router-load-balancing-type: [aux_loss, nosuch]\n"
+                   "moe-aux-loss-coeff: [0.01, 0.001]\n")
+    result = invoke(["--config", str(bad)])
+    assert result.exit_code == 2, result.output
+    assert "'nosuch' is not one of aux_loss, seq_aux_loss, global_aux_loss, none" in \
+        result.output
