@@ -42,8 +42,8 @@ class MoEOptions:
     moe_router_load_balancing_type: list[str] | str = opt(
         "aux_loss", "--moe-router-load-balancing-type",
         "Load-balancing loss; several (aux_loss, seq_aux_loss, global_aux_loss) add up, each "
-        "with its own --moe-aux-loss-coeff.",
-        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
+        "with its own --moe-aux-loss-coeff. sinkhorn: S-BASE routing instead of a loss.",
+        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"))
     moe_aux_loss_coeff: list[float] | float = opt(
         0.0, "--moe-aux-loss-coeff",
         "Coefficient of the load-balancing loss (0: off); one per "
@@ -92,7 +92,7 @@ class MoEOptions:
 BALANCING_LOSSES = {"aux_loss": "load_balancing_loss",
                     "seq_aux_loss": "seq_load_balancing_loss",
                     "global_aux_loss": "global_load_balancing_loss"}
-BALANCING_TYPES = (*BALANCING_LOSSES, "none")
+BALANCING_TYPES = (*BALANCING_LOSSES, "sinkhorn", "none")
 
 
 def load_balancing(options) -> list[tuple[str, float, str]]:
@@ -124,6 +124,14 @@ def load_balancing(options) -> list[tuple[str, float, str]]:
     if len(types) > 1 and len(set(types)) != len(types):
         raise ConfigError(f"--moe-router-load-balancing-type {shown} names a type twice; "
                           f"give each once with its coefficient")
+    if "sinkhorn" in types and len(types) > 1:
+        raise ConfigError(f"--moe-router-load-balancing-type {shown}: sinkhorn is a way of "
+                          f"routing, not a loss to add; give it alone, or combine aux_loss, "
+                          f"seq_aux_loss and global_aux_loss")
+    if types == ["sinkhorn"] and values[0] > 0:
+        raise ConfigError(f"--moe-router-load-balancing-type sinkhorn balances by routing and "
+                          f"takes no balancing loss (as Megatron): drop --moe-aux-loss-coeff "
+                          f"{values[0]:g}, or use aux_loss, seq_aux_loss or global_aux_loss")
     named = len(types) > 1
     return [(t, c, BALANCING_LOSSES[t] if named else "load_balancing_loss")
             for t, c in zip(types, values) if t != "none" and c > 0]
@@ -131,6 +139,12 @@ def load_balancing(options) -> list[tuple[str, float, str]]:
 
 #: A list expression may hold only these characters (it is evaluated without builtins).
 _LIST_EXPRESSION = re.compile(r"^[\[\]0-9+*(),\s]+$")
+
+
+def uses_sinkhorn(options) -> bool:
+    """``--moe-router-load-balancing-type sinkhorn`` (alone)."""
+    kind = options.moe_router_load_balancing_type
+    return (list(kind) if isinstance(kind, (list, tuple)) else [kind]) == ["sinkhorn"]
 
 
 def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from plugtron.api import all_reduce, group_size, is_recomputing, normal_init
 
 from . import routing
-from .options import load_balancing
+from .options import load_balancing, uses_sinkhorn
 
 _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -34,6 +34,7 @@ class TopKRouter(torch.nn.Module):
         self.options, self.layer_number = o, layer_number
         self.num_experts, self.topk = o.num_experts, o.moe_router_topk
         self.balancing = load_balancing(o)  # [(type, coefficient, reported name)]
+        self.sinkhorn = uses_sinkhorn(o)
         self.weight = torch.nn.Parameter(
             normal_init(m.init_method_std, seed, f"{prefix}.weight")((o.num_experts,
                                                                        m.hidden_size)))
@@ -85,10 +86,13 @@ class TopKRouter(torch.nn.Module):
         if o.moe_z_loss_coeff is not None and self.training and torch.is_grad_enabled():
             local = routing.z_loss(logits, o.moe_z_loss_coeff / group_size(self.tp_group))
             aux.append(("z_loss", _reported_whole(local, self.tp_group)))
-        probs, routing_map = routing.topk_routing(
-            logits, self.topk, o.moe_router_pre_softmax, o.moe_router_num_groups,
-            o.moe_router_group_topk, o.moe_router_topk_scaling_factor,
-            o.moe_router_score_function, self.expert_bias)
+        if self.sinkhorn:
+            probs, routing_map = routing.sinkhorn_routing(logits, self.topk, self.training)
+        else:
+            probs, routing_map = routing.topk_routing(
+                logits, self.topk, o.moe_router_pre_softmax, o.moe_router_num_groups,
+                o.moe_router_group_topk, o.moe_router_topk_scaling_factor,
+                o.moe_router_score_function, self.expert_bias)
         if o.moe_expert_capacity_factor is not None:
             probs, routing_map = routing.apply_token_dropping(
                 probs, routing_map, self.topk, o.moe_expert_capacity_factor,

@@ -77,6 +77,44 @@ def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     return torch.nn.functional.softplus(logits.float()).sqrt()
 
 
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-Knopp balancing of ``exp(cost)`` ``[tokens, experts]``: scale its rows and
+    columns in turn (each row to sum 1/tokens, each column 1/experts) until the column scales
+    move by less than ``tol`` on average; returns the scaled matrix (Megatron's
+    ``moe_utils.sinkhorn``, 1e-8 added to every sum)."""
+    kernel = torch.exp(cost)
+    num_tokens, num_experts = kernel.shape
+    row_scale = torch.ones(num_tokens, device=cost.device, dtype=cost.dtype)
+    col_scale = torch.ones(num_experts, device=cost.device, dtype=cost.dtype)
+    change = float("inf")
+    while change > tol:
+        row_scale = (1 / num_tokens) / (torch.sum(col_scale * kernel, 1) + 1e-8)
+        new_col = (1 / num_experts) / (torch.sum(row_scale.unsqueeze(1) * kernel, 0) + 1e-8)
+        change = torch.mean(torch.abs(col_scale - new_col))
+        col_scale = new_col
+    return col_scale * kernel * row_scale.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, topk: int,
+                     balance: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, routing_map)`` of sinkhorn routing (S-BASE; Megatron's
+    ``TopKRouter.sinkhorn_load_balancing``). The weights are ``sigmoid(logits)`` for top-1,
+    else the softmax over all experts, at the chosen experts (not renormalised). ``balance``
+    (training): the experts are the top-k of the sinkhorn-balanced fp32 logits (no gradient
+    through the choice); otherwise the top-k of the weights."""
+    if topk == 1:
+        weights = torch.sigmoid(logits)
+    else:
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+    if balance:
+        with torch.no_grad():
+            indices = torch.topk(sinkhorn(logits.to(torch.float32)), k=topk, dim=1).indices
+    else:
+        indices = torch.topk(weights, k=topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.int32).scatter(1, indices, 1).bool()
+    return weights * routing_map, routing_map
+
+
 def scores_for_aux_loss(logits: torch.Tensor, topk: int,
                         score_function: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(routing_map, scores)`` the balancing loss uses: softmax over all experts (or the

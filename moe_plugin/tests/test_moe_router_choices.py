@@ -220,5 +220,99 @@ def test_a_config_file_list_is_checked_value_by_value(tmp_path):
                    "moe-aux-loss-coeff: [0.01, 0.001]\n")
     result = invoke(["--config", str(bad)])
     assert result.exit_code == 2, result.output
-    assert "'nosuch' is not one of aux_loss, seq_aux_loss, global_aux_loss, none" in \
+    assert "'nosuch' is not one of aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, none" in \
         result.output
+
+
+# ---------------------------------------------------------------- sinkhorn
+
+def test_sinkhorn_balances_rows_and_columns():
+    torch.manual_seed(0)
+    cost = torch.randn(12, 4) * 3
+    balanced = routing.sinkhorn(cost)
+    # each row sums to 1/tokens exactly after the row step; the columns to ~1/experts
+    torch.testing.assert_close(balanced.sum(1), torch.full((12,), 1 / 12), rtol=1e-3,
+                               atol=1e-6)
+    torch.testing.assert_close(balanced.sum(0), torch.full((4,), 1 / 4), rtol=1e-2, atol=1e-3)
+    # the balanced matrix is exp(cost) scaled by a row and a column factor
+    ratio = balanced / torch.exp(cost)
+    torch.testing.assert_close(ratio / ratio[:, :1], (ratio[0] / ratio[0, 0]).expand(12, 4))
+
+
+def test_sinkhorn_routing_spreads_tokens_that_all_prefer_one_expert():
+    torch.manual_seed(1)
+    logits = torch.randn(16, 4) * 0.1
+    logits[:, 0] += 2.0  # every token prefers expert 0
+    logits.requires_grad_()
+    plain_map = routing.topk_routing(logits.detach(), topk=2, pre_softmax=True)[1]
+    assert plain_map[:, 0].all()
+    probs, routing_map = routing.sinkhorn_routing(logits, topk=2, balance=True)
+    assert routing_map.sum(1).tolist() == [2] * 16
+    assert routing_map.sum(0).max() < 16  # expert 0 no longer takes every token
+    # the weights are the softmax over all experts at the chosen ones; the choice has no
+    # gradient, the weights do
+    full = torch.softmax(logits.detach(), -1)
+    torch.testing.assert_close(probs.detach(), full * routing_map)
+    (probs * torch.arange(4.0)).sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_sinkhorn_top1_weighs_by_sigmoid_and_eval_picks_the_best_weights():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    probs, routing_map = routing.sinkhorn_routing(logits, topk=1, balance=False)
+    assert routing_map.tolist() == [[True, False, False, False], [False, True, False, False]]
+    torch.testing.assert_close(probs, torch.sigmoid(logits) * routing_map)
+
+
+def test_sinkhorn_router_balances_in_training_only():
+    from plugtron.api import ParallelContext
+    from plugtron_moe.router import TopKRouter
+
+    config = tiny_config(num_experts=4, moe_router_topk=2,
+                         moe_router_load_balancing_type="sinkhorn")
+    validate(config, 1)
+    router = TopKRouter(config, ParallelContext.build(1, 0), "r", 0, 1)
+    x = torch.randn(16, 32)
+    logits = x @ router.weight.detach().t()
+    probs, routing_map, aux = router(x)
+    assert aux == []  # sinkhorn adds no balancing loss
+    want = routing.sinkhorn_routing(logits, 2, balance=True)
+    torch.testing.assert_close(probs.detach(), want[0])
+    assert torch.equal(routing_map, want[1])
+    router.eval()
+    _, routing_map, _ = router(x)
+    assert torch.equal(routing_map, routing.sinkhorn_routing(logits, 2, balance=False)[1])
+
+
+def test_sinkhorn_top1_needs_no_pre_softmax():
+    validate(tiny_config(num_experts=4, moe_router_topk=1,
+                         moe_router_load_balancing_type="sinkhorn"), 1)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "1e-2"],
+     "sinkhorn balances by routing and takes no balancing loss"),
+    (["--moe-router-load-balancing-type", "sinkhorn", "aux_loss", "--moe-aux-loss-coeff", "0",
+      "1e-2"], "sinkhorn is a way of routing, not a loss to add"),
+    (["--moe-router-load-balancing-type", "sinkhorn", "--moe-expert-capacity-factor", "1"],
+     "--moe-expert-capacity-factor works with aux_loss, seq_aux_loss, global_aux_loss or none, "
+     "not sinkhorn"),
+    (["--moe-router-load-balancing-type", "sinkhorn", "--moe-router-score-function", "sigmoid"],
+     "sinkhorn does not use --moe-router-score-function sigmoid"),
+    (["--moe-router-load-balancing-type", "sinkhorn", "--moe-router-pre-softmax"],
+     "sinkhorn does not use --moe-router-pre-softmax"),
+])
+def test_sinkhorn_refusals_exit_2(extra, message):
+    result = invoke(extra)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_training_with_sinkhorn_routing():
+    from tests.utils import train_in_process
+
+    config = tiny_config(num_experts=4, moe_router_topk=2, train_iters=2,
+                         moe_router_load_balancing_type="sinkhorn", moe_z_loss_coeff=1e-3)
+    records, _ = train_in_process(config)
+    assert len(records) == 2 and all(r["z_loss"] > 0 for r in records)
+    assert not any("load_balancing_loss" in r for r in records)
