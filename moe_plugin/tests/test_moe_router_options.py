@@ -108,3 +108,26 @@ def test_position_drop_in_the_router_keeps_the_earliest_positions_of_every_seque
     want = (in_order & (rank <= cap)).transpose(0, 1).reshape(-1, E)
     assert torch.equal(kept, want)
     assert (kept.reshape(batch, seq, E)[:, 0] == routed.reshape(batch, seq, E)[:, 0]).all()
+
+
+def test_the_layer_hands_the_router_its_sequences(monkeypatch):
+    # In a real step the layer's [b, s, h] input reaches the capacity ranking with its b.
+    from plugtron_moe import routing
+
+    from tests.utils import train_in_process
+
+    seen = []
+    drop = routing.apply_token_dropping
+
+    def spy(probs, routing_map, *args, batch_size=1, **kwargs):
+        seen.append((probs.shape[0], batch_size))
+        return drop(probs, routing_map, *args, batch_size=batch_size, **kwargs)
+
+    monkeypatch.setattr(routing, "apply_token_dropping", spy)
+    config = tiny_config(num_experts=E, moe_router_topk=K, train_iters=1,
+                         moe_expert_capacity_factor=0.5, moe_token_drop_policy="position",
+                         moe_pad_expert_input_to_capacity=True)
+    records, _ = train_in_process(config)
+    assert records and seen
+    micro_batch, seq = config.training.micro_batch_size, config.model.seq_length
+    assert micro_batch > 1 and set(seen) == {(micro_batch * seq, micro_batch)}
