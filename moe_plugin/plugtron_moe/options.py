@@ -137,14 +137,14 @@ def load_balancing(options) -> list[tuple[str, float, str]]:
             for t, c in zip(types, values) if t != "none" and c > 0]
 
 
-#: A list expression may hold only these characters (it is evaluated without builtins).
-_LIST_EXPRESSION = re.compile(r"^[\[\]0-9+*(),\s]+$")
-
-
 def uses_sinkhorn(options) -> bool:
     """``--moe-router-load-balancing-type sinkhorn`` (alone)."""
     kind = options.moe_router_load_balancing_type
     return (list(kind) if isinstance(kind, (list, tuple)) else [kind]) == ["sinkhorn"]
+
+
+#: A list expression may hold only these characters (it is evaluated without builtins).
+_LIST_EXPRESSION = re.compile(r"^[\[\]0-9+*(),\s]+$")
 
 
 def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
