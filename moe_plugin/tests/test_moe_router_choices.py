@@ -316,3 +316,13 @@ def test_training_with_sinkhorn_routing():
     records, _ = train_in_process(config)
     assert len(records) == 2 and all(r["z_loss"] > 0 for r in records)
     assert not any("load_balancing_loss" in r for r in records)
+
+
+def test_a_sinkhorn_model_is_not_exported_as_mixtral():
+    from plugtron_moe.hf_convert import MoEConverter
+
+    config = tiny_config(num_experts=4, moe_router_load_balancing_type="sinkhorn",
+                         normalization="RMSNorm", swiglu=True, position_embedding_type="rope")
+    with pytest.raises(ConfigError, match="trained with --moe-router-load-balancing-type "
+                                          "sinkhorn"):
+        MoEConverter().export_hf_from(config, {})
