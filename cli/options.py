@@ -55,6 +55,32 @@ def expand_data_paths(args: list[str]) -> list[str]:
     return out
 
 
+def _is_number(arg: str) -> bool:
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return True
+
+
+def expand_several_values(args: list[str], several: set[str]) -> list[str]:
+    """Megatron's nargs='+' for the list settings: ``--flag A B`` (several values after one
+    flag, ``several`` holds their spellings) as the repeated flags click reads, ``--flag A
+    --flag B``. Values run up to the next argument starting with ``-`` that is not a
+    number."""
+    out: list[str] = []
+    flag, first = None, False
+    for arg in args:
+        if arg.startswith("-") and not _is_number(arg):
+            flag, first = (arg if arg in several else None), True
+            out.append(arg)
+            continue
+        if flag is not None and not first:
+            out.append(flag)
+        first = False
+        out.append(arg)
+    return out
+
 
 def _spellings(flags: list[FlagField]) -> dict[str, FlagField]:
     out = {}
@@ -73,6 +99,8 @@ def prescan(args: list[str], base: TrainConfig | None = None) -> TrainConfig:
     config = base if base is not None else TrainConfig()
     selecting = [f for f in flag_fields() if f.section in SELECTING_SECTIONS]
     by_spelling = _spellings(selecting)
+    args = expand_several_values(list(args), {s for s, f in by_spelling.items()
+                                              if f.type is list and not f.is_flag})
     given, config_file = {}, None
     i = 0
     while i < len(args):
@@ -140,6 +168,12 @@ class SectionedCommand(click.Command):
 
     def parse_args(self, ctx, args):
         given = list(args)  # click's parser consumes the list
+        if not any(isinstance(p, click.Argument) for p in self.params):
+            # A list setting takes several values after one flag, as Megatron's nargs.
+            several = {spelling for p in self.params
+                       if isinstance(p, click.Option) and p.multiple and not p.is_flag
+                       for spelling in p.opts}
+            args = expand_several_values(list(args), several)
         try:
             return super().parse_args(ctx, args)
         except click.NoSuchOption as exc:
@@ -236,4 +270,4 @@ def build_config(params: dict, config_file: str | None, preset: str | None,
 
 
 __all__ = ["SECTIONS", "SectionedCommand", "build_config", "config_options",
-           "declared_sections", "headings", "model_presets", "prescan"]
+           "declared_sections", "expand_several_values", "headings", "model_presets", "prescan"]

@@ -513,9 +513,11 @@ def apply_values(config: TrainConfig, values: dict, source: str) -> None:
             raise ConfigError(f"{source}: unknown setting {key!r}{hint}; run `plugtron train "
                               f"--help` for the settings that exist")
         value = _coerce(flag, value, source)
-        if flag.choices and value is not None and value not in flag.choices:
-            raise ConfigError(f"{source}: {flag.flag} {value!r} is not one of "
-                              f"{', '.join(flag.choices)}")
+        # A list field with choices (several values after one flag) checks each value.
+        for one in (value if isinstance(value, list) else [value]):
+            if flag.choices and one is not None and one not in flag.choices:
+                raise ConfigError(f"{source}: {flag.flag} {one!r} is not one of "
+                                  f"{', '.join(flag.choices)}")
         setattr(getattr(config, flag.section), flag.name, value)
 
 

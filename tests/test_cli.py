@@ -122,3 +122,32 @@ def test_an_option_nobody_declares_is_still_unknown():
     result = invoke(["train", *TINY, "--no-such-thing", "1"])
     assert result.exit_code == 2 and "No such option" in result.output
     assert "is an option of" not in result.output
+
+
+def test_a_list_setting_takes_several_values_after_one_flag():
+    """Megatron's nargs for list settings: ``--flag A B`` reads as ``--flag A --flag B``; the
+    values stop at the next flag (a negative number is a value)."""
+    from plugtron.cli.options import expand_several_values
+
+    assert expand_several_values(["--a", "x", "y", "--b", "1", "--a", "-1", "2", "--c=3"],
+                                 {"--a"}) == ["--a", "x", "--a", "y", "--b", "1", "--a", "-1",
+                                              "--a", "2", "--c=3"]
+    assert expand_several_values(["--b", "1", "2"], {"--a"}) == ["--b", "1", "2"]
+
+
+def test_a_list_setting_with_choices_checks_each_value():
+    from dataclasses import dataclass
+
+    from plugtron.core.config import TrainConfig, apply_values, opt
+    from plugtron.core.errors import ConfigError
+
+    @dataclass
+    class Section:
+        kinds: list[str] | str = opt("a", "--kinds", "Kinds.", choices=("a", "b"))
+
+    config = TrainConfig()
+    config.add_section("listed", Section)
+    apply_values(config, {"kinds": ["a", "b"]}, "test")
+    assert config.plugin_sections["listed"].kinds == ["a", "b"]
+    with pytest.raises(ConfigError, match="--kinds 'c' is not one of a, b"):
+        apply_values(config, {"kinds": ["a", "c"]}, "test")

@@ -134,7 +134,8 @@ def test_half_precision_layer_bytes_on_each_kind_of_cpu(monkeypatch, flags, feat
 @pytest.mark.parametrize("flags,rel", [
     ({"model": "hybrid", "hybrid_layer_pattern": "M*-"}, 0.1),
     ({"num_experts": 4, "moe_shared_expert_intermediate_size": 64}, 0.3),
-    ({"num_experts": 4, "swiglu": True, "moe_router_topk": 1}, 0.3),
+    ({"num_experts": 4, "swiglu": True, "moe_router_topk": 1,
+      "moe_router_pre_softmax": True}, 0.3),  # top-1 needs pre-softmax (as Megatron)
 ], ids=["mamba", "moe-shared", "moe-swiglu"])
 def test_mamba_and_moe_layer_bytes_near_what_autograd_saves(flags, rel):
     config, model, shape = _tiny_gpt(**flags)

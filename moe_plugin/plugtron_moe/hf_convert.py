@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from plugtron.api import ConfigError
 
-from .options import moe_layer_pattern
+from .options import moe_layer_pattern, uses_sinkhorn
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -241,6 +241,11 @@ class MoEConverter:
             raise ConfigError("Mixtral/Qwen2-MoE export needs RMSNorm + --swiglu + rope")
         if o.moe_router_score_function != "softmax" or o.moe_router_topk_scaling_factor:
             raise ConfigError("Mixtral/Qwen2-MoE route with plain softmax top-k")
+        if uses_sinkhorn(o):
+            raise ConfigError("Mixtral/Qwen2-MoE route with plain softmax top-k; this model was "
+                              "trained with --moe-router-load-balancing-type sinkhorn, whose "
+                              "weights (softmax over all experts, sigmoid for top-1) the "
+                              "export would not keep")
         config_json = {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
                        "num_hidden_layers": m.num_layers, "num_attention_heads": heads,
                        "num_key_value_heads": groups, "head_dim": head_dim,

@@ -22,8 +22,9 @@ class MoEOptions:
                               "'([0]+[1]*3)*2'.")
     moe_router_topk: int = opt(2, "--moe-router-topk", "Experts per token.")
     moe_router_score_function: str = opt("softmax", "--moe-router-score-function",
-                                         "Router score function.",
-                                         choices=("softmax", "sigmoid"))
+                                         "Router score function: softmax, sigmoid, or "
+                                         "sqrtsoftplus (sqrt(softplus(logit))).",
+                                         choices=("softmax", "sigmoid", "sqrtsoftplus"))
     moe_router_pre_softmax: bool = opt(False, "--moe-router-pre-softmax",
                                        "Softmax over all experts before top-k (no "
                                        "renormalisation).", is_flag=True)
@@ -34,17 +35,25 @@ class MoEOptions:
                                             "routing).")
     moe_router_topk_scaling_factor: float | None = opt(None, "--moe-router-topk-scaling-factor",
                                                        "Multiply the routing weights by this.")
-    moe_router_load_balancing_type: str = opt(
-        "aux_loss", "--moe-router-load-balancing-type", "Load-balancing loss.",
-        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
-    moe_aux_loss_coeff: float = opt(0.0, "--moe-aux-loss-coeff",
-                                    "Coefficient of the load-balancing loss (0: off).")
+    # Megatron's nargs='+': one type, or several balancing losses at once with one coefficient
+    # each (``--moe-router-load-balancing-type aux_loss seq_aux_loss --moe-aux-loss-coeff
+    # 1e-2 1e-3``). A value given on the command line or in a file is a list; the default and
+    # the configs of older checkpoints are a single value: read them with load_balancing().
+    moe_router_load_balancing_type: list[str] | str = opt(
+        "aux_loss", "--moe-router-load-balancing-type",
+        "Load-balancing loss; several (aux_loss, seq_aux_loss, global_aux_loss) add up, each "
+        "with its own --moe-aux-loss-coeff. sinkhorn: S-BASE routing instead of a loss.",
+        choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"))
+    moe_aux_loss_coeff: list[float] | float = opt(
+        0.0, "--moe-aux-loss-coeff",
+        "Coefficient of the load-balancing loss (0: off); one per "
+        "--moe-router-load-balancing-type when several are given.")
     moe_z_loss_coeff: float | None = opt(None, "--moe-z-loss-coeff",
                                          "Coefficient of the router z-loss.")
     moe_router_enable_expert_bias: bool = opt(
         False, "--moe-router-enable-expert-bias",
         "Aux-loss-free balancing: a per-expert bias on the selection scores, updated after "
-        "each step (sigmoid scores).", is_flag=True)
+        "each step (sigmoid or sqrtsoftplus scores).", is_flag=True)
     moe_router_bias_update_rate: float = opt(1e-3, "--moe-router-bias-update-rate",
                                              "Step of the expert-bias update.")
     moe_router_dtype: str | None = opt(None, "--moe-router-dtype",
@@ -76,6 +85,62 @@ class MoEOptions:
                                          "plugtron.moe_dispatchers name (allgather, alltoall).")
     moe_per_layer_logging: bool = opt(False, "--moe-per-layer-logging",
                                       "Also log the aux losses of each layer.", is_flag=True)
+
+
+#: The balancing losses that may be combined, and the names they are reported under when they
+#: are (Megatron's); a single type is reported as ``load_balancing_loss`` whatever it is.
+BALANCING_LOSSES = {"aux_loss": "load_balancing_loss",
+                    "seq_aux_loss": "seq_load_balancing_loss",
+                    "global_aux_loss": "global_load_balancing_loss"}
+BALANCING_TYPES = (*BALANCING_LOSSES, "sinkhorn", "none")
+
+
+def load_balancing(options) -> list[tuple[str, float, str]]:
+    """The balancing losses a run adds, ``[(type, coefficient, reported name)]``, from
+    ``--moe-router-load-balancing-type`` and ``--moe-aux-loss-coeff`` (each a single value or a
+    list, as Megatron's nargs='+'): the types whose coefficient is positive (Megatron's
+    ``get_aux_loss_coeff(type) > 0``). Raises ConfigError on lists that do not pair up."""
+    types, coeffs = options.moe_router_load_balancing_type, options.moe_aux_loss_coeff
+    types = list(types) if isinstance(types, (list, tuple)) else [types]
+    coeffs = list(coeffs) if isinstance(coeffs, (list, tuple)) else [coeffs]
+    shown = " ".join(str(t) for t in types)
+    if not types:
+        raise ConfigError("--moe-router-load-balancing-type needs a value: one of "
+                          f"{', '.join(BALANCING_TYPES)}")
+    values = []
+    for c in coeffs:
+        try:
+            values.append(float(c))
+        except (TypeError, ValueError):
+            raise ConfigError(f"--moe-aux-loss-coeff {c!r} is not a number") from None
+    if len(values) != len(types):
+        raise ConfigError(f"--moe-aux-loss-coeff gives {len(values)} coefficient(s) for "
+                          f"{len(types)} --moe-router-load-balancing-type(s) ({shown}): give "
+                          f"one coefficient per type, in the same order")
+    unknown = [t for t in types if t not in BALANCING_TYPES]
+    if unknown:
+        raise ConfigError(f"--moe-router-load-balancing-type {' '.join(map(str, unknown))} is "
+                          f"not one of {', '.join(BALANCING_TYPES)}")
+    if len(types) > 1 and len(set(types)) != len(types):
+        raise ConfigError(f"--moe-router-load-balancing-type {shown} names a type twice; "
+                          f"give each once with its coefficient")
+    if "sinkhorn" in types and len(types) > 1:
+        raise ConfigError(f"--moe-router-load-balancing-type {shown}: sinkhorn is a way of "
+                          f"routing, not a loss to add; give it alone, or combine aux_loss, "
+                          f"seq_aux_loss and global_aux_loss")
+    if types == ["sinkhorn"] and values[0] > 0:
+        raise ConfigError(f"--moe-router-load-balancing-type sinkhorn balances by routing and "
+                          f"takes no balancing loss (as Megatron): drop --moe-aux-loss-coeff "
+                          f"{values[0]:g}, or use aux_loss, seq_aux_loss or global_aux_loss")
+    named = len(types) > 1
+    return [(t, c, BALANCING_LOSSES[t] if named else "load_balancing_loss")
+            for t, c in zip(types, values) if t != "none" and c > 0]
+
+
+def uses_sinkhorn(options) -> bool:
+    """``--moe-router-load-balancing-type sinkhorn`` (alone)."""
+    kind = options.moe_router_load_balancing_type
+    return (list(kind) if isinstance(kind, (list, tuple)) else [kind]) == ["sinkhorn"]
 
 
 #: A list expression may hold only these characters (it is evaluated without builtins).

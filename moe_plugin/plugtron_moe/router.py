@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from plugtron.api import all_reduce, group_size, is_recomputing, normal_init
 
 from . import routing
+from .options import load_balancing, uses_sinkhorn
 
 _DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
@@ -32,6 +33,8 @@ class TopKRouter(torch.nn.Module):
         m, o = config.model, config.moe
         self.options, self.layer_number = o, layer_number
         self.num_experts, self.topk = o.num_experts, o.moe_router_topk
+        self.balancing = load_balancing(o)  # [(type, coefficient, reported name)]
+        self.sinkhorn = uses_sinkhorn(o)
         self.weight = torch.nn.Parameter(
             normal_init(m.init_method_std, seed, f"{prefix}.weight")((o.num_experts,
                                                                        m.hidden_size)))
@@ -83,28 +86,36 @@ class TopKRouter(torch.nn.Module):
         if o.moe_z_loss_coeff is not None and self.training and torch.is_grad_enabled():
             local = routing.z_loss(logits, o.moe_z_loss_coeff / group_size(self.tp_group))
             aux.append(("z_loss", _reported_whole(local, self.tp_group)))
-        probs, routing_map = routing.topk_routing(
-            logits, self.topk, o.moe_router_pre_softmax, o.moe_router_num_groups,
-            o.moe_router_group_topk, o.moe_router_topk_scaling_factor,
-            o.moe_router_score_function, self.expert_bias)
+        if self.sinkhorn:
+            probs, routing_map = routing.sinkhorn_routing(logits, self.topk, self.training)
+        else:
+            probs, routing_map = routing.topk_routing(
+                logits, self.topk, o.moe_router_pre_softmax, o.moe_router_num_groups,
+                o.moe_router_group_topk, o.moe_router_topk_scaling_factor,
+                o.moe_router_score_function, self.expert_bias)
         if o.moe_expert_capacity_factor is not None:
             probs, routing_map = routing.apply_token_dropping(
                 probs, routing_map, self.topk, o.moe_expert_capacity_factor,
-                o.moe_token_drop_policy, o.moe_pad_expert_input_to_capacity)
-        if (self.training and torch.is_grad_enabled() and o.moe_aux_loss_coeff > 0
-                and o.moe_router_load_balancing_type != "none"):
-            aux.append(("load_balancing_loss", self.balancing_loss(logits, x.shape[0])))
+                o.moe_token_drop_policy, o.moe_pad_expert_input_to_capacity,
+                batch_size=self._seq_shape[1])
+        if self.training and torch.is_grad_enabled() and self.balancing:
+            # Every balancing loss uses the same scores and their plain top-k (Megatron's
+            # compute_routing_scores_for_aux_loss), each with its own coefficient.
+            aux_map, scores = routing.scores_for_aux_loss(logits, self.topk,
+                                                          o.moe_router_score_function)
+            for kind, coeff, name in self.balancing:
+                aux.append((name, self.balancing_loss(kind, coeff, aux_map, scores,
+                                                      x.shape[0])))
         if (self.local_tokens_per_expert is not None and torch.is_grad_enabled()
                 and not is_recomputing()):  # a recomputed forward counts nothing twice
             with torch.no_grad():
                 self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map, aux
 
-    def balancing_loss(self, logits: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        o = self.options
-        kind, coeff = o.moe_router_load_balancing_type, o.moe_aux_loss_coeff
-        aux_map, scores = routing.scores_for_aux_loss(logits, self.topk,
-                                                      o.moe_router_score_function)
+    def balancing_loss(self, kind: str, coeff: float, aux_map: torch.Tensor,
+                       scores: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """One balancing loss (``aux_loss``, ``seq_aux_loss`` or ``global_aux_loss``) of the
+        scores and their top-k map, times ``coeff``."""
         if kind == "seq_aux_loss":
             return self._seq_aux_loss(aux_map, scores, coeff)
         groups = [self.tp_group] if kind == "aux_loss" else self.token_groups

@@ -42,6 +42,7 @@ def topk_routing(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
     * softmax with ``pre_softmax``: softmax over all experts, then top-k (not renormalised);
     * sigmoid: top-k on ``sigmoid(logits) + expert_bias``; weights are the unbiased scores of
       the chosen experts over their sum (when k > 1);
+    * sqrtsoftplus: as sigmoid, with the scores ``sqrt(softplus(logits))``;
     * then times ``scaling_factor``. Intermediate maths in fp32, probs in the logits' dtype.
     """
     if score_function == "softmax":
@@ -51,8 +52,8 @@ def topk_routing(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
         else:
             chosen, indices = _topk(logits, topk, num_groups, group_topk)
             probs = torch.softmax(chosen, dim=-1, dtype=torch.float32)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.float())
+    elif score_function in ("sigmoid", "sqrtsoftplus"):
+        scores = _scores(logits, score_function)
         if expert_bias is not None:
             _, indices = _topk(scores + expert_bias.float(), topk, num_groups, group_topk)
             chosen = torch.gather(scores, 1, indices)
@@ -69,15 +70,63 @@ def topk_routing(logits: torch.Tensor, topk: int, pre_softmax: bool = False,
     return routing_probs, routing_map
 
 
+def _scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """The unnormalised fp32 scores of the sigmoid-like score functions."""
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits.float())
+    return torch.nn.functional.softplus(logits.float()).sqrt()
+
+
+def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
+    """Sinkhorn-Knopp balancing of ``exp(cost)`` ``[tokens, experts]``: scale its rows and
+    columns in turn (each row to sum 1/tokens, each column 1/experts) until the column scales
+    move by less than ``tol`` on average; returns the scaled matrix (Megatron's
+    ``moe_utils.sinkhorn``, 1e-8 added to every sum)."""
+    kernel = torch.exp(cost)
+    num_tokens, num_experts = kernel.shape
+    row_scale = torch.ones(num_tokens, device=cost.device, dtype=cost.dtype)
+    col_scale = torch.ones(num_experts, device=cost.device, dtype=cost.dtype)
+    change = float("inf")
+    while change > tol:
+        row_scale = (1 / num_tokens) / (torch.sum(col_scale * kernel, 1) + 1e-8)
+        new_col = (1 / num_experts) / (torch.sum(row_scale.unsqueeze(1) * kernel, 0) + 1e-8)
+        change = torch.mean(torch.abs(col_scale - new_col))
+        col_scale = new_col
+    return col_scale * kernel * row_scale.unsqueeze(1)
+
+
+def sinkhorn_routing(logits: torch.Tensor, topk: int,
+                     balance: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(probs, routing_map)`` of sinkhorn routing (S-BASE; Megatron's
+    ``TopKRouter.sinkhorn_load_balancing``). The weights are ``sigmoid(logits)`` for top-1,
+    else the softmax over all experts, at the chosen experts (not renormalised). ``balance``
+    (training): the experts are the top-k of the sinkhorn-balanced fp32 logits (no gradient
+    through the choice); otherwise the top-k of the weights."""
+    if topk == 1:
+        weights = torch.sigmoid(logits)
+    else:
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits)
+    if balance:
+        with torch.no_grad():
+            indices = torch.topk(sinkhorn(logits.to(torch.float32)), k=topk, dim=1).indices
+    else:
+        indices = torch.topk(weights, k=topk, dim=1).indices
+    routing_map = torch.zeros_like(logits, dtype=torch.int32).scatter(1, indices, 1).bool()
+    return weights * routing_map, routing_map
+
+
 def scores_for_aux_loss(logits: torch.Tensor, topk: int,
                         score_function: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(routing_map, scores)`` the balancing loss uses: softmax over all experts (or the
-    normalised sigmoid scores) and their plain top-k, whatever the routing options."""
+    normalised sigmoid or sqrtsoftplus scores) and their plain top-k, whatever the routing
+    options."""
     if score_function == "softmax":
         scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    else:
-        scores = torch.sigmoid(logits.float())
+    elif score_function in ("sigmoid", "sqrtsoftplus"):
+        scores = _scores(logits, score_function)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"unknown score function {score_function!r}")
     indices = torch.topk(scores, k=topk, dim=1).indices
     routing_map = torch.zeros_like(logits, dtype=torch.int32).scatter(1, indices, 1).bool()
     return routing_map, scores
@@ -103,28 +152,51 @@ def capacity(num_tokens: int, num_experts: int, capacity_factor: float) -> int:
     return math.ceil((num_tokens / num_experts) * capacity_factor)
 
 
+def sequence_major(x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Rows of ``x`` (tokens flattened batch-major, ``[b, s]``, plugtron's layout) reordered
+    sequence-major (``[s, b]``, Megatron's): row ``j * b + i`` is position j of sequence i."""
+    if batch_size == 1:
+        return x
+    return x.reshape(batch_size, -1, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
+def batch_major(x: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """The inverse of :func:`sequence_major`."""
+    if batch_size == 1:
+        return x
+    return x.reshape(-1, batch_size, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
 def apply_token_dropping(probs: torch.Tensor, routing_map: torch.Tensor, topk: int,
                          capacity_factor: float, drop_policy: str = "probs",
-                         pad_to_capacity: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         pad_to_capacity: bool = False,
+                         batch_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop what exceeds each expert's capacity: ``probs`` keeps the highest-weight tokens,
     ``position`` the earliest. ``pad_to_capacity``: every expert takes exactly ``capacity``
-    tokens (unrouted ones with weight 0)."""
+    tokens (unrouted ones with weight 0).
+
+    The rows are ``batch_size`` sequences flattened batch-major (``[b, s]``); they are ranked
+    sequence-major, in Megatron's ``[s, b]`` order, so ``position`` keeps the earliest
+    positions of every sequence (not the whole first sequence) and ties go as in Megatron's
+    own layout. The returned tensors are in the input's (batch-major) order."""
     num_tokens, num_experts = probs.shape
     cap = capacity(num_tokens * topk, num_experts, capacity_factor)
     if cap > num_tokens:
         keep = torch.ones_like(routing_map)
     else:
         if drop_policy == "probs":
-            order = probs
+            order = sequence_major(probs, batch_size)
         elif drop_policy == "position":
-            # Earliest first: rank routed tokens by position (Megatron's top-k over the 0/1 map,
-            # with its ties broken towards the lower index made explicit).
-            position = torch.arange(num_tokens, 0, -1, device=probs.device).unsqueeze(1)
-            order = routing_map.long() * position
+            # Earliest first, sequence-major: Megatron's top-k over the 0/1 map of its
+            # [s, b] rows, with ties made explicit: routed rows before unrouted ones (the
+            # padding), each in row order.
+            rows = torch.arange(num_tokens, 0, -1, device=probs.device).unsqueeze(1)
+            routed = sequence_major(routing_map, batch_size).long()
+            order = routed * (num_tokens + 1) + rows
         else:
             raise ValueError(f"unknown drop policy {drop_policy!r}")
         indices = torch.topk(order, k=cap, dim=0, sorted=False).indices
-        keep = torch.zeros_like(probs).scatter(0, indices, 1).bool()
+        keep = batch_major(torch.zeros_like(probs).scatter(0, indices, 1).bool(), batch_size)
     final_map = keep if pad_to_capacity else routing_map & keep
     return probs * final_map, final_map
 

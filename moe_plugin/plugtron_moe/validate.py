@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from plugtron.api import ConfigError, PluginError, load_plugin
 
-from .options import expert_ffn_size, moe_layer_pattern
+from .options import expert_ffn_size, load_balancing, moe_layer_pattern, uses_sinkhorn
 
 
 def validate(config, world_size: int) -> None:
@@ -37,6 +37,19 @@ def validate(config, world_size: int) -> None:
     if not 1 <= o.moe_router_topk <= o.num_experts:
         raise ConfigError(f"--moe-router-topk {o.moe_router_topk} must be in 1.."
                           f"{o.num_experts} (--num-experts)")
+    load_balancing(o)  # raises on types and coefficients that do not pair up
+    sinkhorn = uses_sinkhorn(o)
+    if sinkhorn:
+        _check_sinkhorn(o)
+    if (o.moe_router_topk == 1 and o.moe_router_score_function == "softmax"
+            and not o.moe_router_pre_softmax and not sinkhorn):
+        # Softmax over the one chosen logit is 1 whatever the logit: the router's weight would
+        # get no gradient from the output (Megatron refuses it the same way).
+        raise ConfigError("--moe-router-topk 1 with softmax after top-k gives every token the "
+                          "weight 1, so the router learns nothing from the output: add "
+                          "--moe-router-pre-softmax (softmax over all experts, then top-1; "
+                          "Megatron: 'use --moe-router-pre-softmax when topk is 1'), or use "
+                          "--moe-router-score-function sigmoid")
     if o.moe_pad_expert_input_to_capacity and o.moe_expert_capacity_factor is None:
         raise ConfigError("--moe-pad-expert-input-to-capacity needs "
                           "--moe-expert-capacity-factor (the capacity to pad to)")
@@ -53,9 +66,10 @@ def validate(config, world_size: int) -> None:
                               f"divisible by --moe-router-num-groups {groups}, 1 <= "
                               f"--moe-router-group-topk {group_topk} <= groups, and "
                               f"--moe-router-topk {o.moe_router_topk} divisible by it")
-    if o.moe_router_enable_expert_bias and o.moe_router_score_function != "sigmoid":
+    if o.moe_router_enable_expert_bias and o.moe_router_score_function == "softmax":
         raise ConfigError("--moe-router-enable-expert-bias needs --moe-router-score-function "
-                          "sigmoid (Megatron's aux-loss-free balancing)")
+                          "sigmoid or sqrtsoftplus (Megatron's aux-loss-free balancing), not "
+                          "softmax")
     if o.moe_shared_expert_gate and not o.moe_shared_expert_intermediate_size:
         raise ConfigError("--moe-shared-expert-gate needs --moe-shared-expert-intermediate-size")
     for name, size in (("--moe-ffn-hidden-size", expert_ffn_size(config)),
@@ -77,3 +91,25 @@ def validate(config, world_size: int) -> None:
         load_plugin("moe_dispatcher", o.moe_token_dispatcher_type)
     except PluginError as exc:
         raise ConfigError(f"--moe-token-dispatcher-type: {exc}") from None
+
+
+def _check_sinkhorn(o) -> None:
+    """Sinkhorn routing computes its own weights (softmax, or sigmoid for top-1) and chooses by
+    the balanced logits: the options it would silently ignore are refused, as is what
+    Megatron refuses with it (a capacity factor)."""
+    ignored = [(o.moe_router_score_function != "softmax",
+                f"--moe-router-score-function {o.moe_router_score_function}"),
+               (o.moe_router_pre_softmax, "--moe-router-pre-softmax"),
+               (o.moe_router_num_groups is not None, "--moe-router-num-groups"),
+               (bool(o.moe_router_topk_scaling_factor), "--moe-router-topk-scaling-factor"),
+               (o.moe_router_enable_expert_bias, "--moe-router-enable-expert-bias")]
+    for given, flag in ignored:
+        if given:
+            raise ConfigError(f"--moe-router-load-balancing-type sinkhorn does not use {flag} "
+                              f"(sinkhorn routing weighs by softmax, sigmoid for top-1, and "
+                              f"chooses by the balanced logits): drop {flag}, or balance with "
+                              f"aux_loss, seq_aux_loss or global_aux_loss")
+    if o.moe_expert_capacity_factor is not None:
+        raise ConfigError("--moe-expert-capacity-factor works with aux_loss, seq_aux_loss, "
+                          "global_aux_loss or none, not sinkhorn (as Megatron): drop it, or "
+                          "choose one of those")

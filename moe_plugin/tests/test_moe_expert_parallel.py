@@ -1,6 +1,6 @@
 """Expert parallelism against one process (fp32, dropout 0): every layout trains the same
-losses, grad norms and aux losses (shared experts, seq/global aux losses, capacity padding
-included); checkpoints move between expert-parallel sizes, expert tensors written once and the
+losses, grad norms and aux losses (shared experts, seq/global aux losses, capacity padding,
+several balancing losses at once, sqrtsoftplus scores, sinkhorn routing included); checkpoints move between expert-parallel sizes, expert tensors written once and the
 expert bias kept; an fp16 overflow in one expert skips the step everywhere; the core's
 all-to-all with uneven splits against a reference built on every rank.
 
@@ -283,3 +283,29 @@ def test_the_dispatcher_kit_check_passes_the_built_in_alltoall(rank_pool):
 
     assert_dispatcher_matches("alltoall", layouts=[{"expert-model-parallel-size": 2, "dp": 2}],
                               pool=rank_pool)
+
+
+#: Megatron-Core 0.19 router options (issue 27): several balancing losses at once with
+#: sqrtsoftplus scores under tp 2 x sp x ep 2 (each loss's counts reduce over tp as the single
+#: ones do; the microbatches are one process's, so mbs stays), and sinkhorn routing at ep 2
+#: (balanced over each rank's own microbatch, which is one process's microbatch here).
+ROUTER_LAYOUTS = {
+    "sqrtsoftplus-aux-and-seq-tp2-sp-ep2-alltoall": (
+        {"moe-router-score-function": "sqrtsoftplus",
+         "moe-router-load-balancing-type": ["aux_loss", "seq_aux_loss"],
+         "moe-aux-loss-coeff": [0.01, 0.001]},
+        {**SP_EP, "moe-token-dispatcher-type": "alltoall"},
+        KEYS + ("seq_load_balancing_loss",)),
+    "sinkhorn-ep2": ({"moe-router-load-balancing-type": "sinkhorn", "moe-aux-loss-coeff": 0},
+                     ep(2), ("lm_loss", "grad_norm", "z_loss")),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTER_LAYOUTS))
+def test_router_options_train_like_one_process(name, rank_pool):
+    model, layout, keys = ROUTER_LAYOUTS[name]
+    flags = merge_flags(MOE, model)
+    want = train_run(flags, world_size=1, pool=rank_pool).records
+    assert all(key in want[0] for key in keys), (keys, want[0])
+    got = train_run(merge_flags(flags, layout), pool=rank_pool).records
+    assert_records_close(got, want, RTOL, f"{name} vs one process", keys=keys)

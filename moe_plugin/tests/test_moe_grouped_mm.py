@@ -36,7 +36,8 @@ def _fails_in_backward(a, b, offs):
 @pytest.fixture
 def experts_and_tokens(monkeypatch):
     monkeypatch.setattr(ex, "_GROUPED_MM_RUNS", {})
-    config = tiny_config(num_experts=3, moe_router_topk=1, moe_ffn_hidden_size=16)
+    config = tiny_config(num_experts=3, moe_router_topk=1, moe_router_pre_softmax=True,
+                         moe_ffn_hidden_size=16)
     parallel = ParallelContext.build(1, 0)
     mlps = [ex.ExpertMLP(config, parallel, f"e.{i}", 0) for i in range(3)]
     tokens = torch.randn(10, 32)

@@ -91,3 +91,43 @@ def test_experts_compute_under_the_expert_rng_stream():
     experts.rng_tracker = Tracker()
     experts(torch.randn(8, 32), [2, 2, 2, 2])
     assert forks == [EXPERT_PARALLEL_RNG]
+
+
+def test_position_drop_in_the_router_keeps_the_earliest_positions_of_every_sequence():
+    # b > 1: the router ranks its [b, s] rows sequence-major, as Megatron's [s, b] rows.
+    router, _ = _router(moe_expert_capacity_factor=0.5, moe_token_drop_policy="position")
+    batch, seq = 3, 8
+    x = torch.randn(batch, seq, 32)
+    router._seq_shape = (seq, batch)  # the layer sets it from its [b, s, h] input
+    _, kept, _ = router(x.reshape(-1, 32))
+    chosen = torch.softmax(x.reshape(-1, 32) @ router.weight.detach().t(), -1).topk(K).indices
+    routed = torch.zeros(batch * seq, E, dtype=torch.bool).scatter(1, chosen, True)
+    cap = -(-batch * seq * K * 0.5 // E)  # ceil(tokens x k / E x factor)
+    in_order = routed.reshape(batch, seq, E).transpose(0, 1)  # [s, b, E]: Megatron's order
+    rank = in_order.reshape(-1, E).long().cumsum(0).reshape(seq, batch, E)
+    want = (in_order & (rank <= cap)).transpose(0, 1).reshape(-1, E)
+    assert torch.equal(kept, want)
+    assert (kept.reshape(batch, seq, E)[:, 0] == routed.reshape(batch, seq, E)[:, 0]).all()
+
+
+def test_the_layer_hands_the_router_its_sequences(monkeypatch):
+    # In a real step the layer's [b, s, h] input reaches the capacity ranking with its b.
+    from plugtron_moe import routing
+
+    from tests.utils import train_in_process
+
+    seen = []
+    drop = routing.apply_token_dropping
+
+    def spy(probs, routing_map, *args, batch_size=1, **kwargs):
+        seen.append((probs.shape[0], batch_size))
+        return drop(probs, routing_map, *args, batch_size=batch_size, **kwargs)
+
+    monkeypatch.setattr(routing, "apply_token_dropping", spy)
+    config = tiny_config(num_experts=E, moe_router_topk=K, train_iters=1,
+                         moe_expert_capacity_factor=0.5, moe_token_drop_policy="position",
+                         moe_pad_expert_input_to_capacity=True)
+    records, _ = train_in_process(config)
+    assert records and seen
+    micro_batch, seq = config.training.micro_batch_size, config.model.seq_length
+    assert micro_batch > 1 and set(seen) == {(micro_batch * seq, micro_batch)}

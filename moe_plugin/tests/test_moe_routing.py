@@ -92,6 +92,60 @@ def test_position_drop_policy_keeps_the_earliest():
     assert kept_map[:, 0].tolist() == [True, True, False]
 
 
+def test_position_drop_ranks_sequence_major_with_several_sequences():
+    # 2 sequences x 3 positions, rows batch-major (row = b * 3 + s); every token wants expert
+    # 0 (top-1 of 2 experts, factor 1): capacity ceil(6 x 1 / 2) = 3. Megatron ranks its
+    # [s, b] rows: (s0,b0) (s0,b1) (s1,b0) (s1,b1) ..., so it keeps position 0 of both
+    # sequences and position 1 of the first: rows 0, 3, 1 -- not the whole first sequence.
+    probs = torch.tensor([[1.0, 0.0]] * 6)
+    _, kept = routing.apply_token_dropping(probs, probs > 0, 1, 1.0, "position", batch_size=2)
+    assert kept[:, 0].tolist() == [True, True, False, True, False, False]
+    # one sequence of 6: the first three positions
+    _, kept = routing.apply_token_dropping(probs, probs > 0, 1, 1.0, "position", batch_size=1)
+    assert kept[:, 0].tolist() == [True, True, True, False, False, False]
+
+
+def test_position_drop_with_three_sequences_keeps_the_earliest_of_each():
+    # 3 sequences x 4 positions, top-1 of 4 experts, factor 2: capacity ceil(12/4 x 2) = 6.
+    # Sequence i sends all its tokens to expert 0 except position 1 of sequence 1 (expert 1).
+    # Sequence-major order of expert 0's tokens: (p0: b0 b1 b2) (p1: b0 b2) (p2: b0 ...), so
+    # the six kept are p0 of all three, p1 of b0 and b2, p2 of b0.
+    probs = torch.zeros(12, 4)
+    probs[:, 0] = 1.0
+    probs[1 * 4 + 1] = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    _, kept = routing.apply_token_dropping(probs, probs > 0, 1, 2.0, "position", batch_size=3)
+    want = torch.zeros(3, 4, dtype=torch.bool)  # [b, s]
+    want[:, 0] = True
+    want[0, 1] = want[2, 1] = want[0, 2] = True
+    assert kept[:, 0].tolist() == want.flatten().tolist()
+    assert kept[:, 1].tolist() == [r == 5 for r in range(12)]  # under capacity: kept
+
+
+def test_position_padding_fills_with_the_earliest_unrouted_sequence_major():
+    # 2 x 2 tokens, top-1 of 2 experts, factor 1: capacity 2 per expert. In [s, b] order the
+    # rows go 0, 2, 1, 3: expert 0 (only row 3 routed) is padded with row 0; expert 1 (rows 0,
+    # 1, 2 routed) keeps rows 0 and 2 -- position 0 of both sequences.
+    probs = torch.tensor([[0.0, 1.0], [0.0, 1.0], [0.0, 1.0], [1.0, 0.0]])
+    kept_probs, kept = routing.apply_token_dropping(probs, probs > 0, 1, 1.0, "position",
+                                                    pad_to_capacity=True, batch_size=2)
+    assert kept[:, 0].tolist() == [True, False, False, True]  # routed row 3, then row 0
+    assert kept[:, 1].tolist() == [True, False, True, False]  # rows 0, 2 (of 0, 1, 2)
+    assert torch.equal(kept_probs, probs * kept)
+
+
+def test_probs_drop_is_the_same_in_either_layout():
+    # The probs policy ranks by weight, so (without ties) it keeps the same (token, expert)
+    # pairs whichever way the rows are ordered.
+    torch.manual_seed(3)
+    b, s = 3, 5
+    probs, routing_map = routing.topk_routing(torch.randn(b * s, 4), topk=2)
+    got = routing.apply_token_dropping(probs, routing_map, 2, 0.5, "probs", batch_size=b)
+    seq_major = routing.sequence_major(probs, b)
+    plain = routing.apply_token_dropping(seq_major, seq_major > 0, 2, 0.5, "probs")
+    assert torch.equal(got[1], routing.batch_major(plain[1], b))
+    assert torch.equal(routing.batch_major(routing.sequence_major(probs, b), b), probs)
+
+
 def test_pad_to_capacity_fills_every_expert():
     probs = torch.tensor([[0.6, 0.4, 0, 0], [0.7, 0.3, 0, 0], [0.9, 0.1, 0, 0]])
     kept, kept_map = routing.apply_token_dropping(probs, probs > 0, 2, 1.0, "probs",
