@@ -197,6 +197,77 @@ def test_deferred_linears_equal_the_combined_backward(layer):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_deferred_norms_equal_the_combined_backward(norm):
+    from plugtron.plugins.layer_backends.local import LayerNorm, RMSNorm
+
+    torch.manual_seed(0)
+    module = LayerNorm(8, eps=1e-5) if norm == "LayerNorm" else RMSNorm(8, 1e-5)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p))
+    params = list(module.parameters())
+    x, grad_out = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    want_inputs, want = _grads(module, params, x, grad_out, split=False)
+    got_inputs, got = _grads(module, params, x, grad_out, split=True)
+    for g, w in zip(got_inputs + got, want_inputs + want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_grouped_experts_defer_through_their_stacked_weights():
+    # the experts' weights are stacked in the forward; W backpropagates through the stack
+    from plugtron.api import batched_linear
+
+    torch.manual_seed(0)
+    experts = [torch.nn.Parameter(torch.randn(6, 8)) for _ in range(3)]
+
+    def fn(x):
+        return batched_linear(x, torch.stack(experts))
+
+    x, grad_out = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 4, 6)
+    want_inputs, want = _grads(fn, experts, x, grad_out, split=False)
+    got_inputs, got = _grads(fn, experts, x, grad_out, split=True)
+    for g, w in zip(got_inputs + got, want_inputs + want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["conv", "gated_norm"])
+def test_mamba_conv_and_gated_norm_defer_exactly(op):
+    pytest.importorskip("plugtron_gpt")
+    from plugtron_gpt.hybrid.causal_conv import causal_conv_silu
+    from plugtron_gpt.hybrid.gated_norm import gated_rms_norm
+
+    torch.manual_seed(0)
+    if op == "conv":
+        weight, bias = torch.nn.Parameter(torch.randn(8, 1, 4)), torch.nn.Parameter(
+            torch.randn(8))
+        params = [weight, bias]
+
+        def fn(x):
+            return causal_conv_silu(x, weight, bias)
+    else:
+        weight = torch.nn.Parameter(torch.randn(8))
+        params = [weight]
+        gate = torch.randn(3, 5, 8)
+
+        def fn(x):
+            return gated_rms_norm(x, gate, weight, 4, 1e-5)
+    x, grad_out = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
+    want_inputs, want = _grads(fn, params, x, grad_out, split=False)
+    got_inputs, got = _grads(fn, params, x, grad_out, split=True)
+    for g, w in zip(got_inputs + got, want_inputs + want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+def test_a_layer_that_cannot_split_is_named():
+    class _Opaque(torch.nn.Module):
+        weight_grads_at_input = "its kernel computes both gradients at once"
+
+    found = wgrad.weight_grads_at_input([_Opaque(), torch.nn.Linear(2, 2)])
+    assert found == {"test_a_layer_that_cannot_split_is_named.<locals>._Opaque":
+                     "its kernel computes both gradients at once"}
+
+
 def test_post_accumulate_hooks_see_the_final_gradient_only_at_w():
     weight = torch.nn.Parameter(torch.randn(4, 3))
     seen = []

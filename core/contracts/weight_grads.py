@@ -19,7 +19,9 @@ The contract for a layer (the local backend's linears follow it, a third-party l
   took it, return ``None`` for the weight. ``False`` (no split is running, or the weight is not
   a leaf parameter): compute the gradient now, as usual.
 * A layer that does nothing of this computes its weight gradients at ``I``: the fallback, exact
-  too, only without filling the bubble.
+  too, only without filling the bubble. A layer type that knows it cannot split says so with a
+  class attribute ``weight_grads_at_input = "the reason"``; a run whose schedule splits names
+  those layers once at start.
 """
 
 from __future__ import annotations
@@ -31,6 +33,20 @@ from collections.abc import Callable, Iterator
 import torch
 
 _state = threading.local()
+
+#: Class attribute of a layer whose weight gradients a split backward cannot defer: the reason.
+AT_INPUT_ATTRIBUTE = "weight_grads_at_input"
+
+
+def weight_grads_at_input(modules) -> dict[str, str]:
+    """``{class name: reason}`` of the modules that declare their weight gradients come at
+    ``I`` (attribute :data:`AT_INPUT_ATTRIBUTE`)."""
+    out = {}
+    for module in modules:
+        reason = getattr(type(module), AT_INPUT_ATTRIBUTE, None)
+        if reason:
+            out[type(module).__qualname__] = reason
+    return out
 
 
 def _current(name: str):
@@ -108,7 +124,7 @@ def defer_weight_grad(weight: torch.Tensor, compute: Callable[[], torch.Tensor])
     forward): a tensor from ``ctx.saved_tensors`` may be another object (activation recompute
     returns one), and the gradient ``W`` hands to it would not reach the parameter."""
     store = _current("store")
-    if store is None or not weight.is_leaf or not weight.requires_grad:
+    if store is None or not weight.requires_grad:
         return False
     store.add(weight, compute)
     return True

@@ -9,6 +9,7 @@ import torch
 from plugtron.core import checkpoint
 from plugtron.core.checkpoint import dir_lock
 from plugtron.core.config import TrainConfig, num_microbatches, padded_vocab_size
+from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.contracts.model_info import ModelInfo, metric_name
 from plugtron.core.errors import ConfigError
 from plugtron.core.monitoring import run_status
@@ -108,6 +109,15 @@ def build_model_chunks(config, pm, backend, parallel, device) -> list:
     return chunks
 
 
+def _name_undeferred_layers(model_chunks) -> None:
+    """Under a split-backward schedule, say which layers compute their weight gradients at
+    ``I`` (exact, but they do not fill the bubble)."""
+    found = wgrad.weight_grads_at_input(m for chunk in model_chunks for m in chunk.modules())
+    if found:
+        print("note: split backward: weight gradients computed at I, not deferred to W: "
+              + "; ".join(f"{name} ({why})" for name, why in sorted(found.items())), flush=True)
+
+
 def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None,
           schedule=None) -> Run:
     """Build everything one rank needs. ``world`` defaults to the torchrun/initialised world.
@@ -127,9 +137,9 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None,
     pm.hook.plugtron_configure.call_historic(kwargs={"config": config})
     pm.hook.plugtron_process_groups_ready.call_historic(kwargs={"parallel": parallel})
     # A schedule that cannot run this layout fails now, not at the first step.
-    check_schedule(pm.hook.schedule_actions, parallel.pp_size, parallel.vp_size or 1,
-                   num_microbatches(config, parallel.dp_size), config,
-                   parallel.pipeline_placement)
+    plan = check_schedule(pm.hook.schedule_actions, parallel.pp_size, parallel.vp_size or 1,
+                          num_microbatches(config, parallel.dp_size), config,
+                          parallel.pipeline_placement)
     seed_everything(config.training.seed, parallel)
 
     datasets = pm.hook.dataset_provider(config=config, split_sizes=split_sizes(config),
@@ -139,6 +149,8 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None,
     backend = backend_cls(config, parallel)
 
     model_chunks = build_model_chunks(config, pm, backend, parallel, world.device)
+    if world.rank == 0 and any(a.kind == "I" for actions in plan for a in actions):
+        _name_undeferred_layers(model_chunks)
     pm.hook.plugtron_model_built(config=config, model_chunks=model_chunks, parallel=parallel)
     optimizer = checked_optimizer(pm.hook.build_optimizer(
         config=config, model_chunks=model_chunks, parallel=parallel), config)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from plugtron.api import (
     EXPERT_PARALLEL_RNG,
+    batched_linear,
     linear,
     normal_init,
     recompute,
@@ -30,6 +31,7 @@ from plugtron.api import (
     scaled_normal_init,
     set_tensor_parallel,
     shard_of,
+    split_backward_expected,
 )
 
 from .options import expert_ffn_size
@@ -168,7 +170,9 @@ def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
     w2 = torch.stack([e.linear_fc2.weight for e in experts])  # [E, H, ffn]
     b1 = [e.linear_fc1.bias for e in experts]
     b2 = [e.fc2_bias() for e in experts]
-    if (_aligned(w1.shape[1], w1.shape[2], w2.shape[1])
+    # A split backward (zero-bubble schedules) takes the batched path: its weight gradients
+    # wait for W (batched_linear), which torch's grouped mm cannot do.
+    if (_aligned(w1.shape[1], w1.shape[2], w2.shape[1]) and not split_backward_expected()
             and grouped_mm_runs(tokens.device, tokens.dtype)):
         offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
         h = torch._grouped_mm(tokens, w1.transpose(1, 2), offs=offs)
@@ -185,11 +189,11 @@ def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
                        for i, n in enumerate(counts)]) if counts else None
     padded = tokens.new_zeros(len(experts) * width, tokens.shape[-1])
     padded = padded.index_copy(0, index, tokens).view(len(experts), width, -1)
-    h = torch.bmm(padded, w1.transpose(1, 2))
+    h = batched_linear(padded, w1)
     if b1[0] is not None:
         h = h + torch.stack(b1).unsqueeze(1)
     h = experts[0].activation(h)
-    out = torch.bmm(h, w2.transpose(1, 2))
+    out = batched_linear(h, w2)
     if b2[0] is not None:
         out = out + torch.stack(b2).unsqueeze(1)
     return out.reshape(len(experts) * width, -1).index_select(0, index)

@@ -9,8 +9,7 @@ Megatron's ``tp_cp_group`` reductions do.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from plugtron.api import all_reduce, group_size, is_recomputing, normal_init
+from plugtron.api import all_reduce, group_size, is_recomputing, linear, normal_init
 
 from . import routing
 from .options import load_balancing, uses_sinkhorn
@@ -61,7 +60,9 @@ class TopKRouter(torch.nn.Module):
 
     def gating(self, x: torch.Tensor) -> torch.Tensor:
         dtype = _DTYPES.get(self.options.moe_router_dtype, x.dtype)
-        return F.linear(x.to(dtype), self.weight.to(dtype))
+        # plugtron.api.linear: in a split backward the router weight's gradient (through the
+        # cast to the router dtype) waits for W
+        return linear(x.to(dtype), self.weight.to(dtype))
 
     def jitter(self, x: torch.Tensor) -> torch.Tensor:
         eps = self.options.moe_input_jitter_eps

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from plugtron.api import (
     ConfigError,
     LayerBackend,
+    affine,
     block_sizes,
     context_parallel_attention,
     copy_to_tensor_parallel_region,
@@ -31,6 +32,7 @@ from plugtron.api import (
     sequence_parallel_linear,
     set_tensor_parallel,
     shard_of,
+    split_backward_expected,
 )
 
 from . import cpu_attention
@@ -151,7 +153,19 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        if split_backward_expected():  # the scale's gradient waits for W
+            return affine(F.rms_norm(x, (x.shape[-1],), None, self.eps), self.weight)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class LayerNorm(torch.nn.LayerNorm):
+    """``torch.nn.LayerNorm`` whose scale's gradient a split backward defers to ``W``."""
+
+    def forward(self, x):
+        if split_backward_expected() and self.weight is not None:
+            normed = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
+            return affine(normed, self.weight, self.bias)
+        return super().forward(x)
 
 
 class CoreAttention(torch.nn.Module):
@@ -269,7 +283,7 @@ class LocalBackend(LayerBackend):
         if model.normalization == "RMSNorm":
             module = RMSNorm(hidden_size, model.norm_epsilon)
         else:
-            module = torch.nn.LayerNorm(hidden_size, eps=model.norm_epsilon)
+            module = LayerNorm(hidden_size, eps=model.norm_epsilon)
         if self.sequence_parallel:
             mark_sequence_parallel(module)
         return module

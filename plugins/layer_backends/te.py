@@ -103,6 +103,11 @@ def _te_module_classes(te):
         A row-parallel bias must be added after the reduction over tp, so TE returns it
         (``return_bias``) instead of fusing it into the GEMM; it stays TE's ``bias``."""
 
+        # transformer-engine's own delayed wgrad (delay_wgrad_compute, then backward_dw)
+        # accumulates outside autograd, so the data-parallel hooks would not see it; until that
+        # is wired and run on a GPU, a split backward computes these weight gradients at I.
+        weight_grads_at_input = "transformer-engine computes its weight gradients in backward"
+
         def __init__(self, input_size, output_size, *, bias, init_method, settings):
             parallel = settings.parallel
             tp, rank = parallel.tp_size, parallel.tp_rank

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from plugtron.api import defer_weight_grad
 
 
 class _ConvSiLU(torch.autograd.Function):
@@ -26,7 +27,7 @@ class _ConvSiLU(torch.autograd.Function):
         for k in range(1, width):
             pre.addcmul_(padded[:, k:k + length], taps[k])
         ctx.save_for_backward(padded, taps, pre)
-        ctx.weight_shape = weight.shape
+        ctx.weight_shape, ctx.weight = weight.shape, weight  # the parameter, for deferral
         return F.silu(pre)
 
     @staticmethod
@@ -39,9 +40,13 @@ class _ConvSiLU(torch.autograd.Function):
         grad_x = after[:, width - 1:width - 1 + length] * taps[0]
         for k in range(1, width):
             grad_x.addcmul_(after[:, width - 1 - k:width - 1 - k + length], taps[k])
-        grad_w = torch.stack([(padded[:, k:k + length] * grad_pre).sum((0, 1))
-                              for k in range(width)], dim=-1)
-        return grad_x, grad_w.reshape(ctx.weight_shape), grad_pre.sum((0, 1))
+        def weight_grad():
+            return torch.stack([(padded[:, k:k + length] * grad_pre).sum((0, 1))
+                                for k in range(width)], dim=-1).reshape(ctx.weight_shape)
+
+        # In a split backward (zero-bubble schedules) the taps' gradient waits for W.
+        grad_w = None if defer_weight_grad(ctx.weight, weight_grad) else weight_grad()
+        return grad_x, grad_w, grad_pre.sum((0, 1))
 
 
 def causal_conv_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

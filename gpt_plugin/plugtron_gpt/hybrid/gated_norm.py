@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from plugtron.api import defer_weight_grad
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -26,13 +27,17 @@ class _GatedRMSNorm(torch.autograd.Function):
         rstd = torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + eps)
         normed = (grouped * rstd).flatten(-2).to(y.dtype)
         ctx.save_for_backward(y, z, gate, normed, rstd, weight)
-        ctx.group_size = group_size
+        ctx.group_size, ctx.weight = group_size, weight  # the parameter, for deferral
         return weight * normed
 
     @staticmethod
     def backward(ctx, grad):
         y, z, gate, normed, rstd, weight = ctx.saved_tensors
-        grad_weight = (grad * normed).sum(tuple(range(grad.dim() - 1)))
+        def weight_grad():
+            return (grad * normed).sum(tuple(range(grad.dim() - 1)))
+
+        # In a split backward (zero-bubble schedules) the scale's gradient waits for W.
+        grad_weight = None if defer_weight_grad(ctx.weight, weight_grad) else weight_grad()
         d_normed = _wide(grad * weight).unflatten(-1, (-1, ctx.group_size))
         n = _wide(normed).unflatten(-1, (-1, ctx.group_size))
         d_u = (d_normed - n * (d_normed * n).mean(-1, keepdim=True)).mul_(rstd).flatten(-2)

@@ -73,6 +73,10 @@ class MambaMixer(torch.nn.Module):
     """in_proj -> [z, x, B, C, dt]; conv1d + SiLU over x, B, C; SSD scan; D skip; gated norm;
     out_proj (no pre-norm, no residual): ``mixer`` of a Mamba layer."""
 
+    # in_proj/out_proj (backend linears), the conv taps and the gated norm defer to W.
+    weight_grads_at_input = ("A_log, D and dt_bias: the SSD scan's autograd computes their "
+                             "gradients with the input gradient")
+
     def __init__(self, config, backend, parallel, prefix: str, seed: int):
         super().__init__()
         m, tp = config.model, parallel.tp_size
