@@ -1,5 +1,5 @@
 """Resharding across real layouts (4 ranks): save at iteration 5 under tp 2 x pp 2, resume under
-tp 1 x pp 1 (dp 4), tp 4 and pp 2 x vp 2 (dp 2); losses 6..10 equal the uninterrupted
+tp 1 x pp 1 (dp 4), tp 4, pp 2 x vp 2 (dp 2) and pp 2 under zbv's V (dp 2); losses 6..10 equal the uninterrupted
 single-process run within relative 1e-5. The distributed optimizer's state moves the same way.
 
 Each case skips while its layout is not available in this branch (tensor parallelism in the
@@ -25,7 +25,8 @@ LATER = range(6, 11)
 REL = 1e-5
 MODEL = {"num_layers": 4, "num_attention_heads": 8, "num_query_groups": 4, "swiglu": True}
 SAVED = {"tp": 2, "pp": 2}
-TARGETS = {"tp1-pp1-dp4": {}, "tp4": {"tp": 4}, "pp2-vp2-dp2": {"pp": 2, "vp": 2}}
+TARGETS = {"tp1-pp1-dp4": {}, "tp4": {"tp": 4}, "pp2-vp2-dp2": {"pp": 2, "vp": 2},
+           "pp2-zbv-dp2": {"pp": 2, "schedule": "zbv"}}
 
 
 def missing(layout: dict) -> str | None:

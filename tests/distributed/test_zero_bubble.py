@@ -143,3 +143,33 @@ def test_zbv_matches_1f1b_with_recompute_and_context_parallel(pool):
               "recompute-num-layers": 1, "global-batch-size": 8}, "zbv", pool, world_size=2)
     _compare({"pp": 2, "cp": 2, "seq-length": 16, "max-position-embeddings": 16,
               "global-batch-size": 8}, "zbv", pool)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+DROPOUT = {**GPT, "pp": 2, "global-batch-size": 8, "hidden-dropout": 0.1,
+           "attention-dropout": 0.1, "train-iters": 4}
+
+
+@pytest.mark.parametrize("schedule, extra", [("zbv", {}), ("dualpipev", {}), ("zb-h1", {}),
+                                             ("interleaved-zero-bubble", {"vp": 2})])
+def test_dropout_runs_resume_bitwise(pool, tmp_path, schedule, extra):
+    flags = {**DROPOUT, "schedule": schedule, **extra}
+    whole = train_run(flags, 2, pool)
+    train_run({**flags, "save": str(tmp_path)}, 2, pool, stop_at=2)
+    resumed = train_run({**flags, "load": str(tmp_path)}, 2, pool)
+    for key in ("lm_loss", "grad_norm"):
+        assert resumed.series(key) == whole.series(key)[2:], key
+
+
+def test_a_v_shape_checkpoint_resumes_under_1f1b_and_back(pool, tmp_path):
+    # checkpoints are layout-free: the V's chunks store the model's own (global) names
+    flags = {**GPT, "pp": 2, "global-batch-size": 8, "train-iters": 4}
+    whole = train_run({**flags, "schedule": "1f1b"}, 2, pool)
+    for saved, resumed_under in (("zbv", "1f1b"), ("1f1b", "dualpipev")):
+        path = tmp_path / saved
+        train_run({**flags, "schedule": saved, "save": str(path)}, 2, pool, stop_at=2)
+        resumed = train_run({**flags, "schedule": resumed_under, "load": str(path)}, 2, pool)
+        assert_records_close(resumed.records, whole.records[2:], 1e-5,
+                             f"saved under {saved}, resumed under {resumed_under}")
