@@ -132,6 +132,7 @@ def test_topology_and_schedule_show_print_the_placement():
     ("1f1b", None, 33, [9, 6, 3, 0], [4, 3, 2, 1]),
     ("interleaved-1f1b", 2, 57, [9, 6, 3, 0], [11, 9, 7, 5]),
     ("zb-h1", None, 27, [3, 2, 1, 0], [4, 4, 4, 4]),
+    ("zb-h2", None, 27, [0, 0, 0, 0], [7, 7, 7, 7]),
     ("interleaved-zero-bubble", 2, 51, [3, 2, 1, 0], [8, 8, 8, 8]),
     ("zbv", None, 51, [0, 0, 0, 0], [8, 8, 8, 8]),
     ("dualpipev", None, 51, [3, 2, 1, 0], [9, 9, 9, 9]),

@@ -77,6 +77,28 @@ def test_zb_h1_bubble_is_the_papers(costs):
                 == [peak_stored(one_f_one_b_actions(0, pp, m))] * pp)
 
 
+@pytest.mark.parametrize("costs", [(1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (2.0, 2.0, 1.0),
+                                   (2.0, 1.0, 1.0), (1.0, 1.0, 0.5)])
+def test_zb_h2_bubble_and_memory_are_the_papers(costs):
+    # ZB-H2: idle inside each rank's span (p - 1)(T_F + T_B - 2 T_W), zero for equal costs,
+    # within the paper's memory limit of 2p - 1 microbatches
+    from plugtron.plugins.schedules.zero_bubble_h2 import zb_h2_actions
+
+    f, i, w = costs
+    for pp, m in [(2, 4), (4, 8), (4, 12), (3, 7), (5, 9)]:
+        lists = [zb_h2_actions(r, pp, m) for r in range(pp)]
+        check_actions(lists, 1, m)
+        slots = simulate(lists, 1, f, i + w, i, w)
+        assert idle_in_span(slots)[0] == (pp - 1) * (f + i - 2 * w)
+        assert [peak_stored(a) for a in lists] == [2 * pp - 1] * pp
+    for pp in (2, 3, 4, 8):  # fewer microbatches: still valid, never over the limit
+        for m in range(1, 2 * pp - 1):
+            lists = [zb_h2_actions(r, pp, m) for r in range(pp)]
+            check_actions(lists, 1, m)
+            simulate(lists, 1, 1.0, 2.0, 1.0, 1.0)
+            assert max(peak_stored(a) for a in lists) <= 2 * pp - 1
+
+
 def test_zb_h1_is_1f1b_with_each_b_split_and_rank_r_deferring_r_weights():
     for pp, m in [(2, 4), (4, 3), (4, 8)]:
         for rank in range(pp):

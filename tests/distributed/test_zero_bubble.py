@@ -19,9 +19,10 @@ def pool(rank_pool_factory):
     return rank_pool_factory(4)
 
 
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-h2"])
 @pytest.mark.parametrize("pp, microbatches", [(2, 4), (4, 8)])
-def test_zb_h1_matches_1f1b(pool, pp, microbatches):
-    assert_schedule_matches_1f1b("zb-h1", pp=pp, microbatches=microbatches, flags=GPT,
+def test_zb_h1_and_h2_match_1f1b(pool, schedule, pp, microbatches):
+    assert_schedule_matches_1f1b(schedule, pp=pp, microbatches=microbatches, flags=GPT,
                                  rtol=1e-5, pool=pool)
 
 
@@ -153,6 +154,7 @@ DROPOUT = {**GPT, "pp": 2, "global-batch-size": 8, "hidden-dropout": 0.1,
 
 
 @pytest.mark.parametrize("schedule, extra", [("zbv", {}), ("dualpipev", {}), ("zb-h1", {}),
+                                             ("zb-h2", {}),
                                              ("interleaved-zero-bubble", {"vp": 2})])
 def test_dropout_runs_resume_bitwise(pool, tmp_path, schedule, extra):
     flags = {**DROPOUT, "schedule": schedule, **extra}
