@@ -50,7 +50,12 @@ def measure_training(config, world=None) -> dict:
     from plugtron.core.training.loop import setup, train
 
     warm = copy.deepcopy(config)
-    warm.model.num_layers, warm.training.train_iters = 1, 1
+    # one layer per virtual pipeline stage (a V-shape schedule has two chunks per rank)
+    p = warm.parallel
+    chunks = p.virtual_pipeline_model_parallel_size or (
+        2 if warm.plugins.schedule in ("zbv", "dualpipev") else 1)
+    warm.model.num_layers = p.pipeline_model_parallel_size * chunks
+    warm.training.train_iters = 1
     warm_run = setup(warm, world=world)
     train(warm_run, MetricsLogger(warm, rank=1))
     del warm_run

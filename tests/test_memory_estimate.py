@@ -330,3 +330,42 @@ def test_the_kits_activation_check_holds_a_layer_to_autograd():
         assert_activation_bytes_match(_Doubler(100), shape, x)
     with pytest.raises(AssertionError, match="defines no activation_bytes"):
         assert_activation_bytes_match(_Doubler(None), shape, x)
+
+
+def _tensors_held_by(fn, seen: set, depth: int = 0) -> int:
+    """Bytes of the (non-parameter) tensors a deferred weight-gradient closure holds, each
+    storage once."""
+    total = 0
+    for cell in getattr(fn, "__closure__", None) or ():
+        value = cell.cell_contents
+        if isinstance(value, torch.nn.Parameter):
+            continue
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif callable(value) and depth < 3:
+            total += _tensors_held_by(value, seen, depth + 1)
+    return total
+
+
+@pytest.mark.parametrize("flags", [{}, {"swiglu": True, "normalization": "RMSNorm"}],
+                         ids=["plain", "swiglu-rms"])
+def test_what_a_split_backward_keeps_until_w_is_what_the_estimate_says(flags):
+    # the estimate counts a microbatch from its I to its W with weight_grad_bytes: what the
+    # deferred weight gradients hold (inputs and output gradients), held to the real closures
+    from plugtron.core.contracts import weight_grads as wgrad
+
+    config, model, shape = _tiny_gpt(**flags)
+    tokens = torch.randint(0, config.model.vocab_size, (shape.micro_batch_size,
+                                                        shape.seq_length))
+    with wgrad.expecting_split_backward():
+        loss = model(tokens, labels=tokens)
+    store = wgrad.WeightGradStore()
+    with wgrad.collecting_weight_grads(store):
+        loss.sum().backward()
+    seen: set = set()
+    held = sum(_tensors_held_by(compute, seen) for _, compute in store.pending)
+    said = model.activation_bytes(shape).until_weights
+    assert said == pytest.approx(held, rel=0.1), (said, held)

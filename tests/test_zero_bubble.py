@@ -396,6 +396,7 @@ def test_the_deferred_embedding_equals_the_combined_backward():
 
 def test_the_memory_estimate_holds_a_microbatch_until_its_w():
     from plugtron.api import estimate_memory
+    from plugtron.core.contracts.activations import ChunkActivations
     from plugtron.core.tools.estimate import _held_peak
     from plugtron.testing.config import make_config
 
@@ -409,4 +410,11 @@ def test_the_memory_estimate_holds_a_microbatch_until_its_w():
     assert peaks["1f1b"] == [4, 3, 2, 1] and peaks["zb-h1"] == [4, 4, 4, 4]
     deferred = ([Action("F", mb) for mb in range(3)] + [Action("I", mb) for mb in range(3)]
                 + [Action("W", mb) for mb in range(3)])
-    assert _held_peak(deferred, [10]) == (30, 3)
+    # held for W: counted as stored unless the chunk says less (or more)
+    assert _held_peak(deferred, [ChunkActivations(10)]) == (30, 3)
+    # an I trades the 10 stored for the 4 its W keeps
+    assert _held_peak(deferred, [ChunkActivations(10, 0, 4)]) == (30, 3)
+    more = [Action("F", 0), Action("F", 1), Action("I", 0), Action("I", 1), Action("W", 0),
+            Action("W", 1)]
+    # W keeps more than was stored (12 > 10): after both I's 24 are held
+    assert _held_peak(more, [ChunkActivations(10, 0, 12)]) == (24, 2)

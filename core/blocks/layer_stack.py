@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-from plugtron.core.contracts.activations import module_activation_bytes
+from plugtron.core.contracts.activations import module_activation_bytes, module_weight_grad_bytes
 
 
 class ComposedLayer(torch.nn.Module):
@@ -73,6 +73,10 @@ class ComposedLayer(torch.nn.Module):
         """What the parts keep for backward together (core/contracts/activations.py)."""
 
         return sum(module_activation_bytes(part, shape) for part in self._parts)
+
+    def weight_grad_bytes(self, shape) -> int:
+        """What the parts keep from a split backward's I to its W together."""
+        return sum(module_weight_grad_bytes(part, shape) for part in self._parts)
 
     def train(self, mode: bool = True) -> ComposedLayer:
         super().train(mode)

@@ -66,10 +66,17 @@ class ActivationShape:
 class ChunkActivations:
     """``stored``: bytes one microbatch keeps on a chunk from its forward to its backward;
     ``recompute_peak``: bytes a recomputed group rebuilds during its backward (held once per
-    rank, for the group being recomputed, not per microbatch in flight)."""
+    rank, for the group being recomputed, not per microbatch in flight); ``held_for_weights``:
+    bytes a split backward keeps from its ``I`` to its ``W`` (the deferred weight gradients'
+    inputs and output gradients; ``None``: counted as ``stored``, the safe side)."""
 
     stored: int
     recompute_peak: int = 0
+    held_for_weights: int | None = None
+
+    @property
+    def until_weights(self) -> int:
+        return self.stored if self.held_for_weights is None else self.held_for_weights
 
 
 def module_activation_bytes(module, shape: ActivationShape) -> int:
@@ -81,11 +88,27 @@ def module_activation_bytes(module, shape: ActivationShape) -> int:
     return sum(module_activation_bytes(child, shape) for child in module.children())
 
 
+def module_weight_grad_bytes(module, shape: ActivationShape) -> int:
+    """``module.weight_grad_bytes(shape)`` (what a split backward keeps from ``I`` to ``W``),
+    or the sum over its parts; a part that says neither this nor less is counted with its
+    ``activation_bytes`` (all it keeps for backward, the safe side)."""
+    own = getattr(module, "weight_grad_bytes", None)
+    if callable(own):
+        return int(own(shape))
+    if callable(getattr(module, "activation_bytes", None)):
+        return int(module.activation_bytes(shape))
+    return sum(module_weight_grad_bytes(child, shape) for child in module.children())
+
+
 def decoder_activations(layers, shape: ActivationShape, hidden_size: int,
                         config) -> ChunkActivations:
     """A chunk's decoder layers (in run order) under ``--recompute-granularity full``: a
     recomputed group keeps only its input (one residual-stream tensor) and rebuilds its layers'
-    activations during its backward; the largest such group is the transient peak."""
+    activations during its backward; the largest such group is the transient peak. What a
+    split backward keeps for ``W`` is each layer's ``weight_grad_bytes`` (recomputed or not:
+    the rerun forward builds the same deferrable graph)."""
+    layers = list(layers)
+    held = sum(module_weight_grad_bytes(layer, shape) for layer in layers)
     per_layer = [module_activation_bytes(layer, shape) for layer in layers]
     stored = peak = 0
     for start, end, again in recompute_plan(config, len(per_layer)):
@@ -95,4 +118,4 @@ def decoder_activations(layers, shape: ActivationShape, hidden_size: int,
             peak = max(peak, group)
         else:
             stored += group
-    return ChunkActivations(stored, peak)
+    return ChunkActivations(stored, peak, held)

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 from plugtron.core.config import num_microbatches, padded_vocab_size
@@ -34,7 +36,14 @@ from plugtron.core.contracts.activations import (
 )
 from plugtron.core.errors import ConfigError
 from plugtron.core.parallel.context import ParallelContext
-from plugtron.core.pipeline.plan import actions_of_all_ranks, activation_change
+from plugtron.core.pipeline.executor import RECEIVE_LOOKAHEAD, communication_plan
+from plugtron.core.pipeline.p2p import activation_shape as p2p_shape
+from plugtron.core.pipeline.plan import (
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    actions_of_all_ranks,
+    activation_change,
+)
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import optimizer_state_per_param, wants_sharded_gradients
 from plugtron.core.plugins.options import with_plugin_sections
@@ -202,16 +211,43 @@ def _chunk_activations(chunk, shape) -> tuple[ChunkActivations, bool]:
     return ChunkActivations(module_activation_bytes(chunk, shape)), False
 
 
-def _held_peak(actions, chunk_bytes: list) -> tuple[int, int]:
-    """(peak bytes, microbatch-chunks held then) over one rank's schedule."""
+def _held_peak(actions, chunks: list) -> tuple[int, int]:
+    """(peak bytes, microbatch-chunks held then) over one rank's schedule. ``chunks``: the
+    ``ChunkActivations`` of each chunk. A forward adds what the microbatch keeps; a whole
+    backward lets it go; a split backward's ``I`` trades the stored activations for what its
+    ``W`` will need (holding the larger of the two at its peak), and the ``W`` lets that go."""
     held = peak = count = peak_count = 0
     for action in actions:
-        sign = activation_change(action)
-        held += sign * chunk_bytes[action.chunk]
-        count += sign
+        chunk = chunks[action.chunk]
+        if action.kind == BACKWARD_INPUT:
+            # the backward frees the stored activations layer by layer while it builds what
+            # W keeps: at most the larger of the two at once, then what W keeps
+            during = held - chunk.stored + max(chunk.stored, chunk.until_weights)
+            if during > peak:
+                peak, peak_count = during, count
+            held += chunk.until_weights - chunk.stored
+        elif action.kind == BACKWARD_WEIGHT:
+            held -= chunk.until_weights
+        else:
+            held += activation_change(action) * chunk.stored
+        count += activation_change(action)
         if held > peak:
             peak, peak_count = held, count
     return peak, peak_count
+
+
+def _p2p_buffers(per_rank: list, num_chunks: int, placement: str, cuda: bool) -> list[int]:
+    """Per rank, the most activation-sized receive buffers posted at once: under gloo the
+    executor posts the receives of the next ``RECEIVE_LOOKAHEAD`` steps early; under NCCL
+    those of one step."""
+    plan = communication_plan(tuple(tuple(a) for a in per_rank), num_chunks, placement)
+    window = 1 if cuda else RECEIVE_LOOKAHEAD
+    out = []
+    for steps in plan:
+        receives = [(s.recv_prev is not None) + (s.recv_next is not None) for s in steps]
+        out.append(max((sum(receives[i:i + window]) for i in range(len(receives))),
+                       default=0))
+    return out
 
 
 def estimate_memory(config, world_size: int, cuda: bool | None = None) -> MemoryEstimate:
@@ -240,6 +276,9 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
     grad_e = 4 if (mixed and p.accumulate_allreduce_grads_in_fp32) else e
     shape = activation_shape(config, cuda)
     result = MemoryEstimate(world_size, schedule=schedule_name, microbatches=microbatches)
+    message = math.prod(p2p_shape(config, SimpleNamespace(cp_size=cp, tp_size=tp))) * e
+    buffers = (_p2p_buffers(actions, chunks_per_rank, p.pipeline_placement, cuda)
+               if pp > 1 else [0])
     if declared_state is None:
         result.notes.append(f"optimizer {config.plugins.optimizer!r} does not implement "
                             f"optimizer_state_per_param: counted as 2 fp32 values per "
@@ -253,7 +292,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
             result.notes.append(f"model {config.plugins.model!r} defines no activation_bytes: "
                                 f"only its layers that do are counted")
         stored = [c.stored for c in per_chunk]
-        held, in_flight = _held_peak(actions[pp_rank], stored)
+        held, in_flight = _held_peak(actions[pp_rank], list(per_chunk))
         optimizer = numel * (4 * state_values + (4 if mixed else 0))
         result.ranks.append(RankEstimate(
             ranks=ranks, pp_rank=pp_rank, tp_rank=tp_rank, ep_rank=ep_rank, parameters=numel,
@@ -261,7 +300,8 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
             optimizer_bytes_distributed=-(-optimizer // (dp * cp)),
             activations_per_microbatch=stored, in_flight=in_flight, activation_bytes=held,
             recompute_bytes=max(c.recompute_peak for c in per_chunk),
-            workspace_bytes=int(WORKSPACE_FRACTION * tp * max(stored)),
+            workspace_bytes=(int(WORKSPACE_FRACTION * tp * max(stored))
+                             + buffers[pp_rank] * message),
             distributed_optimizer=distributed))
     return result
 

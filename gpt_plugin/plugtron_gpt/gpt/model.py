@@ -134,15 +134,18 @@ class GPTModel(torch.nn.Module):
         m = self.config.model
         h = m.hidden_size
         decoder = decoder_activations(self.decoder.layers.values(), shape, h, self.config)
-        stored = decoder.stored
+        stored, held = decoder.stored, decoder.until_weights
         if self.pre_process:
             stored += shape.tensor(2, 8) + shape.dropout_mask(h, m.hidden_dropout)
+            held += shape.tensor(1, 8) + shape.tensor(h)  # the embedding's ids and gradient
         if self.post_process:
             vocab = self.output_weight().shape[0]
             stored += shape.residual(h) + shape.residual(2, 4)  # final norm input and stats
             stored += shape.tensor(h)  # output layer input (gathered under sp)
             stored += shape.tensor(vocab, 4) + shape.tensor(1, 8)  # softmax, labels
-        return ChunkActivations(stored, decoder.recompute_peak)
+            # from I to W: the final norm's, and the output layer's input and logits' gradient
+            held += 2 * shape.residual(h) + shape.tensor(h) + shape.tensor(vocab)
+        return ChunkActivations(stored, decoder.recompute_peak, held)
 
     def shared_embedding_weights(self) -> list[torch.nn.Parameter]:
         out = []

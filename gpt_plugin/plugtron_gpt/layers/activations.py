@@ -107,3 +107,36 @@ def mlp_layer_bytes(layer, shape) -> int:
         else:  # gelu input, fc2 input
             total += shape.tensor(2 * f)
     return total + shape.dropout_mask(h, layer.hidden_dropout)
+
+
+# ------------------------------------------------------------------ split backward: I to W
+# A schedule that splits the backward keeps, from a microbatch's I to its W, what the deferred
+# weight gradients need (core/contracts/weight_grads.py): each norm's normalised input and the
+# gradient of its output, each linear's input and the gradient of its output. Biases are summed
+# at I; the rest of the layer's activations are freed at I.
+
+
+def _norm_until_weights(shape, width: int, residual: bool = True) -> int:
+    return 2 * (shape.residual(width) if residual else shape.tensor(width))
+
+
+def attention_weight_grad_bytes(layer, shape) -> int:
+    """``*``: the input norm, linear_qkv (its input a sequence shard under sp, gathered at W),
+    q/k norms, linear_proj."""
+    attn = layer.self_attention
+    h = attn.linear_qkv.weight.shape[1]
+    total = _norm_until_weights(shape, h)
+    total += shape.residual(h) + shape.tensor(attn.linear_qkv.weight.shape[0])
+    if attn.q_layernorm is not None:
+        total += _norm_until_weights(shape, (attn.num_heads + attn.num_groups) * attn.head_dim,
+                                     residual=False)
+    return total + shape.tensor(attn.linear_proj.weight.shape[1]) + shape.tensor(h)
+
+
+def mlp_weight_grad_bytes(layer, shape) -> int:
+    """``-``: the norm, linear_fc1 (input a sequence shard under sp), linear_fc2."""
+    mlp = layer.mlp
+    h = mlp.linear_fc1.weight.shape[1]
+    total = _norm_until_weights(shape, h)
+    total += shape.residual(h) + shape.tensor(mlp.linear_fc1.weight.shape[0])
+    return total + shape.tensor(mlp.linear_fc2.weight.shape[1]) + shape.tensor(h)

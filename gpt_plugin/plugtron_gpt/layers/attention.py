@@ -27,7 +27,7 @@ from plugtron.api import (
     recompute_module,
     scaled_normal_init,
 )
-from plugtron_gpt.layers.activations import attention_layer_bytes
+from plugtron_gpt.layers.activations import attention_layer_bytes, attention_weight_grad_bytes
 from plugtron_gpt.layers.attention_options import (
     SECTION,
     attention_options,
@@ -139,6 +139,10 @@ class SelfAttentionLayer(torch.nn.Module):
     def activation_bytes(self, shape) -> int:
         """Bytes kept for backward per microbatch (``plugtron estimate``)."""
         return attention_layer_bytes(self, shape)
+
+    def weight_grad_bytes(self, shape) -> int:
+        """Bytes a split backward keeps from this layer's I to its W (``plugtron estimate``)."""
+        return attention_weight_grad_bytes(self, shape)
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
         normed = (recompute(self.input_layernorm, hidden) if self.recompute_norm

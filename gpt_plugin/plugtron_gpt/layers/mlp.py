@@ -20,7 +20,7 @@ from plugtron.api import (
     recompute_module,
     scaled_normal_init,
 )
-from plugtron_gpt.layers.activations import mlp_layer_bytes
+from plugtron_gpt.layers.activations import mlp_layer_bytes, mlp_weight_grad_bytes
 from plugtron_gpt.layers.attention import dropout
 
 
@@ -134,6 +134,10 @@ class MLPLayer(torch.nn.Module):
     def activation_bytes(self, shape) -> int:
         """Bytes kept for backward per microbatch (``plugtron estimate``)."""
         return mlp_layer_bytes(self, shape)
+
+    def weight_grad_bytes(self, shape) -> int:
+        """Bytes a split backward keeps from this layer's I to its W (``plugtron estimate``)."""
+        return mlp_weight_grad_bytes(self, shape)
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
         normed = (recompute(self.pre_mlp_layernorm, hidden) if self.recompute_norm
