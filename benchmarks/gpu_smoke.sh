@@ -2,7 +2,10 @@
 # GPU smoke test of the `te` layer backend: a few bf16 iterations on one GPU with
 # `--layer-backend te` and, for comparison, `--layer-backend local`; prints tokens/s of each.
 # Needs CUDA and transformer-engine (pip install 'transformer-engine[pytorch]'). Not runnable on
-# CPU-only machines. Usage: benchmarks/gpu_smoke.sh [ITERS]
+# CPU-only machines. With two GPUs or more it also runs the zero-bubble schedules at pp 2 over
+# NCCL (1f1b, zb-h1, zbv, each with the local and the te backend: the te linears compute their
+# weight gradients at I, the local ones defer them) and compares their losses.
+# Usage: benchmarks/gpu_smoke.sh [ITERS]
 set -euo pipefail
 
 ITERS="${1:-20}"
@@ -38,3 +41,39 @@ for backend in ("te", "local"):
           f"(final loss {steps[-1]['lm_loss']:.4f})")
 print(f"te / local: {rates['te'] / rates['local']:.2f}x")
 PY
+
+GPUS="$(python -c 'import torch; print(torch.cuda.device_count())')"
+if [ "$GPUS" -ge 2 ]; then
+  PIPE=(--data mock --vocab-size 32000 --num-layers 8 --hidden-size 1024
+        --num-attention-heads 16 --seq-length 1024 --micro-batch-size 2 --global-batch-size 16
+        --train-iters "$ITERS" --lr 1e-4 --eval-interval 0 --log-interval 5 --no-progress
+        --bf16 --pp 2 --nproc-per-node 2)
+  for backend in local te; do
+    for schedule in 1f1b zb-h1 zbv; do
+      echo "== pp 2, --schedule $schedule --layer-backend $backend, $ITERS iterations"
+      plugtron train "${PIPE[@]}" --schedule "$schedule" --layer-backend "$backend" \
+        --metrics-file "$WORK/pp-$schedule-$backend.jsonl"
+    done
+  done
+  python - "$WORK" <<'PY'
+import json, pathlib, sys
+
+work = pathlib.Path(sys.argv[1])
+TOKENS_PER_ITER = 16 * 1024
+for backend in ("local", "te"):
+    base = None
+    for schedule in ("1f1b", "zb-h1", "zbv"):
+        records = [json.loads(line) for line in
+                   (work / f"pp-{schedule}-{backend}.jsonl").read_text().splitlines()]
+        steps = [r for r in records if "step_time_s" in r]
+        timed = steps[len(steps) // 4:] or steps
+        rate = TOKENS_PER_ITER * len(timed) / sum(r["step_time_s"] for r in timed)
+        losses = [r["lm_loss"] for r in steps]
+        base = base or losses
+        drift = max(abs(a - b) / abs(b) for a, b in zip(losses, base))
+        print(f"{backend:5s} {schedule:6s}: {rate:10.0f} tokens/s, final loss {losses[-1]:.4f}, "
+              f"max relative loss difference to 1f1b {drift:.2e}")
+PY
+else
+  echo "(one GPU: the pp 2 zero-bubble runs need two)"
+fi

@@ -82,8 +82,15 @@ class ExecutionTrace:
 
     actions: list = field(default_factory=list)
     peak_stored: int = 0  # most microbatch-chunks held for backward at once
-    compute_seconds: float = 0.0  # inside forward_step / backward_step
+    compute_seconds: float = 0.0  # inside forward_step / backward_step and the W's
     wait_seconds: float = 0.0  # blocked on receives
+    wall_seconds: float = 0.0  # the whole call
+
+    @property
+    def idle_fraction(self) -> float:
+        """Share of the call this rank did not compute: the pipeline's bubble as the rank
+        lived it (waits, communication, bookkeeping)."""
+        return 1.0 - self.compute_seconds / self.wall_seconds if self.wall_seconds else 0.0
 
 
 #: The trace of the most recent run on this process; tests and benchmarks read it.
@@ -161,6 +168,7 @@ def execute_actions(per_rank: list[list[Action]], forward_step_func, data_iterat
         raise ConfigError("an interleaved schedule needs one data iterator per model chunk")
     if parallel.pp_size > 1 and p2p is None:
         raise ConfigError("a pipeline of more than one stage needs the run's P2P communicator")
+    started = time.perf_counter()
     plan = plan_for(per_rank, len(chunks), num_microbatches, forward_only,
                     getattr(parallel, "pipeline_placement", LOOPED))
     runner = _Runner(chunks, iterators, forward_step_func, forward_only, parallel, p2p,
@@ -170,6 +178,7 @@ def execute_actions(per_rank: list[list[Action]], forward_step_func, data_iterat
         runner.step(index, step)
     # Only after success: on an error the peers are stuck too and waiting would hide it.
     runner.finish()
+    runner.trace.wall_seconds = time.perf_counter() - started
     last_trace = runner.trace
     return runner.reports
 
