@@ -144,3 +144,29 @@ def test_the_bubble_table_of_the_docs(name, vp, makespan, idle, peaks):
     assert report["makespan"] == makespan
     assert [r["idle_in_span"] for r in report["ranks"]] == idle
     assert [r["peak_stored_activations"] for r in report["ranks"]] == peaks
+
+
+def test_hook_pipeline_placement():
+    # the optional schedule hook, through a run's plugin manager: absent means looped; "v"
+    # gives two chunks per rank; anything else is refused with what is allowed
+    from plugtron.core.plugins.manager import new_plugin_manager
+    from plugtron.core.training.validate import apply_schedule_placement
+
+    from tests.schedule_helpers import VShapeGPipe
+
+    class Diagonal:
+        @staticmethod
+        def pipeline_placement(pp_size):
+            return "diagonal"
+
+    for plugin, want in ((None, LOOPED), (VShapeGPipe(), V_SHAPE)):
+        pm = new_plugin_manager()
+        if plugin is not None:
+            pm.register(plugin)
+        config = tiny_config(num_layers=4, pp=2)
+        assert apply_schedule_placement(config, pm.hook) == want
+        assert config.parallel.pipeline_placement == want
+        assert config.parallel.virtual_pipeline_model_parallel_size == (2 if want == V_SHAPE
+                                                                         else None)
+    with pytest.raises(ConfigError, match="'diagonal' is not one of looped, v"):
+        apply_schedule_placement(tiny_config(num_layers=4, pp=2), Diagonal())

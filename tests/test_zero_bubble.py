@@ -418,3 +418,19 @@ def test_the_memory_estimate_holds_a_microbatch_until_its_w():
             Action("W", 1)]
     # W keeps more than was stored (12 > 10): after both I's 24 are held
     assert _held_peak(more, [ChunkActivations(10, 0, 12)]) == (24, 2)
+
+
+def test_sync_points_never_mark_final_what_a_later_action_adds_to():
+    from plugtron.core.pipeline.executor import sync_points
+
+    def acts(text):
+        return [Action(t[0], int(t[1])) for t in text.split()]
+
+    # 1F1B: the last B; split: the last I (biases and the like) and the last W
+    assert sync_points(acts("F0 F1 B0 B1")) == {Action("B", 1)}
+    assert sync_points(acts("F0 F1 I0 W0 I1 W1")) == {Action("I", 1), Action("W", 1)}
+    # DualPipeV mixes them: a B followed by a W of an earlier I is not final for the deferred
+    # weights (the W adds to them), nor a W followed by a B
+    assert sync_points(acts("F0 F1 I0 B1 W0")) == {Action("W", 0)}
+    assert sync_points(acts("F0 F1 I0 W0 B1")) == {Action("B", 1)}
+    assert sync_points(acts("F0 F1 B0 I1 W1")) == {Action("I", 1), Action("W", 1)}

@@ -9,9 +9,10 @@ Split backward. An ``I`` is a backward run while a ``wgrad.WeightGradStore`` col
 that can defer their weight gradients leave them there (the others compute theirs now), and the
 input gradient goes to the previous stage as a ``B``'s would. The matching ``W`` runs the store.
 The forward of a microbatch whose backward will be split runs under
-``wgrad.expecting_split_backward``. Grad sync: a chunk's last ``B``/``I`` and its last ``W``
-run outside ``no_sync``, so a data-parallel bucket holding a deferred weight is complete (and
-reduced, with ``--overlap-grad-reduce``) only after that weight's last ``W``.
+``wgrad.expecting_split_backward``. Grad sync (:func:`sync_points`): a chunk's last ``B``/``I``
+and its last ``B``/``W`` run outside ``no_sync`` where the gradients they finish are final, so a
+data-parallel bucket holding a deferred weight is complete (and reduced, with
+``--overlap-grad-reduce``) only after that weight's last ``W``.
 
 Why it cannot deadlock. :func:`communication_plan` plays the lists on a clock of unit steps
 (``schedule_plan.simulate`` with every action kind costing 1). An action at step ``t`` sends its
@@ -183,6 +184,35 @@ def execute_actions(per_rank: list[list[Action]], forward_step_func, data_iterat
     return runner.reports
 
 
+def sync_points(actions: list[Action]) -> set[Action]:
+    """The backward actions of one rank that run outside ``no_sync``: where a chunk's
+    gradients of one kind are final. A ``B`` gives every parameter its gradient, an ``I`` those
+    whose weight gradients do not wait (biases, layers that cannot defer), a ``W`` the deferred
+    ones. So a chunk's last ``B``/``I`` syncs unless it is a ``B`` with a ``W`` after it, and its
+    last ``B``/``W`` unless it is a ``B`` with an ``I`` after it (that ``B`` would mark final what
+    the later action still adds to: schedules that mix whole and split backwards, DualPipeV).
+    Data-parallel buckets not marked ready by then are reduced when the step finishes."""
+    last_bi: dict[int, int] = {}
+    last_bw: dict[int, int] = {}
+    for index, a in enumerate(actions):
+        if a.kind in INPUT_GRADIENT_KINDS:
+            last_bi[a.chunk] = index
+        if a.kind in (BACKWARD, BACKWARD_WEIGHT):
+            last_bw[a.chunk] = index
+    out = set()
+    for chunk, index in last_bi.items():
+        after = actions[index + 1:]
+        if actions[index].kind == BACKWARD_INPUT or not any(
+                a.kind == BACKWARD_WEIGHT and a.chunk == chunk for a in after):
+            out.add(actions[index])
+    for chunk, index in last_bw.items():
+        after = actions[index + 1:]
+        if actions[index].kind == BACKWARD_WEIGHT or not any(
+                a.kind == BACKWARD_INPUT and a.chunk == chunk for a in after):
+            out.add(actions[index])
+    return out
+
+
 class _Runner:
     """The state of one rank while it walks its steps."""
 
@@ -201,8 +231,7 @@ class _Runner:
         self.handed_over: dict[tuple, torch.Tensor] = {}  # message key -> tensor, same rank
         self.unacknowledged: list[tuple] = []  # (tick, peer, exchange, role) of sends
         self.output = None  # this step's result to send
-        self.last_backward: dict[int, int] = {}  # chunk -> microbatch of its last B or I
-        self.last_weight: dict[int, int] = {}  # chunk -> microbatch of its last W
+        self.syncing: set[Action] = set()  # the actions that run outside no_sync
         self.split: set[tuple] = set()  # (mb, chunk) whose backward is I + W
         self.weight_grads: dict[tuple, wgrad.WeightGradStore] = {}  # (mb, chunk) -> its I's
         self.steps: tuple = ()
@@ -213,14 +242,11 @@ class _Runner:
 
     def prepare(self, steps) -> None:
         self.steps = steps
-        for step in steps:
-            a = step.action
-            if a is not None and a.kind in INPUT_GRADIENT_KINDS:
-                self.last_backward[a.chunk] = a.microbatch
-            if a is not None and a.kind == BACKWARD_WEIGHT:
-                self.last_weight[a.chunk] = a.microbatch
-            if a is not None and a.kind == BACKWARD_INPUT:
+        actions = [step.action for step in steps if step.action is not None]
+        for a in actions:
+            if a.kind == BACKWARD_INPUT:
                 self.split.add((a.microbatch, a.chunk))
+        self.syncing = sync_points(actions)
 
     def post_receives(self, until: int) -> None:
         """Post the receives of steps up to ``until`` early, in step order: the data can then
@@ -311,8 +337,8 @@ class _Runner:
         if stage < self.stages - 1:
             output_grad = self.receive((BACKWARD, action.microbatch, stage))
         start = time.perf_counter()
-        # Grad sync (e.g. overlapped data-parallel reduction) only on the chunk's last backward.
-        last = self.last_backward[chunk] == action.microbatch
+        # Grad sync (e.g. overlapped data-parallel reduction) only where it is complete.
+        last = action in self.syncing
         store = wgrad.WeightGradStore()
         collect = (wgrad.collecting_weight_grads(store) if action.kind == BACKWARD_INPUT
                    else contextlib.nullcontext())
@@ -337,7 +363,7 @@ class _Runner:
         chunk = action.chunk
         store = self.weight_grads.pop((action.microbatch, chunk))
         start = time.perf_counter()
-        last = self.last_weight[chunk] == action.microbatch
+        last = action in self.syncing
         with schedule_utils.sync_context(self.chunks[chunk], last):
             store.run()
         self.trace.compute_seconds += time.perf_counter() - start

@@ -12,6 +12,8 @@ from plugtron.testing.runs import train_run
 from tests.schedule_helpers import DeferredWeightsSchedule, VShapeGPipe
 
 GPT = {"model": "gpt", "num-layers": 4}
+#: What a schedule needs beyond the layout 1f1b runs (the looped zero-bubble one: chunks).
+OWN_FLAGS = {"interleaved-zero-bubble": {"vp": 2}}
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +30,10 @@ def test_zb_h1_and_h2_match_1f1b(pool, schedule, pp, microbatches):
 
 def _compare(flags, schedule, pool, world_size=4):
     base = {**GPT, "train-iters": 3, **flags}
-    got = train_run({**base, "schedule": schedule} if isinstance(schedule, str) else base,
-                    world_size, pool, schedule=None if isinstance(schedule, str) else schedule)
+    own = {"schedule": schedule, **OWN_FLAGS.get(schedule, {})} if isinstance(schedule,
+                                                                               str) else {}
+    got = train_run({**base, **own}, world_size, pool,
+                    schedule=None if isinstance(schedule, str) else schedule)
     want = train_run({**base, "schedule": "1f1b"}, world_size, pool)
     assert_records_close(got.records, want.records, 1e-5, f"{schedule} against 1f1b {flags}")
 
@@ -175,3 +179,34 @@ def test_a_v_shape_checkpoint_resumes_under_1f1b_and_back(pool, tmp_path):
         resumed = train_run({**flags, "schedule": resumed_under, "load": str(path)}, 2, pool)
         assert_records_close(resumed.records, whole.records[2:], 1e-5,
                              f"saved under {saved}, resumed under {resumed_under}")
+
+
+
+# ---------------------------------------------------------------- every new schedule x layout
+
+NEW = ["zb-h2", "interleaved-zero-bubble", "zbv", "dualpipev"]
+LAYOUTS = {
+    "tp2-sp": ({"pp": 2, "tp": 2, "sequence-parallel": True, "global-batch-size": 8}, 4),
+    "dp2-distopt-overlap": ({"pp": 2, "use-distributed-optimizer": True,
+                             "overlap-grad-reduce": True, "ddp-bucket-size": 4096,
+                             "global-batch-size": 16}, 4),
+    "recompute": ({"pp": 2, "recompute-granularity": "full", "recompute-method": "uniform",
+                   "recompute-num-layers": 1, "global-batch-size": 8}, 2),
+    "cp2": ({"pp": 2, "cp": 2, "seq-length": 16, "max-position-embeddings": 16,
+             "global-batch-size": 8}, 4),
+    "moe-ep2": ({"pp": 2, "ep": 2, "num-experts": 4, "moe-router-topk": 2,
+                 "moe-aux-loss-coeff": 1e-2, "moe-grouped-gemm": True,
+                 "global-batch-size": 16}, 4),
+    "hybrid": ({"model": "hybrid", "hybrid-layer-pattern": "M*M-", "mamba-state-dim": 8,
+                "mamba-head-dim": 8, "mamba-num-groups": 2, "pp": 2, "global-batch-size": 8},
+               2),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("schedule", NEW)
+def test_every_new_schedule_matches_1f1b_under_each_layout(pool, schedule, layout):
+    if layout == "moe-ep2":
+        pytest.importorskip("plugtron_moe")
+    flags, world_size = LAYOUTS[layout]
+    _compare(flags, schedule, pool, world_size=world_size)
