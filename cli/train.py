@@ -189,8 +189,10 @@ def make_train_command(args: list[str]) -> click.Command:
         from plugtron.core.training import preemption
         from plugtron.core.training.loop import pretrain
 
-        preemption.install(extra=config.training.exit_signal_handler)
+        # After joining the world: a signal while a restarted rank waits for its peers there
+        # ends it at once (torch elastic stops a failed group with SIGTERM), nothing to save.
         init_distributed(timeout_seconds(config))
+        preemption.install(extra=config.training.exit_signal_handler)
         pretrain(config)
         if preemption.stopped is not None:
             raise JobStopped(preemption.final_message(config), preemption.stopped[1])

@@ -63,10 +63,27 @@ def init_distributed(timeout_s: float = 600) -> WorldInfo:
         distributed_c10d.default_pg_timeout = datetime.timedelta(seconds=timeout_s)
         if hasattr(distributed_c10d, "default_pg_nccl_timeout"):
             distributed_c10d.default_pg_nccl_timeout = datetime.timedelta(seconds=timeout_s)
+        timeout = datetime.timedelta(seconds=timeout_s)
         torch.distributed.init_process_group(
             backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s))
+            timeout=timeout, store=restart_store(world_size, timeout))
     return WorldInfo(rank, world_size, local_rank, local_world, device)
+
+
+def restart_store(world_size: int, timeout: datetime.timedelta):
+    """Under torch elastic with the agent's store (torchrun's default), that store outlives a
+    restart of the worker group and still holds the keys the failed attempt's ranks wrote; a
+    new rank that asks for a peer's address before the peer has written it again reads the
+    dead one's ("Gloo connectFullMesh failed ... Connection refused"). Each attempt gets keys of
+    its own (``TORCHELASTIC_RESTART_COUNT``). None elsewhere: ``init_process_group`` builds the
+    usual store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+        is_master=False, timeout=timeout)
+    return torch.distributed.PrefixStore(f"plugtron/attempt_{attempt}", store)
 
 
 def shutdown(barrier: bool = False) -> None:

@@ -1,0 +1,87 @@
+"""torch elastic restarts a failed worker group and the run resumes with nothing lost: under
+``torchrun --max-restarts 1 --rdzv-backend c10d`` with ``--save D --load D``, rank 1 SIGKILLed
+mid-run; the restarted group joins the world (each attempt has store keys of its own,
+core/parallel/distributed.py: restart_store), resumes from the latest checkpoint and ends with the
+uninterrupted run's losses and final checkpoint, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+from plugtron.core.checkpoint import CheckpointReader
+
+from .procs import children
+from .tools import HARD_TIMEOUT_S, finish, run_cli, start_cli, tiny_flags, wait_for
+
+ITERS = 12
+FLAGS = tiny_flags(train_iters=ITERS, save_interval=2, log_interval=1, eval_interval=0)
+
+
+def _torchrun(*args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *args,
+            "-m", "plugtron.cli.main"]
+
+
+def _losses(metrics: str) -> dict[int, float]:
+    out = {}
+    with open(metrics) as f:
+        for line in f:
+            record = json.loads(line)
+            if "lm_loss" in record and "iteration" in record:
+                out[record["iteration"]] = record["lm_loss"]
+    return out
+
+
+def _iterations(metrics: str) -> int:
+    try:
+        return len(_losses(metrics))
+    except (OSError, ValueError):
+        return 0
+
+
+def _rank_pid(agent: int, rank: int) -> int | None:
+    for pid in children(agent):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+        except OSError:
+            continue
+        if env.get(b"RANK") == str(rank).encode():
+            return pid
+    return None
+
+
+def test_a_killed_rank_restarts_and_resumes_bitwise(tmp_path):
+    whole = run_cli(["train", *FLAGS, "--save", str(tmp_path / "whole"), "--metrics-file",
+                     str(tmp_path / "whole.jsonl"), "--nproc-per-node", "2"])
+    assert whole.rc == 0, whole.out
+    save, metrics = str(tmp_path / "elastic"), str(tmp_path / "elastic.jsonl")
+    argv = _torchrun("--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                     "127.0.0.1:0") + ["train", *FLAGS, "--save", save, "--load", save,
+                                       "--metrics-file", metrics]
+    proc = start_cli([], argv=argv)
+    try:
+        assert wait_for(lambda: _iterations(metrics) >= 5 or proc.poll() is not None, 60)
+        victim = _rank_pid(proc.pid, 1)
+        assert proc.poll() is None and victim is not None, "the run did not start training"
+        os.kill(victim, signal.SIGKILL)
+        done = finish(proc, HARD_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert done.rc == 0 and not done.timed_out, done.out
+    assert "loaded checkpoint" in done.out  # the second attempt resumed
+    want = _losses(str(tmp_path / "whole.jsonl"))
+    got = _losses(metrics)  # both attempts append; the resumed one rewrites iterations
+    assert got[ITERS] == want[ITERS] and sorted(got) == sorted(want)
+    for i in want:
+        assert got[i] == want[i], i
+    ours, theirs = CheckpointReader(save), CheckpointReader(str(tmp_path / "whole"))
+    assert ours.iteration == theirs.iteration == ITERS
+    for name in theirs.tensors:
+        if name.startswith("model/"):
+            assert torch.equal(ours.read_full(name), theirs.read_full(name)), name
