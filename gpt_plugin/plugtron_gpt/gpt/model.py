@@ -27,7 +27,7 @@ from plugtron.api import (
     substitute_symbols,
 )
 from plugtron_gpt.layers.attention import dropout
-from plugtron_gpt.layers.attention_options import rope_scaling
+from plugtron_gpt.layers.attention_options import rope_scaling, rotary_dim
 from plugtron_gpt.layers.decoder import Decoder
 from plugtron_gpt.layers.rope import rotary_freqs_at
 
@@ -101,7 +101,7 @@ class GPTModel(torch.nn.Module):
         self.decoder = Decoder(layers, backend.norm(m.hidden_size) if post_process else None,
                                config=config)
         self.use_rotary = m.position_embedding_type == "rope"
-        self.head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+        self.head_dim = rotary_dim(config)  # the channels rope turns per head
         self.rope_scaling = rope_scaling(config)
         self.output_layer = None
         if post_process and (m.untie_embeddings_and_output_weights or not pre_process):

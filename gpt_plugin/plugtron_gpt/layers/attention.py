@@ -7,6 +7,9 @@ the Hybrid model composes) or composed with ``-`` under the same index (a GPT la
 The fused QKV projection is laid out per query group, ``[q_1..q_n, k, v]`` for each group, so a
 contiguous split of its rows over tp gives each rank whole groups.
 
+With ``--multi-latent-attention`` its ``self_attention`` is DeepSeek's multi-latent attention
+instead (mla.py: ``linear_q_down_proj``, ``linear_kv_down_proj``, ... ).
+
 Options (attention_options.py): ``--add-qkv-bias`` (Qwen2), ``--qk-layernorm`` (Qwen3: one norm
 of ``head_dim`` channels shared by every query head, one by every key head, applied per head
 before rotary, Megatron-Core's ``q_layernorm`` / ``k_layernorm``) and ``--window-size``
@@ -34,6 +37,7 @@ from plugtron_gpt.layers.attention_options import (
     parse_window,
     validate_attention,
 )
+from plugtron_gpt.layers.mla import MultiLatentAttention
 from plugtron_gpt.layers.rope import apply_rotary
 from plugtron_gpt.layers.transformer_options import SECTION as TRANSFORMER
 from plugtron_gpt.layers.transformer_options import validate_transformer
@@ -127,7 +131,10 @@ class SelfAttentionLayer(torch.nn.Module):
         m = config.model
         self.backend = backend
         self.input_layernorm = backend.norm(m.hidden_size)
-        self.self_attention = SelfAttention(
+        # --multi-latent-attention swaps the attention itself; norm and residual stay.
+        kind = (MultiLatentAttention if attention_options(config).multi_latent_attention
+                else SelfAttention)
+        self.self_attention = kind(
             config, backend, parallel, f"decoder.layers.{layer_number - 1}.self_attention", seed)
         self.hidden_dropout = m.hidden_dropout
         self.recompute_norm = recompute_module(config, "layernorm")

@@ -56,9 +56,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """``x``: ``[b, s, heads, d]``; ``freqs``: ``[s, d]`` or per sample ``[b, s, d]``."""
+def apply_rotary(x: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0,
+                 interleaved_pairs: bool = False) -> torch.Tensor:
+    """``x``: ``[b, s, heads, d]``; ``freqs``: ``[s, d]`` or per sample ``[b, s, d]``.
+
+    ``mscale``: cos and sin multiplied by it (YaRN's attention factor). ``interleaved_pairs``:
+    the channels come as pairs ``(x0, x1), (x2, x3), ...`` each turned by one frequency
+    (DeepSeek's layout, Megatron-Core's ``mla_rotary_interleaved``): they are first regrouped as
+    ``[x0, x2, ..; x1, x3, ..]`` and the result stays in that order (queries and keys alike, so
+    their products are those of the pairs)."""
+    if interleaved_pairs:
+        x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
     freqs = freqs if freqs.dim() == 3 else freqs[None]
-    cos = freqs.cos()[:, :, None, :].to(x.dtype)
-    sin = freqs.sin()[:, :, None, :].to(x.dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    cos = cos[:, :, None, :].to(x.dtype)
+    sin = sin[:, :, None, :].to(x.dtype)
     return x * cos + _rotate_half(x) * sin
