@@ -16,6 +16,7 @@ from plugtron.cli.main import cli
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.training.loop import setup
 from plugtron.testing import make_config
+from plugtron_gpt.layers.attention_options import rope_scaling
 from plugtron_gpt.layers.rope import rotary_freqs
 
 HEADS, QK, POS, V, KV_RANK, Q_RANK = 4, 6, 4, 5, 8, 12
@@ -24,6 +25,10 @@ MLA = {"multi-latent-attention": True, "kv-lora-rank": KV_RANK, "qk-head-dim": Q
        "normalization": "RMSNorm", "add-bias-linear": False, "num-attention-heads": HEADS,
        "hidden-size": 32, "rotary-base": 10000}
 PREFIX = "decoder.layers.0.self_attention"
+
+
+def attention_config(yarn: bool):
+    return make_config({**MLA, **(YARN if yarn else {})})
 
 
 def _attention(q_rank, **extra):
@@ -112,17 +117,29 @@ def test_forward_and_backward_equal_the_reference(q_rank):
         _close(g, r)
 
 
+#: DeepSeek-V3's YaRN (factor 40, mscale = mscale_all_dim = 1: cos and sin unscaled, the
+#: softmax scale times (0.1 ln 40 + 1)^2), its original context shrunk to the test's sequence
+#: so that the ramp falls inside the 4 rotary channels.
+YARN = {"rope-type": "yarn", "rotary-scaling-factor": 40.0, "mscale": 1.0,
+        "mscale-all-dim": 1.0, "yarn-original-max-position-embeddings": 16}
+HF_YARN = {"rope_type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+           "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1}
+
+
 @pytest.mark.parametrize("q_rank", [Q_RANK, None], ids=["q-compressed", "q-uncompressed"])
-def test_forward_and_backward_equal_transformers(q_rank):
+@pytest.mark.parametrize("yarn", [False, True], ids=["rope", "yarn"])
+def test_forward_and_backward_equal_transformers(q_rank, yarn):
     deepseek = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
     from transformers import DeepseekV3Config
     # transformers' latent norms keep their default eps (1e-6) whatever rms_norm_eps says
-    attention = _attention(q_rank, **{"norm-epsilon": 1e-6})
+    attention = _attention(q_rank, **{"norm-epsilon": 1e-6}, **(YARN if yarn else {}))
+    rope = {"rope_parameters": {"rope_theta": 10000.0, **HF_YARN}} if yarn else \
+        {"rope_theta": 10000.0}
     hf_config = DeepseekV3Config(
         hidden_size=32, num_attention_heads=HEADS, num_key_value_heads=HEADS,
         q_lora_rank=q_rank, kv_lora_rank=KV_RANK, qk_nope_head_dim=QK, qk_rope_head_dim=POS,
         v_head_dim=V, rms_norm_eps=1e-5, attention_bias=False, attention_dropout=0.0,
-        rope_interleave=True, rope_theta=10000.0, max_position_embeddings=64)
+        rope_interleave=True, max_position_embeddings=64, **rope)
     hf_config._attn_implementation = "eager"
     hf = deepseek.DeepseekV3Attention(hf_config, layer_idx=0)
     names = {"linear_q_proj": "q_proj", "linear_q_down_proj": "q_a_proj",
@@ -138,11 +155,17 @@ def test_forward_and_backward_equal_transformers(q_rank):
     assert len(theirs) == len(ours)
     x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
     rope = deepseek.DeepseekV3RotaryEmbedding(hf_config)
+    if yarn:  # the correction is really there, on both sides
+        correction = (0.1 * math.log(40) + 1) ** 2
+        assert hf.scaling == pytest.approx((QK + POS) ** -0.5 * correction, rel=1e-12)
+        assert attention.query_scale == pytest.approx(correction, rel=1e-12)
+        default = 1.0 / 10000 ** (torch.arange(0, POS, 2).float() / POS)
+        assert not torch.equal(rope.inv_freq, default)
     positions = torch.arange(16)[None].expand(2, 16)
     cos_sin = rope(x, positions)
     mask = torch.full((16, 16), float("-inf")).triu(1)[None, None].expand(2, 1, 16, 16)
-    got = _forward_backward(lambda t: attention(t, rotary_freqs(16, POS, 10000.0)), x,
-                            list(ours.values()))
+    freqs = rotary_freqs(16, POS, 10000.0, scaling=rope_scaling(attention_config(yarn)))
+    got = _forward_backward(lambda t: attention(t, freqs), x, list(ours.values()))
     order = [f"{names[n.rsplit('.', 1)[0]]}.{n.rsplit('.', 1)[1]}" for n in ours]
     want = _forward_backward(lambda t: hf(t, cos_sin, mask)[0], x,
                              [theirs[n] for n in order])

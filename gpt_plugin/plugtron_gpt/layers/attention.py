@@ -35,10 +35,11 @@ from plugtron_gpt.layers.attention_options import (
     SECTION,
     attention_options,
     parse_window,
+    rope_scaling,
     validate_attention,
 )
 from plugtron_gpt.layers.mla import MultiLatentAttention
-from plugtron_gpt.layers.rope import apply_rotary
+from plugtron_gpt.layers.rope import apply_rotary, yarn_attention_factor
 from plugtron_gpt.layers.transformer_options import SECTION as TRANSFORMER
 from plugtron_gpt.layers.transformer_options import validate_transformer
 
@@ -82,6 +83,8 @@ class SelfAttention(torch.nn.Module):
                                            f"{prefix}.linear_proj.weight"),
             input_is_parallel=True)
         self.recompute_core = recompute_module(config, "core_attn")
+        #: cos and sin times this: YaRN's attention factor (1 otherwise)
+        self.rotary_mscale = yarn_attention_factor(rope_scaling(config))
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
         qkv, _ = self.linear_qkv(x)
@@ -96,7 +99,8 @@ class SelfAttention(torch.nn.Module):
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+            q = apply_rotary(q, rotary, self.rotary_mscale)
+            k = apply_rotary(k, rotary, self.rotary_mscale)
         inference = current_forward_context().inference
         if inference is not None:  # generation: attend over the cached keys too
             k, v = inference.update(self.cache_key, k, v)

@@ -41,6 +41,34 @@ class AttentionOptions:
     rotary_seq_len_interpolation_factor: float | None = opt(
         None, "--rotary-seq-len-interpolation-factor",
         "Linear rotary scaling: positions divided by this (Hugging Face rope_type 'linear').")
+    # YaRN (Megatron's flags: MLA's --rotary-scaling-factor/--mscale/--mscale-all-dim, the GPT
+    # model's --yarn-* for the rest), for MLA and the standard attention alike.
+    rope_type: str | None = opt(
+        None, "--rope-type",
+        "Rotary variant: rope, or yarn (YaRN context extension: the --yarn-* options, "
+        "--rotary-scaling-factor, --mscale, --mscale-all-dim). Default rope.",
+        choices=("rope", "yarn"))
+    rotary_scaling_factor: float = opt(1.0, "--rotary-scaling-factor",
+                                       "YaRN: the context extension factor.",
+                                       aliases=("--yarn-rotary-scaling-factor",))
+    mscale: float = opt(1.0, "--mscale",
+                        "YaRN: mscale (the attention factor's numerator, 0.1 mscale "
+                        "ln(factor) + 1).", aliases=("--yarn-mscale",))
+    mscale_all_dim: float = opt(0.0, "--mscale-all-dim",
+                                "YaRN: mscale_all_dim (the attention factor's denominator; "
+                                "with MLA also the softmax-scale correction).",
+                                aliases=("--yarn-mscale-all-dim",))
+    yarn_original_max_position_embeddings: int = opt(
+        4096, "--yarn-original-max-position-embeddings",
+        "YaRN: the context length the model was trained at before extension.")
+    yarn_beta_fast: float = opt(32.0, "--yarn-beta-fast",
+                                "YaRN: rotations above which a frequency is kept.")
+    yarn_beta_slow: float = opt(1.0, "--yarn-beta-slow",
+                                "YaRN: rotations below which a frequency is interpolated.")
+    yarn_correction_range_round_to_int: bool = opt(
+        True, "--yarn-correction-range-round-to-int",
+        "YaRN: round the ramp's ends outwards to whole channels (Hugging Face's truncate).",
+        is_flag=True, negative="--no-yarn-correction-range-round-to-int")
     # Multi-latent attention (DeepSeek-V2/V3), Megatron's flags and defaults.
     multi_latent_attention: bool = opt(
         False, "--multi-latent-attention",
@@ -97,6 +125,12 @@ def parse_window(value) -> tuple[int, int] | None:
 def rope_scaling(config) -> dict | None:
     """The rotary scaling of the run for :func:`rope.inv_frequencies`, or None."""
     o = attention_options(config)
+    if o.rope_type == "yarn":
+        return {"rope_type": "yarn", "factor": o.rotary_scaling_factor,
+                "original_max_position_embeddings": o.yarn_original_max_position_embeddings,
+                "beta_fast": o.yarn_beta_fast, "beta_slow": o.yarn_beta_slow,
+                "truncate": o.yarn_correction_range_round_to_int,
+                "mscale": o.mscale, "mscale_all_dim": o.mscale_all_dim}
     if o.use_rope_scaling:
         return {"rope_type": "llama3", "factor": o.rope_scaling_factor,
                 "low_freq_factor": o.rope_scaling_low_freq_factor,
@@ -157,11 +191,46 @@ def validate_mla(config) -> None:
                           f"--cp-comm-type a2a")
 
 
+#: The YaRN options and their defaults: set to anything else, they need --rope-type yarn.
+_YARN_DEFAULTS = {"rotary_scaling_factor": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0,
+                  "yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0,
+                  "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True}
+
+
+def validate_yarn(config) -> None:
+    """``--rope-type yarn`` and its options; options given without it are refused (they would
+    change nothing)."""
+    o = attention_options(config)
+    if o.rope_type != "yarn":
+        changed = [name for name, default in _YARN_DEFAULTS.items()
+                   if getattr(o, name) != default]
+        if changed:
+            flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+            raise ConfigError(f"{flags} only apply to --rope-type yarn")
+        return
+    if config.model.position_embedding_type != "rope":
+        raise ConfigError("--rope-type yarn scales rotary positions: it needs "
+                          "--position-embedding-type rope")
+    if o.use_rope_scaling or o.rotary_seq_len_interpolation_factor is not None:
+        raise ConfigError("--rope-type yarn and --use-rope-scaling / "
+                          "--rotary-seq-len-interpolation-factor are two rotary scalings; "
+                          "choose one")
+    if o.rotary_scaling_factor <= 0:
+        raise ConfigError(f"--rotary-scaling-factor must be positive, got "
+                          f"{o.rotary_scaling_factor}")
+    if o.yarn_original_max_position_embeddings < 1:
+        raise ConfigError("--yarn-original-max-position-embeddings must be at least 1")
+    if not 0 < o.yarn_beta_slow < o.yarn_beta_fast:
+        raise ConfigError(f"--yarn-beta-slow ({o.yarn_beta_slow}) must be positive and below "
+                          f"--yarn-beta-fast ({o.yarn_beta_fast})")
+
+
 def validate_attention(config) -> None:
     """The options' values, and what they do not combine with; before launch."""
     o = attention_options(config)
     if o.multi_latent_attention:
         validate_mla(config)
+    validate_yarn(config)
     window = parse_window(o.window_size)
     # A window covering the whole sequence is plain causal attention (Mistral's 4096 at shorter
     # sequences): every path computes it.

@@ -37,8 +37,8 @@ from plugtron.api import (
     recompute_module,
     scaled_normal_init,
 )
-from plugtron_gpt.layers.attention_options import attention_options, parse_window
-from plugtron_gpt.layers.rope import apply_rotary
+from plugtron_gpt.layers.attention_options import attention_options, parse_window, rope_scaling
+from plugtron_gpt.layers.rope import apply_rotary, yarn_attention_factor, yarn_mscale
 
 
 class ReplicatedLinear(torch.nn.Module):
@@ -148,5 +148,12 @@ class MultiLatentAttention(torch.nn.Module):
 
 
 def mla_scales(config) -> tuple[float, float]:
-    """``(rotary mscale, query scale)`` of MLA: both 1 unless the rope is YaRN's."""
-    return 1.0, 1.0
+    """``(rotary mscale, query scale)`` of MLA: both 1 unless the rope is YaRN's. Under YaRN
+    cos and sin carry its attention factor (:func:`yarn_attention_factor`), and the softmax
+    scale ``1/sqrt(qk + pos)`` is multiplied by ``mscale(factor, mscale_all_dim)^2``
+    (Megatron-Core's MLA, DeepSeek's reference), here by scaling the queries."""
+    scaling = rope_scaling(config)
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0, 1.0
+    correction = yarn_mscale(scaling["factor"], scaling["mscale_all_dim"])
+    return yarn_attention_factor(scaling), correction * correction
