@@ -159,6 +159,15 @@ def test_whole_chunk_bytes_are_what_autograd_saves():
     assert_activation_bytes_match(model, shape, tokens, labels=tokens, rel=0.05)
 
 
+def test_whole_chunk_bytes_with_multi_token_prediction():
+    """Two MTP depths on the chunk (issue 27): their layers, norms, projections and losses."""
+    config, model, shape = _tiny_gpt(position_embedding_type="rope", mtp_num_layers=2)
+    tokens = torch.randint(0, config.model.vocab_size, (shape.micro_batch_size,
+                                                        shape.seq_length))
+    assert_activation_bytes_match(model, shape, tokens, labels=tokens,
+                                  loss_mask=torch.ones(tokens.shape), rel=0.05)
+
+
 def _rows(flags, world_size):
     return estimate_memory(config_from_flags({**DEFAULT_RUN, **flags}, "test"), world_size,
                            cuda=False).ranks

@@ -232,6 +232,9 @@ class MoEConverter:
             raise ConfigError("--multi-latent-attention matches no Hugging Face layout "
                               "plugtron exports yet (deepseek_v3 export is not implemented: "
                               "issue 27)")
+        if getattr(getattr(config, "mtp", None), "mtp_num_layers", None):
+            raise ConfigError("--mtp-num-layers: no Hugging Face MoE layout plugtron exports has "
+                              "multi-token prediction layers yet (deepseek_v3 export: issue 27)")
         qkv_bias, qk_norm = _attention_options(config)
         kind = ("qwen3_moe" if qk_norm else "qwen2_moe" if o.moe_shared_expert_intermediate_size
                 else "mixtral")
