@@ -202,3 +202,32 @@ def test_other_layer_backends_are_refused():
     from plugtron_gpt.layers.attention_options import validate_attention
     with pytest.raises(ConfigError, match="implemented with the 'local' layer backend"):
         validate_attention(make_config({**MLA, "layer-backend": "te"}))
+
+
+def test_generation_caches_the_expanded_keys_and_values(tmp_path):
+    """An MLA model (with YaRN and an MTP layer, which generation skips) saved after one step:
+    cached greedy generation equals generation without a cache and the full-sequence argmax,
+    with prompts of different lengths (left padding). The cache holds the expanded keys and
+    values; the compressed latent cache is issue 27's open part."""
+    from plugtron.api import generate, load_model
+    from plugtron.core import checkpoint
+    from plugtron.core.monitoring.metrics import MetricsLogger
+    from plugtron.core.training import loop as training
+
+    path = str(tmp_path / "mla")
+    config = make_config({**MLA, **YARN, "q-lora-rank": Q_RANK, "mtp-num-layers": 1,
+                          "train-iters": 1, "save": path, "init-method-std": 0.2})
+    run = training.setup(config, world=single_process())
+    checkpoint.load_if_requested(run)
+    training.train(run, MetricsLogger(config, rank=1))
+    model = load_model(path)
+    prompts = [[5, 17, 3, 9, 42], [7, 1], [88, 2, 64]]
+    cached = generate(model, prompts, 6, greedy=True)
+    assert cached.tokens == generate(model, prompts, 6, greedy=True, use_cache=False).tokens
+    for prompt, tokens in zip(prompts, cached.tokens):
+        sequence = list(prompt)
+        for _ in range(6):
+            with torch.no_grad():
+                logits = model(torch.tensor([sequence]))
+            sequence.append(int(logits[0, -1, :128].argmax()))
+        assert tokens == sequence[len(prompt):]

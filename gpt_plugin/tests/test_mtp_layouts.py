@@ -1,6 +1,6 @@
 """Multi-token prediction (issue 27) trains like one process: tp 2 with sequence parallelism,
 pp 2 (the MTP layers on the last stage, the word embeddings there the tied output layer, or a
-copy shared with the first stage when untied), pp 2 x vp 2; and an MoE model whose MTP layer is
+copy shared with the first stage when untied), pp 2 x vp 2, zbv's V-shape placement; and an MoE model whose MTP layer is
 an MoE layer under ep 2. Losses (lm loss, every mtp_k loss, the balancing loss) and grad norms
 within relative 1e-5, fp32. One pool of 2 ranks for the module."""
 
@@ -26,7 +26,13 @@ def test_tensor_sequence_and_pipeline_parallel_match_one_process(pool):
 
 def test_untied_embeddings_under_pipeline_parallel(pool):
     flags = {**FLAGS, "untie-embeddings-and-output-weights": True}
-    assert_layouts_match(flags, layouts=[{"pp": 2}], pool=pool)
+    assert_layouts_match(flags, layouts=[{"pp": 2}, {"pp": 2, "schedule": "zbv"}], pool=pool)
+
+
+def test_v_shape_placement_puts_the_mtp_layers_on_rank_0(pool):
+    """zbv: the last chunk (output layer, MTP) is rank 0's second; its embedding copy is summed
+    with the first chunk's on the same rank."""
+    assert_layouts_match(FLAGS, layouts=[{"pp": 2, "schedule": "zbv"}], pool=pool)
 
 
 def test_deepseek_shaped_model_with_an_moe_mtp_layer_under_ep(pool):
