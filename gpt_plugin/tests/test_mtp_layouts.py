@@ -1,4 +1,4 @@
-"""Multi-token prediction (issue 27) trains like one process: tp 2 with sequence parallelism,
+"""Multi-token prediction (issue 27) trains like one process: tp 2, tp 2 with sequence parallelism,
 pp 2 (the MTP layers on the last stage, the word embeddings there the tied output layer, or a
 copy shared with the first stage when untied), pp 2 x vp 2, zbv's V-shape placement; and an MoE model whose MTP layer is
 an MoE layer under ep 2. Losses (lm loss, every mtp_k loss, the balancing loss) and grad norms
@@ -20,7 +20,7 @@ def pool(rank_pool_factory):
 
 
 def test_tensor_sequence_and_pipeline_parallel_match_one_process(pool):
-    assert_layouts_match(FLAGS, layouts=[{"tp": 2, "sequence-parallel": True}, {"pp": 2},
+    assert_layouts_match(FLAGS, layouts=[{"tp": 2}, {"tp": 2, "sequence-parallel": True}, {"pp": 2},
                                          {"pp": 2, "vp": 2}], pool=pool)
 
 
