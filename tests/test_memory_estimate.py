@@ -76,8 +76,13 @@ def _saved_by_layer(layer, hidden, model, config, shape):
     {"recompute_granularity": "selective"},
     {"recompute_granularity": "selective", "recompute_modules": ["mlp,core_attn"],
      "hidden_dropout": 0.1, "attention_dropout": 0.1},
+    {"position_embedding_type": "rope", "multi_latent_attention": True, "q_lora_rank": 48,
+     "kv_lora_rank": 32, "qk_head_dim": 32, "qk_pos_emb_head_dim": 16, "v_head_dim": 24},
+    {"position_embedding_type": "rope", "multi_latent_attention": True, "kv_lora_rank": 32,
+     "qk_head_dim": 32, "qk_pos_emb_head_dim": 16, "v_head_dim": 24,
+     "recompute_granularity": "selective"},
 ], ids=["plain", "dropout", "swiglu", "rope-rms", "rope-gqa", "sel-rope", "window",
-        "documents", "sel-core", "sel-mlp-dropout"])
+        "documents", "sel-core", "sel-mlp-dropout", "mla", "mla-sel"])
 def test_layer_bytes_are_what_autograd_saves(flags):
     config, model, shape = _tiny_gpt(**flags)
     layer = model.decoder.layers["0"]
@@ -152,6 +157,15 @@ def test_whole_chunk_bytes_are_what_autograd_saves():
     tokens = torch.randint(0, config.model.vocab_size, (shape.micro_batch_size,
                                                         shape.seq_length))
     assert_activation_bytes_match(model, shape, tokens, labels=tokens, rel=0.05)
+
+
+def test_whole_chunk_bytes_with_multi_token_prediction():
+    """Two MTP depths on the chunk (issue 27): their layers, norms, projections and losses."""
+    config, model, shape = _tiny_gpt(position_embedding_type="rope", mtp_num_layers=2)
+    tokens = torch.randint(0, config.model.vocab_size, (shape.micro_batch_size,
+                                                        shape.seq_length))
+    assert_activation_bytes_match(model, shape, tokens, labels=tokens,
+                                  loss_mask=torch.ones(tokens.shape), rel=0.05)
 
 
 def _rows(flags, world_size):

@@ -30,6 +30,8 @@ mask (:func:`plugtron.core.parallel.attention_blocks.keep_mask`), a2a torch's ow
 
 Shapes are the layer backend's: q ``[b, s_local, heads, d]``, k and v ``[b, s_local, groups, d]``
 (grouped-query attention: ``heads`` a multiple of ``groups``), result ``[b, s_local, heads * d]``.
+Values may be narrower than queries and keys (multi-latent attention): a2a takes them as they
+are, p2p and all-gather pad them with zeros to the key size and drop those channels after.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def context_parallel_attention(q, k, v, parallel, comm_type: str = "p2p",
         raise ValueError(f"cp comm type {comm_type!r} is not one of {', '.join(COMM_TYPES)}")
     if parallel.cp_size == 1:
         return _local_causal(q, k, v, dropout_p)
+    if comm_type != "a2a" and v.shape[-1] != k.shape[-1]:
+        return _padded_values(q, k, v, parallel, comm_type, dropout_p)
     if comm_type == "p2p":
         return ring_attention(q, k, v, parallel.cp_group, parallel.cp_ranks, parallel.cp_rank,
                               dropout_p)
@@ -64,6 +68,22 @@ def context_parallel_attention(q, k, v, parallel, comm_type: str = "p2p",
         return all_gather_attention(q, k, v, parallel.cp_group, parallel.cp_rank,
                                     parallel.cp_size, dropout_p)
     return all_to_all_attention(q, k, v, parallel.cp_group, parallel.cp_size, dropout_p)
+
+
+def _padded_values(q, k, v, parallel, comm_type: str, dropout_p: float) -> torch.Tensor:
+    """Values narrower than the keys (multi-latent attention: 128 value channels against 192
+    query/key ones): the ring and all-gather paths move keys and values as one tensor, so the
+    values travel zero-padded to the key size. Zero channels of v give zero channels of the
+    output, which are dropped; their gradient is dropped with them, so the result and every
+    gradient equal attention over the narrow values."""
+    dv, dk = v.shape[-1], k.shape[-1]
+    if dv > dk:
+        raise ValueError(f"cp comm type {comm_type!r} needs value heads ({dv}) no wider than "
+                         f"key heads ({dk}); a2a takes any")
+    padded = F.pad(v, (0, dk - dv))
+    out = context_parallel_attention(q, k, padded, parallel, comm_type, dropout_p)
+    b, s, heads = q.shape[:3]
+    return out.view(b, s, heads, dk)[..., :dv].reshape(b, s, heads * dv)
 
 
 def _local_causal(q, k, v, dropout_p=0.0):

@@ -228,6 +228,13 @@ class MoEConverter:
 
     def export_hf_from(self, config, t: dict) -> tuple[dict, dict]:
         m, o = config.model, config.moe
+        if getattr(getattr(config, "attention", None), "multi_latent_attention", False):
+            raise ConfigError("--multi-latent-attention matches no Hugging Face layout "
+                              "plugtron exports yet (deepseek_v3 export is not implemented: "
+                              "issue 27)")
+        if getattr(getattr(config, "mtp", None), "mtp_num_layers", None):
+            raise ConfigError("--mtp-num-layers: no Hugging Face MoE layout plugtron exports has "
+                              "multi-token prediction layers yet (deepseek_v3 export: issue 27)")
         qkv_bias, qk_norm = _attention_options(config)
         kind = ("qwen3_moe" if qk_norm else "qwen2_moe" if o.moe_shared_expert_intermediate_size
                 else "mixtral")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+import ast
 from dataclasses import dataclass
 
 from plugtron.api import ConfigError, opt
@@ -143,26 +143,65 @@ def uses_sinkhorn(options) -> bool:
     return (list(kind) if isinstance(kind, (list, tuple)) else [kind]) == ["sinkhorn"]
 
 
-#: A list expression may hold only these characters (it is evaluated without builtins).
-_LIST_EXPRESSION = re.compile(r"^[\[\]0-9+*(),\s]+$")
+#: Longest list a --moe-layer-freq expression may build (far beyond any model's layer count):
+#: ``[0]*10**9`` is refused before it is allocated.
+MAX_PATTERN_LENGTH = 100_000
+
+
+def _pattern_value(node, text: str):
+    """The value of one node of a ``--moe-layer-freq`` list expression: integers, lists (or
+    parenthesised tuples) of them, ``+`` of lists or integers, ``*`` of a list by an integer.
+    Nothing else is evaluated (no names, calls, attributes, comprehensions or ``**``)."""
+    def bad(what: str):
+        return ConfigError(f"--moe-layer-freq {text!r}: {what}; expected an int or a list "
+                           f"expression of 0/1 such as '([0]*3+[1]*58)'")
+
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):  # bools: 0/1 too
+        return int(node.value)
+    if isinstance(node, (ast.List, ast.Tuple)):
+        items = [_pattern_value(item, text) for item in node.elts]
+        if any(isinstance(item, list) for item in items):
+            raise bad("lists may not be nested")
+        return items
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _pattern_value(node.left, text), _pattern_value(node.right, text)
+        if isinstance(node.op, ast.Add):
+            if isinstance(left, list) != isinstance(right, list):
+                raise bad("'+' joins two lists or adds two integers")
+            if isinstance(left, list) and len(left) + len(right) > MAX_PATTERN_LENGTH:
+                raise bad(f"the list grows past {MAX_PATTERN_LENGTH} entries")
+            return left + right
+        if isinstance(left, int) and isinstance(right, list):
+            left, right = right, left
+        if isinstance(left, list) and isinstance(right, int):
+            if len(left) * max(right, 0) > MAX_PATTERN_LENGTH:
+                raise bad(f"the list grows past {MAX_PATTERN_LENGTH} entries")
+            return left * right
+        if isinstance(left, int) and isinstance(right, int):
+            if abs(left * right) > MAX_PATTERN_LENGTH:
+                raise bad(f"a count past {MAX_PATTERN_LENGTH}")
+            return left * right
+        raise bad("'*' repeats a list by an integer")
+    raise bad(f"{type(node).__name__} is not allowed")
 
 
 def moe_layer_pattern(freq: str | int, num_layers: int) -> list[bool]:
     """Which layers (0-based) are MoE, Megatron's ``moe_layer_freq`` semantics: an int N makes
-    layer i MoE when ``i % N == 0``; a list expression gives one 0/1 per layer."""
+    layer i MoE when ``i % N == 0``; a list expression gives one 0/1 per layer. The expression
+    is parsed, never run: only integer and list literals, ``+`` and ``*`` are evaluated
+    (:func:`_pattern_value`)."""
     text = str(freq).strip()
     if text.isdigit():
         every = int(text)
         if every < 1:
             raise ConfigError(f"--moe-layer-freq {freq}: must be at least 1")
         return [i % every == 0 for i in range(num_layers)]
-    if not _LIST_EXPRESSION.match(text):
-        raise ConfigError(f"--moe-layer-freq {freq!r}: expected an int or a list expression "
-                          f"such as '([0]+[1]*3)*2'")
     try:
-        pattern = eval(text, {"__builtins__": {}}, {})  # noqa: S307 - characters checked above
-    except Exception as exc:  # noqa: BLE001
-        raise ConfigError(f"--moe-layer-freq {freq!r} does not evaluate: {exc}") from None
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        raise ConfigError(f"--moe-layer-freq {freq!r}: expected an int or a list expression "
+                          f"such as '([0]+[1]*3)*2'") from None
+    pattern = _pattern_value(tree.body, text)
     if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
         raise ConfigError(f"--moe-layer-freq {freq!r}: must give a list of 0/1")
     if len(pattern) != num_layers:

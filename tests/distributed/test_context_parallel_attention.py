@@ -2,7 +2,8 @@
 
 Each rank holds chunks r and 2cp-1-r of the same random q, k, v; its output and the gradients
 of its q, k, v slices must equal the slices of a single-process computation on the full
-tensors (fp32, relative 1e-5): for cp 2 and 4, each comm type, with and without GQA. The same
+tensors (fp32, relative 1e-5): for cp 2 and 4, each comm type, with and without GQA, and at
+cp 2 with values narrower than the keys (multi-latent attention). The same
 runs count the bytes autograd keeps for backward (the attention activations): per rank within
 1.2x of 1/cp of one process's. With attention dropout, p2p and allgather must equal one process
 applying the same positional mask (attention_blocks.keep_mask) to the full attention.
@@ -150,3 +151,36 @@ def test_a2a_dropout_masks_differ_between_head_blocks(pool):
     # Head 0 went through rank 0's attention, head 2 through rank 1's: not the same mask.
     for rank_kept in kept:
         assert not torch.equal(rank_kept[..., 0, :], rank_kept[..., 2, :])
+
+
+def _narrow_inputs(heads=4, v_dim=5, seq=16, batch=2, dim=8):
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(batch, seq, heads, dim, generator=gen) for _ in range(2))
+    v = torch.randn(batch, seq, heads, v_dim, generator=gen)
+    return q, k, v, torch.randn(batch, seq, heads * v_dim, generator=gen)
+
+
+def _rank_narrow_values(rank, world_size, comm_type):
+    cache = worker_cache()
+    parallel = cache.setdefault(("cp", world_size),
+                                ParallelContext.build(world_size, rank, cp=world_size))
+    q, k, v, grad = (split_tensor(t, 1, parallel.cp_rank, world_size) for t in _narrow_inputs())
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = context_parallel_attention(q, k, v, parallel, comm_type)
+    out.backward(grad)
+    return (out.detach(), q.grad, k.grad, v.grad), 0
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "allgather", "a2a"])
+def test_values_narrower_than_keys_equal_one_process(pool, comm_type):
+    """Multi-latent attention's shape (issue 27): 5 value channels against 8 query/key ones.
+    p2p and allgather carry the values zero-padded to the key width; a2a as they are."""
+    q, k, v, grad = _narrow_inputs()
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                         is_causal=True)
+    out = out.transpose(1, 2).reshape(2, 16, -1)
+    out.backward(grad)
+    want = (out.detach(), q.grad, k.grad, v.grad)
+    results = pool.run(_rank_narrow_values, comm_type, world_size=2)
+    _check(results, want, 2, f"narrow values cp 2 {comm_type}")

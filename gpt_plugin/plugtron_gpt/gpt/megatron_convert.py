@@ -304,6 +304,12 @@ def _feature_args(config) -> dict:
     """Megatron's feature args for a plugtron config: its attention and MLP options in
     Megatron's forms; ConfigError where Megatron-Core cannot compute the model."""
     m, o = config.model, attention_options(config)
+    if o.multi_latent_attention:
+        raise ConfigError("--multi-latent-attention cannot be exported to Megatron-Core yet: "
+                          "plugtron does not map MLA's projections to torch_dist (issue 27)")
+    if getattr(getattr(config, "mtp", None), "mtp_num_layers", None):
+        raise ConfigError("--mtp-num-layers cannot be exported to Megatron-Core yet: plugtron "
+                          "does not map the MTP layers to torch_dist (issue 27)")
     if openai_gelu(config):
         raise ConfigError("--openai-gelu cannot be exported to Megatron-Core: its GPTModel "
                           "computes exact GeLU whatever --openai-gelu says (only the removed "

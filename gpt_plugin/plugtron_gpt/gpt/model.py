@@ -13,6 +13,8 @@ when the embedding lives on another stage).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from plugtron.api import (
@@ -26,8 +28,9 @@ from plugtron.api import (
     share_parameter,
     substitute_symbols,
 )
+from plugtron_gpt.gpt.mtp import MultiTokenPrediction, mtp_depth, mtp_layer_bytes
 from plugtron_gpt.layers.attention import dropout
-from plugtron_gpt.layers.attention_options import rope_scaling
+from plugtron_gpt.layers.attention_options import rope_scaling, rotary_dim
 from plugtron_gpt.layers.decoder import Decoder
 from plugtron_gpt.layers.rope import rotary_freqs_at
 
@@ -101,7 +104,7 @@ class GPTModel(torch.nn.Module):
         self.decoder = Decoder(layers, backend.norm(m.hidden_size) if post_process else None,
                                config=config)
         self.use_rotary = m.position_embedding_type == "rope"
-        self.head_dim = m.kv_channels or m.hidden_size // m.num_attention_heads
+        self.head_dim = rotary_dim(config)  # the channels rope turns per head
         self.rope_scaling = rope_scaling(config)
         self.output_layer = None
         if post_process and (m.untie_embeddings_and_output_weights or not pre_process):
@@ -110,7 +113,19 @@ class GPTModel(torch.nn.Module):
             self.output_layer = backend.vocab_parallel_embedding(
                 m.padded_vocab_size, m.hidden_size,
                 init_method=normal_init(m.init_method_std, seed, key))
-        if not m.untie_embeddings_and_output_weights and parallel.pp_size > 1:
+        # Multi-token prediction (--mtp-num-layers) on the chunk with the output layer; it
+        # embeds shifted tokens, so a last stage without the embedding gets a shared copy of
+        # the word embeddings (the tied output layer is one already).
+        self.mtp = self.mtp_embedding = None
+        if post_process and mtp_depth(config):
+            self.mtp = MultiTokenPrediction(config, backend, parallel, seed, layer_symbols)
+            if not pre_process and m.untie_embeddings_and_output_weights:
+                self.mtp_embedding = backend.vocab_parallel_embedding(
+                    m.padded_vocab_size, m.hidden_size,
+                    init_method=normal_init(m.init_method_std, seed, WORD_EMBEDDING_KEY))
+        shares = (not m.untie_embeddings_and_output_weights
+                  or bool(mtp_depth(config)))
+        if shares and parallel.pp_size > 1:
             for weight in self.shared_embedding_weights():
                 share_parameter(weight, WORD_EMBEDDING_KEY)
 
@@ -145,15 +160,44 @@ class GPTModel(torch.nn.Module):
             stored += shape.tensor(vocab, 4) + shape.tensor(1, 8)  # softmax, labels
             # from I to W: the final norm's, and the output layer's input and logits' gradient
             held += 2 * shape.residual(h) + shape.tensor(h) + shape.tensor(vocab)
+            if self.mtp is not None:
+                mtp = sum(mtp_layer_bytes(layer, shape, m.normalization, vocab)
+                          for layer in self.mtp.layers)
+                stored += mtp
+                held += mtp  # what their deferred weights keep: counted as what they store
         return ChunkActivations(stored, decoder.recompute_peak, held)
 
     def shared_embedding_weights(self) -> list[torch.nn.Parameter]:
+        """The copies of the word embeddings this chunk holds: the embedding (first stage),
+        and on the last stage the tied output layer or multi-token prediction's copy."""
         out = []
         if self.pre_process:
             out.append(self.embedding.word_embeddings.weight)
-        if self.post_process and self.output_layer is not None:
+        untied = self.config.model.untie_embeddings_and_output_weights
+        if self.post_process and self.output_layer is not None and not untied:
             out.append(self.output_layer.weight)
+        if self.mtp_embedding is not None:
+            out.append(self.mtp_embedding.weight)
         return out
+
+    def _mtp_embed(self, tokens, position_ids):
+        """The word embeddings of (shifted) tokens for multi-token prediction, sequence-
+        sharded under sp, with the embedding's dropout."""
+        if self.pre_process:
+            return self.embedding(tokens, position_ids)
+        table = self.mtp_embedding if self.mtp_embedding is not None else self.output_layer
+        hidden = self.backend.scatter_to_sequence_parallel(table(tokens))
+        return dropout(hidden, self.config.model.hidden_dropout, self.training, self.backend)
+
+    def _token_losses(self, hidden, labels):
+        """Per-token cross entropy ``[b, s]`` of the output layer on ``hidden``."""
+        m = self.config.model
+        logits = self.backend.output_logits(hidden, self.output_weight(), m.parallel_output)
+        if not m.parallel_output:
+            return F.cross_entropy(logits[..., :m.vocab_size].float().flatten(0, 1),
+                                   labels.flatten(), reduction="none",
+                                   label_smoothing=m.label_smoothing).view_as(labels)
+        return self.backend.cross_entropy(logits, labels, m.vocab_size, m.label_smoothing)
 
     def output_weight(self) -> torch.Tensor:
         if self.output_layer is not None:
@@ -165,11 +209,14 @@ class GPTModel(torch.nn.Module):
             tensor = tensor[0]
         self.input_tensor = tensor
 
-    def forward(self, tokens, position_ids=None, labels=None, document_ids=None):
+    def forward(self, tokens, position_ids=None, labels=None, document_ids=None,
+                loss_mask=None):
         """Logits, or with ``labels`` the per-token loss, on the last stage; the hidden states
         elsewhere. ``position_ids`` default to 0..seq-1 (``model(tokens)`` gives logits).
         ``document_ids`` (``[b, s]``, the batch's ``attention_mask`` under
-        ``--reset-attention-mask``): attention stays within each packed document."""
+        ``--reset-attention-mask``): attention stays within each packed document.
+        ``loss_mask`` (with ``labels``): multi-token prediction's losses are added (and
+        reported) through the aux-loss channel; without it they are not computed."""
         if position_ids is None:
             position_ids = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
         hidden = self.embedding(tokens, position_ids) if self.pre_process else self.input_tensor
@@ -177,19 +224,16 @@ class GPTModel(torch.nn.Module):
         if self.use_rotary:  # at the batch's true positions (a cp rank's chunks are apart)
             rotary = rotary_freqs_at(position_ids, self.head_dim, self.config.model.rotary_base,
                                      self.rope_scaling)
-        if document_ids is None:  # keep a context the caller set
+        mtp = self.mtp is not None and labels is not None and loss_mask is not None
+        with (forward_context(document_ids=document_ids) if document_ids is not None
+              else contextlib.nullcontext()):  # else keep a context the caller set
             hidden = self.decoder(hidden, rotary)
-        else:
-            with forward_context(document_ids=document_ids):
-                hidden = self.decoder(hidden, rotary)
+            if mtp:
+                hidden = self.mtp(hidden, tokens, position_ids, labels, loss_mask, rotary,
+                                  self._mtp_embed, self._token_losses)
         if not self.post_process:
             return hidden
-        m = self.config.model
-        logits = self.backend.output_logits(hidden, self.output_weight(), m.parallel_output)
         if labels is None:
-            return logits
-        if not m.parallel_output:
-            return F.cross_entropy(logits[..., :m.vocab_size].float().flatten(0, 1),
-                                   labels.flatten(), reduction="none",
-                                   label_smoothing=m.label_smoothing).view_as(labels)
-        return self.backend.cross_entropy(logits, labels, m.vocab_size, m.label_smoothing)
+            m = self.config.model
+            return self.backend.output_logits(hidden, self.output_weight(), m.parallel_output)
+        return self._token_losses(hidden, labels)

@@ -13,6 +13,8 @@ from plugtron.api import (
     load_layer_types,
 )
 from plugtron_gpt.gpt.model import GPTModel, gpt_layer_symbols
+from plugtron_gpt.gpt.mtp import SECTION as MTP_SECTION
+from plugtron_gpt.gpt.mtp import validate_mtp
 from plugtron_gpt.gpt.presets import PRESETS
 from plugtron_gpt.gpt.sizes import architecture, validate_sizes
 
@@ -36,8 +38,13 @@ class GPTPlugin:
     supports_context_parallel = True
 
     @hookimpl
+    def plugtron_config_sections(self):
+        return [MTP_SECTION]
+
+    @hookimpl
     def plugtron_validate(self, config):
         validate_sizes(config)
+        validate_mtp(config)
         if config.parallel.context_parallel_size > 1:  # the registry is read only when needed
             check_context_parallel_layers(
                 config, load_layer_types(gpt_layer_symbols(config)).values())
@@ -66,8 +73,10 @@ class GPTPlugin:
         document_ids = batch.get("attention_mask")
         if document_ids is not None:
             document_ids = document_ids.to(device, non_blocking=True)
-        output = model(tokens, position_ids, labels=labels, document_ids=document_ids)
-        return output, partial(loss_func, batch["loss_mask"].to(device))
+        loss_mask = batch["loss_mask"].to(device)
+        output = model(tokens, position_ids, labels=labels, document_ids=document_ids,
+                       loss_mask=loss_mask)
+        return output, partial(loss_func, loss_mask)
 
     @hookimpl
     def loss_func(self, loss_mask, output_tensor):

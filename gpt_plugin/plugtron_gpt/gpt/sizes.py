@@ -4,6 +4,7 @@ a checkpoint must agree on to be resumed."""
 from __future__ import annotations
 
 from plugtron.api import ConfigError
+from plugtron_gpt.gpt.mtp import mtp_depth
 from plugtron_gpt.layers.attention_options import attention_architecture
 from plugtron_gpt.layers.mlp import openai_gelu, squared_relu
 
@@ -50,6 +51,8 @@ def architecture(config) -> dict:
     activation = {"--squared-relu": True} if squared_relu(config) else {}
     if openai_gelu(config):
         activation["--openai-gelu"] = True
+    if mtp_depth(config):
+        activation["--mtp-num-layers"] = mtp_depth(config)
     return activation | attention_architecture(config) | {
         "--num-layers": m.num_layers, "--hidden-size": m.hidden_size,
         "--ffn-hidden-size": m.ffn_hidden_size or 4 * m.hidden_size,

@@ -52,9 +52,43 @@ def fused_attention(shape, heads: int, groups: int, head_dim: int,
     return kept
 
 
+def mla_layer_bytes(layer, shape) -> int:
+    """``*`` with multi-latent attention, approximately: norm, the down-projections' input,
+    the latents (norm inputs and statistics, up-projection inputs), the rotary parts, core
+    attention over the expanded q, k (both ``qk + pos`` wide) and v, output projection input,
+    residual dropout (tests/test_memory_estimate.py holds it within 5% of autograd's saved
+    tensors)."""
+    attn = layer.self_attention
+    h = attn.linear_kv_down_proj.weight.shape[1]
+    heads, qd, vd, pos = attn.num_heads, attn.q_head_dim, attn.v_head_dim, attn.pos_dim
+    stats = _NORM_STATS.get(layer.normalization, 2)
+    total = norm_bytes(shape, h, layer.normalization, layer.recompute_norm)
+    total += shape.residual(h)  # the down-projections' input
+    latents = [attn.kv_lora_rank]
+    if attn.q_layernorm is not None:
+        latents.append(attn.linear_q_down_proj.weight.shape[0])
+    for rank in latents:  # norm input and statistics, up-projection input (gathered under sp)
+        total += shape.residual(rank) + shape.residual(stats, 4) + shape.tensor(rank)
+    total += shape.tensor(4 * pos)  # cos and sin, for the queries and the key
+    qkv, out = shape.tensor(heads * (2 * qd + vd)), shape.tensor(heads * vd)
+    dropout = getattr(attn.core_attention, "dropout", 0.0)
+    if attn.recompute_core:  # its inputs: v a view of the whole up-projected [k_nope; v]
+        total += qkv + out + shape.tensor(heads * attn.qk_head_dim)
+    elif not shape.cuda and (dropout > 0 or vd != qd):
+        # torch's CPU math kernel (its flash kernel wants values as wide as the keys): q, k,
+        # v and the probabilities (with dropout also the mask and the dropped probabilities)
+        scores = shape.micro_batch_size * heads * shape.seq_length * shape.context_length
+        total += qkv + out + scores * shape.dtype_bytes * (3 if dropout > 0 else 1)
+    else:
+        total += qkv + out + shape.tensor(heads, 4)  # fused: the log-sum-exp besides
+    return total + shape.dropout_mask(h, layer.hidden_dropout)
+
+
 def attention_layer_bytes(layer, shape) -> int:
     """``*``: norm, QKV input, core attention, output projection input, residual dropout."""
     attn = layer.self_attention
+    if hasattr(attn, "linear_kv_down_proj"):  # multi-latent attention
+        return mla_layer_bytes(layer, shape)
     core = attn.core_attention
     h = attn.linear_qkv.weight.shape[1]
     heads, groups, d = attn.num_heads, attn.num_groups, attn.head_dim

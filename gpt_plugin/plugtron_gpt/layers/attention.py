@@ -7,6 +7,9 @@ the Hybrid model composes) or composed with ``-`` under the same index (a GPT la
 The fused QKV projection is laid out per query group, ``[q_1..q_n, k, v]`` for each group, so a
 contiguous split of its rows over tp gives each rank whole groups.
 
+With ``--multi-latent-attention`` its ``self_attention`` is DeepSeek's multi-latent attention
+instead (mla.py: ``linear_q_down_proj``, ``linear_kv_down_proj``, ... ).
+
 Options (attention_options.py): ``--add-qkv-bias`` (Qwen2), ``--qk-layernorm`` (Qwen3: one norm
 of ``head_dim`` channels shared by every query head, one by every key head, applied per head
 before rotary, Megatron-Core's ``q_layernorm`` / ``k_layernorm``) and ``--window-size``
@@ -32,9 +35,11 @@ from plugtron_gpt.layers.attention_options import (
     SECTION,
     attention_options,
     parse_window,
+    rope_scaling,
     validate_attention,
 )
-from plugtron_gpt.layers.rope import apply_rotary
+from plugtron_gpt.layers.mla import MultiLatentAttention
+from plugtron_gpt.layers.rope import apply_rotary, yarn_attention_factor
 from plugtron_gpt.layers.transformer_options import SECTION as TRANSFORMER
 from plugtron_gpt.layers.transformer_options import validate_transformer
 
@@ -78,6 +83,8 @@ class SelfAttention(torch.nn.Module):
                                            f"{prefix}.linear_proj.weight"),
             input_is_parallel=True)
         self.recompute_core = recompute_module(config, "core_attn")
+        #: cos and sin times this: YaRN's attention factor (1 otherwise)
+        self.rotary_mscale = yarn_attention_factor(rope_scaling(config))
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
         qkv, _ = self.linear_qkv(x)
@@ -92,7 +99,8 @@ class SelfAttention(torch.nn.Module):
         if self.q_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
-            q, k = apply_rotary(q, rotary), apply_rotary(k, rotary)
+            q = apply_rotary(q, rotary, self.rotary_mscale)
+            k = apply_rotary(k, rotary, self.rotary_mscale)
         inference = current_forward_context().inference
         if inference is not None:  # generation: attend over the cached keys too
             k, v = inference.update(self.cache_key, k, v)
@@ -127,7 +135,10 @@ class SelfAttentionLayer(torch.nn.Module):
         m = config.model
         self.backend = backend
         self.input_layernorm = backend.norm(m.hidden_size)
-        self.self_attention = SelfAttention(
+        # --multi-latent-attention swaps the attention itself; norm and residual stay.
+        kind = (MultiLatentAttention if attention_options(config).multi_latent_attention
+                else SelfAttention)
+        self.self_attention = kind(
             config, backend, parallel, f"decoder.layers.{layer_number - 1}.self_attention", seed)
         self.hidden_dropout = m.hidden_dropout
         self.recompute_norm = recompute_module(config, "layernorm")

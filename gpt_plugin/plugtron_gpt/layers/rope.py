@@ -1,5 +1,7 @@
 """Rotary position embeddings (rotate-half form, as Megatron-Core and Llama use), with the
-frequency scalings Hugging Face checkpoints carry: Llama 3.x (``llama3``) and linear."""
+frequency scalings Hugging Face checkpoints carry: Llama 3.x (``llama3``), linear, and YaRN
+(``yarn``: frequencies blended between kept and interpolated by a ramp over the channels, and an
+attention factor on cos and sin, :func:`yarn_attention_factor`)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,49 @@ def inv_frequencies(dim: int, base: float, scaling: dict | None = None,
         return inv
     if scaling["rope_type"] == "linear":
         return inv / scaling["factor"]
+    if scaling["rope_type"] == "yarn":
+        return _yarn(inv, dim, base, scaling)
     return _llama3(inv, scaling)
+
+
+def _yarn_channel(rotations: float, dim: int, base: float, original: int) -> float:
+    """The (fractional) channel pair whose frequency turns ``rotations`` times over the
+    original context: YaRN's inverse of ``original / wavelength``."""
+    return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+
+def _yarn(inv: torch.Tensor, dim: int, base: float, s: dict) -> torch.Tensor:
+    """YaRN: pairs below the ``beta_fast`` channel keep their frequency (they turn often within
+    the original context), pairs past the ``beta_slow`` channel are divided by ``factor``, a
+    linear ramp blends those between."""
+    original = s["original_max_position_embeddings"]
+    low = _yarn_channel(s["beta_fast"], dim, base, original)
+    high = _yarn_channel(s["beta_slow"], dim, base, original)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # a step, not a division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device=inv.device) - low)
+            / (high - low)).clamp(0, 1)
+    kept = 1 - ramp
+    # transformers' order of operations, so imported models get the same angles to the bit
+    base_powers = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=inv.device) / dim)
+    return 1.0 / (s["factor"] * base_powers) * (1 - kept) + inv * kept
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's ``0.1 * mscale * ln(factor) + 1`` (1 for factors up to 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(scaling: dict | None) -> float:
+    """What cos and sin are multiplied by under YaRN, Megatron-Core's concentration factor:
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)``; 1 for other scalings."""
+    if scaling is None or scaling["rope_type"] != "yarn":
+        return 1.0
+    return (yarn_mscale(scaling["factor"], scaling["mscale"])
+            / yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]))
 
 
 def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
@@ -56,9 +100,21 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-second, first], dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """``x``: ``[b, s, heads, d]``; ``freqs``: ``[s, d]`` or per sample ``[b, s, d]``."""
+def apply_rotary(x: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0,
+                 interleaved_pairs: bool = False) -> torch.Tensor:
+    """``x``: ``[b, s, heads, d]``; ``freqs``: ``[s, d]`` or per sample ``[b, s, d]``.
+
+    ``mscale``: cos and sin multiplied by it (YaRN's attention factor). ``interleaved_pairs``:
+    the channels come as pairs ``(x0, x1), (x2, x3), ...`` each turned by one frequency
+    (DeepSeek's layout, Megatron-Core's ``mla_rotary_interleaved``): they are first regrouped as
+    ``[x0, x2, ..; x1, x3, ..]`` and the result stays in that order (queries and keys alike, so
+    their products are those of the pairs)."""
+    if interleaved_pairs:
+        x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
     freqs = freqs if freqs.dim() == 3 else freqs[None]
-    cos = freqs.cos()[:, :, None, :].to(x.dtype)
-    sin = freqs.sin()[:, :, None, :].to(x.dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    if mscale != 1.0:
+        cos, sin = cos * mscale, sin * mscale
+    cos = cos[:, :, None, :].to(x.dtype)
+    sin = sin[:, :, None, :].to(x.dtype)
     return x * cos + _rotate_half(x) * sin

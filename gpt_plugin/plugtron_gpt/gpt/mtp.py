@@ -1,0 +1,167 @@
+"""Multi-token prediction (DeepSeek-V3; ``--mtp-num-layers D``, ``--mtp-loss-scaling-factor``),
+Megatron-Core's semantics and names, on the chunk that holds the output layer.
+
+Depth k (1..D) predicts the token k+1 places ahead. With ``h_0`` the decoder's output after its
+final norm and ``t`` the input tokens shifted left k times (the vacated last places zero, as
+Megatron's ``roll_tensor``)::
+
+    h_k = final_layernorm_k(layer_k(eh_proj_k([enorm_k(embed(t)); hnorm_k(h_{k-1})])))
+    loss_k = masked mean of cross_entropy(output_layer(h_k), labels shifted k times)
+
+with the loss mask shifted alongside (so a shifted-out position never counts). ``embed`` and
+``output_layer`` are the model's own (shared weights); ``layer_k`` is a decoder layer of the
+kind of the model's last one (attention and MLP, or MoE where the last layer is MoE), found by
+symbol like every other. Each ``loss_k`` enters the objective as
+``mtp_loss_scaling_factor / D x loss_k`` through the aux-loss channel (``add_loss``), weighted
+by the microbatch's loss tokens like the main loss (Megatron's per-token mode), and is reported
+unscaled as ``mtp_k loss`` (Megatron's name).
+
+Parameters: ``mtp.layers.{k-1}.{enorm,hnorm,eh_proj,final_layernorm}.*`` and
+``mtp.layers.{k-1}.mtp_model_layer.*`` (Megatron-Core 0.19). On a last pipeline stage without the
+embedding, the word embeddings are a copy shared with the first stage (``mtp_embedding``, or
+the tied output layer itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from plugtron.api import (
+    ComposedLayer,
+    ConfigError,
+    ConfigSection,
+    add_loss,
+    load_layer_types,
+    normal_init,
+    opt,
+    substitute_symbols,
+)
+from plugtron_gpt.layers.activations import norm_bytes
+
+
+@dataclass
+class MTPOptions:
+    mtp_num_layers: int | None = opt(
+        None, "--mtp-num-layers",
+        "Multi-token prediction depth D: D extra layers after the decoder predict the tokens "
+        "2..D+1 places ahead (DeepSeek-V3: 1). Default none.")
+    mtp_loss_scaling_factor: float = opt(
+        0.1, "--mtp-loss-scaling-factor",
+        "Weight of the multi-token prediction losses: each depth's loss enters the objective "
+        "times this / D.")
+
+
+#: Declared by the gpt model plugin.
+SECTION = ConfigSection("mtp", MTPOptions, title="Multi-token prediction")
+
+
+def mtp_options(config) -> MTPOptions:
+    """``config.mtp``, or the defaults (no MTP) where the config has no such section."""
+    options = getattr(config, "mtp", None)
+    return options if isinstance(options, MTPOptions) else MTPOptions()
+
+
+def mtp_depth(config) -> int:
+    return mtp_options(config).mtp_num_layers or 0
+
+
+def validate_mtp(config) -> None:
+    """Before launch: the depth and factor, and what MTP does not combine with."""
+    o = mtp_options(config)
+    if o.mtp_num_layers is None:
+        return
+    if o.mtp_num_layers < 1:
+        raise ConfigError(f"--mtp-num-layers must be at least 1 (or unset), got "
+                          f"{o.mtp_num_layers}")
+    if o.mtp_loss_scaling_factor < 0:
+        raise ConfigError(f"--mtp-loss-scaling-factor must be at least 0, got "
+                          f"{o.mtp_loss_scaling_factor}")
+    if config.parallel.context_parallel_size > 1:
+        raise ConfigError("--mtp-num-layers with --context-parallel-size > 1 is not supported: "
+                          "the shifted tokens cross the cp ranks' sequence chunks; use cp 1")
+    if config.model.position_embedding_type != "rope":
+        raise ConfigError("--mtp-num-layers needs --position-embedding-type rope: the learned "
+                          "position table lives on the first pipeline stage only")
+
+
+def roll_left(t: torch.Tensor) -> torch.Tensor:
+    """``t`` ``[b, s]`` shifted one place to the left along the sequence, the last place 0
+    (Megatron's ``roll_tensor(shifts=-1)`` without cp)."""
+    return F.pad(t[:, 1:], (0, 1))
+
+
+class MultiTokenPredictionLayer(torch.nn.Module):
+    """One depth: the two norms, ``eh_proj`` (column-parallel, gathered), a decoder layer and
+    its final norm."""
+
+    def __init__(self, config, backend, parallel, depth: int, seed: int, symbols: str):
+        super().__init__()
+        m = config.model
+        h = m.hidden_size
+        prefix = f"mtp.layers.{depth}"
+        self.backend = backend
+        self.enorm = backend.norm(h)
+        self.hnorm = backend.norm(h)
+        self.eh_proj = backend.column_parallel_linear(
+            2 * h, h, bias=False, gather_output=True,
+            init_method=normal_init(m.init_method_std, seed, f"{prefix}.eh_proj.weight"))
+        # Built as layer L + depth + 1 (1-based): its init keys follow the decoder's layers.
+        layer_types = load_layer_types(symbols)
+        number = m.num_layers + depth + 1
+        self.mtp_model_layer = ComposedLayer(
+            [layer_types[symbol](config, backend, parallel, number, seed) for symbol in symbols])
+        self.final_layernorm = backend.norm(h)
+
+    def forward(self, hidden, embedded, rotary=None):
+        x = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)
+        x, _ = self.eh_proj(x)  # every feature, every token (gathered under sp)
+        x = self.backend.scatter_to_sequence_parallel(x)
+        return self.final_layernorm(self.mtp_model_layer(x, rotary))
+
+
+class MultiTokenPrediction(torch.nn.Module):
+    """``mtp``: the D depths."""
+
+    def __init__(self, config, backend, parallel, seed: int, layer_pattern: str):
+        super().__init__()
+        o, m = mtp_options(config), config.model
+        # Each depth is a decoder layer of the kind the model's last one is (E on an MoE model
+        # whose last layer is MoE), as the registry answers for that layer.
+        symbols = substitute_symbols(layer_pattern, config, [m.num_layers])[m.num_layers]
+        self.layers = torch.nn.ModuleList(
+            [MultiTokenPredictionLayer(config, backend, parallel, depth, seed, symbols)
+             for depth in range(o.mtp_num_layers)])
+        self.scale = o.mtp_loss_scaling_factor / o.mtp_num_layers
+
+    def forward(self, hidden, tokens, position_ids, labels, loss_mask, rotary, embed,
+                token_losses):
+        """``hidden`` (the decoder's normed output) with each depth's loss attached
+        (``add_loss``); ``embed(tokens, position_ids)`` and ``token_losses(hidden, labels)``
+        are the model's embedding and output layer with its cross entropy."""
+        out, h = hidden, hidden
+        mask = loss_mask.float()
+        for k, layer in enumerate(self.layers, start=1):
+            tokens, position_ids = roll_left(tokens), roll_left(position_ids)
+            labels, mask = roll_left(labels), roll_left(mask)
+            h = layer(h, embed(tokens, position_ids), rotary)
+            losses = token_losses(h, labels).float()
+            count = mask.sum()
+            mean = (losses * mask).sum() / count.clamp(min=1)
+            # Reported unscaled (Megatron's mtp_k loss); the objective gets scale x mean.
+            term = self.scale * mean + (1 - self.scale) * mean.detach()
+            out = add_loss(out, f"mtp_{k} loss", term)
+        return out
+
+
+def mtp_layer_bytes(layer: MultiTokenPredictionLayer, shape, normalization: str,
+                    vocab: int) -> int:
+    """What one depth keeps for backward per microbatch (``plugtron estimate``): its two input
+    norms, ``eh_proj``'s input, its decoder layer, its final norm, and the output layer's input
+    and fp32 softmax with the shifted labels and mask."""
+    h = layer.enorm.weight.shape[0]
+    total = 2 * norm_bytes(shape, h, normalization) + shape.residual(2 * h)
+    total += int(layer.mtp_model_layer.activation_bytes(shape))  # a ComposedLayer
+    total += norm_bytes(shape, h, normalization) + shape.tensor(h)
+    return total + shape.tensor(vocab, 4) + shape.tensor(3, 8)
