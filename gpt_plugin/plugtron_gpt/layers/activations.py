@@ -158,6 +158,8 @@ def attention_weight_grad_bytes(layer, shape) -> int:
     """``*``: the input norm, linear_qkv (its input a sequence shard under sp, gathered at W),
     q/k norms, linear_proj."""
     attn = layer.self_attention
+    if hasattr(attn, "linear_kv_down_proj"):  # multi-latent attention: counted as it stores
+        return mla_layer_bytes(layer, shape)
     h = attn.linear_qkv.weight.shape[1]
     total = _norm_until_weights(shape, h)
     total += shape.residual(h) + shape.tensor(attn.linear_qkv.weight.shape[0])
