@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 from plugtron.core.errors import PlugtronError
 from plugtron.core.monitoring import run_status
@@ -68,8 +70,31 @@ FALLBACK_WARNING = ("plugtron: warning: this torch's launcher has no {missing} o
                     "signal ends the ranks at once without a save")
 
 
-def torchrun_argv(nproc: int, command: str, config_path: str, parser=None
-                  ) -> tuple[list[str], str | None]:
+@dataclass(frozen=True)
+class Nodes:
+    """Where this launcher's ranks sit among several nodes (``plugtron train --nnodes``): every
+    node's launcher starts its ``--nproc-per-node`` ranks and they meet at ``endpoint`` through
+    torch elastic's c10d rendezvous (which also lets a failed group restart: ``max_restarts``).
+    Global ranks are given node by node, so Megatron's order keeps tp inside a node."""
+
+    count: int = 1
+    rank: int = 0
+    endpoint: str | None = None  # host:port of the rendezvous
+    max_restarts: int = 0
+
+    @property
+    def several(self) -> bool:
+        return self.count > 1 or self.max_restarts > 0
+
+    def torchrun_options(self) -> list[str]:
+        if not self.several:
+            return ["--standalone"]
+        return [f"--nnodes={self.count}", f"--node-rank={self.rank}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id=plugtron-{self.endpoint}"]
+
+
+def torchrun_argv(nproc: int, command: str, config_path: str, parser=None,
+                  nodes: Nodes | None = None) -> tuple[list[str], str | None]:
     """torch.distributed.run's arguments, and a warning when this torch lacks the options
     plugtron relies on (an older or newer torch than the one it is tested with): the run then
     goes on with torch's own signal handling rather than failing."""
@@ -85,11 +110,14 @@ def torchrun_argv(nproc: int, command: str, config_path: str, parser=None
         else:
             missing.append(option)
     warning = FALLBACK_WARNING.format(missing=" or ".join(missing)) if missing else None
-    return (["--standalone", f"--nproc-per-node={nproc}", "--max-restarts=0", *extra,
+    nodes = nodes or Nodes()
+    return ([*nodes.torchrun_options(), f"--nproc-per-node={nproc}",
+             f"--max-restarts={nodes.max_restarts}", *extra,
              "-m", "plugtron.cli.rank", command, config_path], warning)
 
 
-def launch_local_ranks(config_json: str, nproc: int, command: str = "train") -> None:
+def launch_local_ranks(config_json: str, nproc: int, command: str = "train",
+                       nodes: Nodes | None = None) -> None:
     """Run ``plugtron.cli.rank COMMAND`` (train or evaluate) on ``nproc`` local ranks; a user
     error raised in a rank comes back as ``PlugtronError`` with the rank's message, a failed
     rank as one report naming it (cli/failure_report.py), a clean stop as ``JobStopped``."""
@@ -120,12 +148,15 @@ def launch_local_ranks(config_json: str, nproc: int, command: str = "train") -> 
         os.makedirs(status_dir)
         os.environ[ERROR_FILE_ENV] = error_file
         os.environ[run_status.STATUS_DIR_ENV] = status_dir
-        argv, warning = torchrun_argv(nproc, command, config_path)
+        argv, warning = torchrun_argv(nproc, command, config_path, nodes=nodes)
         if warning:
             print(warning, file=sys.stderr, flush=True)
         args = parse_args(argv)
         try:
-            with RankReaper(status_dir, error_file):
+            # With restarts, torch elastic itself stops a failed group and starts it again; the
+            # reaper would kill the new attempt's ranks too.
+            restarting = nodes is not None and nodes.max_restarts > 0
+            with contextlib.nullcontext() if restarting else RankReaper(status_dir, error_file):
                 run(args)
         except ChildFailedError as exc:
             if os.path.exists(error_file):

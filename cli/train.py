@@ -13,7 +13,7 @@ from plugtron.core.plugins.selection import selected_drivers
 from plugtron.core.training.validate import validate
 
 from .errors import user_errors
-from .launch import JobStopped, launch_local_ranks
+from .launch import JobStopped, Nodes, launch_local_ranks
 from .options import (
     SectionedCommand,
     build_config,
@@ -68,6 +68,32 @@ def ranks_on_node(external: bool, nproc_per_node: int) -> int:
     if external:
         return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
     return nproc_per_node
+
+
+def node_layout(external: bool, nnodes: int, node_rank: int, master_addr: str | None,
+                master_port: int, rdzv_endpoint: str | None, max_restarts: int) -> Nodes:
+    """The ``--nnodes`` options, checked: what torchrun is told on this node."""
+    several = nnodes > 1 or max_restarts > 0
+    if external and (several or node_rank):
+        raise ConfigError("--nnodes, --node-rank and --max-restarts start ranks; under torchrun "
+                          "the launcher already did: give them to torchrun")
+    if node_rank >= nnodes:
+        raise ConfigError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
+    if rdzv_endpoint and master_addr:
+        raise ConfigError("give --rdzv-endpoint HOST:PORT or --master-addr/--master-port, not "
+                          "both")
+    endpoint = rdzv_endpoint or (f"{master_addr}:{master_port}" if master_addr else None)
+    if nnodes > 1 and endpoint is None:
+        raise ConfigError(f"--nnodes {nnodes}: say where the nodes meet, --master-addr HOST "
+                          f"(node 0's host; --master-port, default 29500) or --rdzv-endpoint "
+                          f"HOST:PORT")
+    if several and endpoint is None:
+        endpoint = "127.0.0.1:0"  # one node restarting: a rendezvous of its own
+    if endpoint is not None:
+        host, _, port = endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT")
+    return Nodes(nnodes, node_rank, endpoint, max_restarts)
 
 
 def load_argument(args: list[str]) -> str | None:
@@ -154,26 +180,48 @@ def make_train_command(args: list[str]) -> click.Command:
         click.option("--nproc-per-node", type=click.IntRange(min=1), default=1,
                      show_default=True,
                      help="Launch this many local ranks (through torch.distributed.run)."),
+        click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+                     help="Nodes of the job: run this command once on each, with its "
+                     "--node-rank; they meet at --rdzv-endpoint (or --master-addr and "
+                     "--master-port)."),
+        click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="This node's index, 0 .. --nnodes - 1 (node 0 holds the save lock)."),
+        click.option("--master-addr", default=None,
+                     help="Host of node 0, where the nodes meet (torch elastic's c10d "
+                     "rendezvous)."),
+        click.option("--master-port", type=click.IntRange(min=1, max=65535), default=29500,
+                     show_default=True, help="Port of that rendezvous on --master-addr."),
+        click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                     help="The rendezvous as torchrun names it (instead of --master-addr and "
+                     "--master-port)."),
+        click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="Restart the worker group this many times when a rank fails (torch "
+                     "elastic); with --save and --load the run resumes from its latest "
+                     "checkpoint."),
         click.option("--no-memory-check", "no_memory_check", is_flag=True,
                      help="Launch even when the memory estimate (plugtron estimate) exceeds "
                      "the memory of a rank."),
         config_options(run.declared), user_errors)
-    def train(config_file, preset, nproc_per_node, no_memory_check, **params):
+    def train(config_file, preset, nproc_per_node, nnodes, node_rank, master_addr, master_port,
+              rdzv_endpoint, max_restarts, no_memory_check, **params):
         """Train a model. Under torchrun (or any launcher setting RANK/WORLD_SIZE) each rank
-        joins that world; otherwise --nproc-per-node local ranks are started."""
+        joins that world; otherwise --nproc-per-node local ranks are started (on each of
+        --nnodes nodes)."""
         config = run.config(params, config_file, preset)
         external = launched_externally()
         if external and nproc_per_node > 1:
             raise ConfigError("--nproc-per-node cannot be used under torchrun: the launcher "
                               "already started the ranks")
-        world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
+        nodes = node_layout(external, nnodes, node_rank, master_addr, master_port,
+                            rdzv_endpoint, max_restarts)
+        world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node * nnodes
         check_plugins(config)
         preflight(config, world_size, memory_check=False)
         validate(config, world_size)
         check_data_paths(config)
         if not no_memory_check:
             check_memory(config, world_size, ranks_on_node(external, nproc_per_node))
-        if config.checkpoint.save and int(os.environ.get("RANK", 0)) == 0:
+        if config.checkpoint.save and int(os.environ.get("RANK", 0)) == 0 and node_rank == 0:
             from plugtron.core.checkpoint import dir_lock
 
             # Held until this process exits; taking it also repairs crashed saves. Taken here,
@@ -182,8 +230,8 @@ def make_train_command(args: list[str]) -> click.Command:
             dir_lock.acquire(config.checkpoint.save)
             os.environ[dir_lock.INHERITED_ENV] = os.path.abspath(config.checkpoint.save)
         check_load(config)
-        if nproc_per_node > 1:
-            launch_local_ranks(config.to_json(), nproc_per_node)
+        if nproc_per_node > 1 or nodes.several:
+            launch_local_ranks(config.to_json(), nproc_per_node, nodes=nodes)
             return
         from plugtron.core.parallel.distributed import init_distributed, timeout_seconds
         from plugtron.core.training import preemption
