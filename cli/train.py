@@ -56,6 +56,9 @@ def check_load(config) -> None:
         return
     save = config.checkpoint.save
     if save and os.path.abspath(save) == os.path.abspath(path) and not layout.has_checkpoint(path):
+        if config.checkpoint.exit_on_missing_checkpoint:
+            raise ConfigError(f"--exit-on-missing-checkpoint: --load {path} has no checkpoint "
+                              f"yet; leave the flag out to start from scratch there")
         return  # --load equal to --save with nothing saved yet: a fresh start
     CheckpointReader(path).close()
     from plugtron.core.plugins.tokenizers import check_checkpoint_tokenizer

@@ -238,6 +238,10 @@ class CheckpointConfig:
     save: str | None = opt(None, "--save", "Directory to save checkpoints in.")
     save_interval: int | None = opt(None, "--save-interval", "Save every N iterations.")
     load: str | None = opt(None, "--load", "Checkpoint (or directory of them) to resume from.")
+    exit_on_missing_checkpoint: bool = opt(
+        False, "--exit-on-missing-checkpoint",
+        "With --load set but no checkpoint there, exit (exit 2) instead of starting from "
+        "scratch, also when --load is --save (Megatron's flag).", is_flag=True)
     async_save: bool = opt(False, "--async-save", "Write checkpoints in the background.",
                            is_flag=True)
 

@@ -48,6 +48,9 @@ def load_if_requested(run, model_only: bool = False) -> None:
         same_as_save = (run.config.checkpoint.save is not None and
                         os.path.abspath(path) == os.path.abspath(run.config.checkpoint.save))
         if same_as_save and not layout.has_checkpoint(path):
+            if run.config.checkpoint.exit_on_missing_checkpoint:
+                raise CheckpointError(f"--exit-on-missing-checkpoint: --load {path} has no "
+                                      f"checkpoint")
             if run.world.rank == 0:
                 print(f"no checkpoint in {path} yet: starting from scratch", flush=True)
         else:

@@ -110,3 +110,25 @@ def test_weights_only_load_keeps_fresh_optimizer(reference):
     assert all(not s for s in run.optimizer.inner.state.values())
     for name, value in params_of(run).items():
         assert torch.equal(value, params[name]), name
+
+
+def test_exit_on_missing_checkpoint(tmp_path):
+    # Megatron's flag: an empty --load (here also --save, the restartable-job case that plugtron
+    # otherwise starts from scratch) exits instead; a --load elsewhere without one is refused
+    # with or without it
+    from click.testing import CliRunner
+    from plugtron.cli.main import cli
+
+    from tests.reliability.tools import tiny_flags
+
+    empty = str(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="--exit-on-missing-checkpoint"):
+        train_resumable(ckpt_config(save=empty, load=empty, exit_on_missing_checkpoint=True),
+                        ONE)
+    losses, _ = train_resumable(ckpt_config(save=empty, load=empty, train_iters=1), ONE)
+    assert sorted(losses) == [1]
+    other = str(tmp_path / "other")
+    os.makedirs(other)
+    out = CliRunner().invoke(cli, ["train", *tiny_flags(train_iters=1), "--save", other,
+                                   "--load", other, "--exit-on-missing-checkpoint"])
+    assert out.exit_code == 2 and "--exit-on-missing-checkpoint" in out.output, out.output
