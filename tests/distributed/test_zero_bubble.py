@@ -214,3 +214,25 @@ def test_every_new_schedule_matches_1f1b_under_each_layout(pool, schedule, layou
         pytest.importorskip("plugtron_moe")
     flags, world_size = LAYOUTS[layout]
     _compare(flags, schedule, pool, world_size=world_size)
+
+
+# ---------------------------------------------------------------- pp 4 with MoE and Hybrid
+
+
+@pytest.fixture(scope="module")
+def pool8(rank_pool_factory):
+    return rank_pool_factory(8)
+
+
+def test_moe_on_ep_2_at_pp_4(pool8):
+    pytest.importorskip("plugtron_moe")
+    _compare({"pp": 4, "ep": 2, "num-layers": 8, "num-experts": 4, "moe-router-topk": 2,
+              "moe-aux-loss-coeff": 1e-2, "global-batch-size": 16}, "zbv", pool8, world_size=8)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_hybrid_at_pp_4(pool, schedule):
+    # dualpipev needs 2 x pp = 8 microbatches
+    _compare({"model": "hybrid", "hybrid-layer-pattern": "M*M-M*M-", "mamba-state-dim": 8,
+              "mamba-head-dim": 8, "mamba-num-groups": 2, "pp": 4, "micro-batch-size": 1,
+              "global-batch-size": 8}, schedule, pool, world_size=4)
