@@ -80,6 +80,43 @@ class _BatchedMatmul(torch.autograd.Function):
         return grad_x, grad_weight
 
 
+class _LayerNorm(torch.autograd.Function):
+    """torch's fused layer norm whose scale's gradient waits for ``W`` (the input's and the
+    shift's come with ``I``, from the fused backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        out, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), weight, bias, eps)
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        ctx.weight = weight
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_x, _, grad_bias = torch.ops.aten.native_layer_norm_backward(
+            grad, x, [x.shape[-1]], mean, rstd, weight, bias,
+            [needs[0], False, bias is not None and needs[2]])
+        grad_weight = None
+        if needs[1]:
+            def compute():
+                normed = (x.float() - mean) * rstd
+                return _sum_to_last_dim(grad.float() * normed).to(weight.dtype)
+            if not wgrad.defer_weight_grad(ctx.weight, compute):
+                grad_weight = compute()
+        return grad_x, grad_weight, grad_bias, None
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               eps: float) -> torch.Tensor:
+    """``F.layer_norm`` over the last dimension; in a split backward the scale's gradient
+    waits for ``W`` while the forward and the input's gradient stay torch's fused kernels."""
+    if _splitting(weight):
+        return _LayerNorm.apply(x, weight, bias, eps)
+    return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
 def batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``torch.bmm(x, weight.transpose(1, 2))``: one linear per group (an expert's rows, padded
     to a common count). ``weight`` may be built from parameters (``torch.stack`` of the

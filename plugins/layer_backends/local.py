@@ -23,6 +23,7 @@ from plugtron.api import (
     copy_to_tensor_parallel_region,
     cpu_matrix_support,
     current_forward_context,
+    deferred_layer_norm,
     gather_from_tensor_parallel_region,
     linear,
     mark_sequence_parallel,
@@ -162,9 +163,9 @@ class LayerNorm(torch.nn.LayerNorm):
     """``torch.nn.LayerNorm`` whose scale's gradient a split backward defers to ``W``."""
 
     def forward(self, x):
-        if split_backward_expected() and self.weight is not None:
-            normed = F.layer_norm(x, self.normalized_shape, None, None, self.eps)
-            return affine(normed, self.weight, self.bias)
+        if split_backward_expected() and self.weight is not None and len(
+                self.normalized_shape) == 1:
+            return deferred_layer_norm(x, self.weight, self.bias, self.eps)
         return super().forward(x)
 
 
