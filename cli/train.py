@@ -164,8 +164,9 @@ def make_train_command(args: list[str]) -> click.Command:
         config = run.config(params, config_file, preset)
         external = launched_externally()
         if external and nproc_per_node > 1:
-            raise ConfigError("--nproc-per-node cannot be used under torchrun: the launcher "
-                              "already started the ranks")
+            raise ConfigError("--nproc-per-node cannot be used under torchrun or srun with "
+                              "several tasks: the launcher already started the ranks (one "
+                              "plugtron launcher per node under SLURM: set PLUGTRON_SLURM=0)")
         world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node
         check_plugins(config)
         preflight(config, world_size, memory_check=False)
