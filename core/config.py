@@ -256,6 +256,9 @@ class LoggingConfig:
     profile_step_end: int = opt(12, "--profile-step-end", "Last profiled iteration.")
     profile_ranks: list = opt([0], "--profile-ranks", "Global ranks to profile (repeatable).")
     profile_dir: str = opt("profiles", "--profile-dir", "Where the traces are written.")
+    log_straggler: bool = opt(False, "--log-straggler", "Every --log-interval iterations, "
+                              "gather each rank's forward-backward time and log the fastest and "
+                              "slowest rank (metrics file and console).", is_flag=True)
 
 
 SECTIONS = {

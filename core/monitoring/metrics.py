@@ -11,11 +11,14 @@ import uuid
 
 from tqdm import tqdm
 
+from . import straggler
+
 
 class MetricsLogger:
     #: Keys of a train record that are not losses (everything else a model reported is one).
     STEP_KEYS = ("iteration", "grad_norm", "lr", "tokens_per_sec", "step_time_s",
-                 "data_time_s", "consumed_samples", "skipped", "num_zeros", "loss_scale", "memory_mb")
+                 "data_time_s", "consumed_samples", "skipped", "num_zeros", "loss_scale", "memory_mb",
+                 *straggler.KEYS)
 
     def __init__(self, config, rank: int, start_iteration: int = 0, main_loss: str = "lm_loss"):
         self.config = config
@@ -58,6 +61,8 @@ class MetricsLogger:
                   f"grad norm {record['grad_norm']:.3f} | "
                   f"lr {record['lr']:.3e} | {record['tokens_per_sec']:.0f} tokens/s | "
                   f"{record['step_time_s'] * 1000:.0f} ms/step", flush=True)
+        if "straggler_max_rank" in record:
+            self._print(straggler.console_line(record))
 
     def losses(self, record: dict) -> dict:
         """The loss entries of a record, the main loss first."""

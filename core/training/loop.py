@@ -16,6 +16,7 @@ from plugtron.core.monitoring import run_status
 from plugtron.core.monitoring.memory import step_memory_mb
 from plugtron.core.monitoring.metrics import MetricsLogger, Throughput
 from plugtron.core.monitoring.profiling import StepProfiler
+from plugtron.core.monitoring.straggler import StragglerLog
 from plugtron.core.parallel import comm, shared_params
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.context_parallel import check_built_layers, local_microbatches
@@ -56,6 +57,8 @@ class Run:
     info: ModelInfo = field(default_factory=ModelInfo)
     #: The pipeline's agreed report keys of the training step (core.training.reduce_reports).
     report_keys: dict = field(default_factory=dict)
+    #: Seconds this rank spent in the last step's forward and backward (the schedule).
+    forward_backward_s: float = 0.0
 
     @property
     def num_microbatches(self) -> int:
@@ -285,7 +288,9 @@ def train_step(run: Run, iterators) -> tuple[dict, object]:
     for chunk in run.model_chunks:  # after the optimizer: it may point .grad into the buffers
         chunk.zero_grad_buffer()
     aux_losses.take()  # nothing left over from an evaluation or a failed step
+    schedule_start = time.perf_counter()
     reports = run_schedule(run, iterators, forward_only=False)
+    run.forward_backward_s = time.perf_counter() - schedule_start
     added = aux_losses.take()
     num_tokens = torch.zeros((), dtype=torch.float32)
     for report in reports:
@@ -332,6 +337,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
     run.pm.hook.plugtron_train_start(config=config, state=state)
     throughput = Throughput()
     profiler = StepProfiler(config, run.world.rank)
+    stragglers = StragglerLog(config, run.world.device)
     losses = {}
     start = time.perf_counter()
     while state.iteration < t.train_iters:
@@ -348,6 +354,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
                               f"is smaller than --train-iters x --global-batch-size") from None
         step_time = time.perf_counter() - step_start
         profiler.after_step(iteration)
+        stragglers.add(run.forward_backward_s)
         state.iteration = iteration
         state.consumed_samples += t.global_batch_size
         record = {"iteration": iteration, **loss_metrics(losses),
@@ -360,6 +367,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
             record["num_zeros"] = result.num_zeros
         if hasattr(run.optimizer, "current_loss_scale"):
             record["loss_scale"] = run.optimizer.current_loss_scale()
+        record.update(stragglers.report(iteration))  # every rank: a gather when due
         metrics.train_step(record)
         run.pm.hook.plugtron_step_end(iteration=iteration, metrics=record)
         if t.eval_interval and iteration % t.eval_interval == 0:
