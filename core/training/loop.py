@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -33,7 +34,8 @@ from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.training import aux_losses, data, grads, preemption, step_info
 from plugtron.core.training.builder import build_model
 from plugtron.core.training.lr_schedule import LRScheduler
-from plugtron.core.training.optimizer import checked_optimizer
+from plugtron.core.training.optimizer import StepResult, checked_optimizer
+from plugtron.core.training.rerun import RerunStateMachine
 from plugtron.core.training.state import TrainState
 from plugtron.core.training.validate import apply_schedule_placement, validate_plugins
 
@@ -59,6 +61,8 @@ class Run:
     report_keys: dict = field(default_factory=dict)
     #: Seconds this rank spent in the last step's forward and backward (the schedule).
     forward_backward_s: float = 0.0
+    #: --rerun-mode validate_results (core/training/rerun.py); made by setup.
+    rerun: RerunStateMachine | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -163,7 +167,8 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None,
         p2p = P2PCommunicator.from_config(config, parallel, model_dtype(config), world.device)
     info = pm.hook.model_info(config=config)
     return Run(config, world, parallel, pm, backend, model_chunks, optimizer, scheduler,
-               tuple(datasets), p2p, info=info if isinstance(info, ModelInfo) else ModelInfo())
+               tuple(datasets), p2p, info=info if isinstance(info, ModelInfo) else ModelInfo(),
+               rerun=RerunStateMachine(config, parallel, getattr(backend, "rng_tracker", None)))
 
 
 # --------------------------------------------------------------------------- the step
@@ -180,12 +185,15 @@ def data_iterators(run: Run, dataset, consumed_samples: int, timers: list | None
         timed = data.TimedIterator(data.microbatch_iterator(
             dataset, mbs, run.parallel.dp_rank, run.parallel.dp_size, consumed_samples,
             num_workers=workers))
+        source = timed
         if timers is not None:
             timers.append(timed)
+            if run.rerun is not None:  # training: a step may be re-run on the same data
+                source = run.rerun.wrap(timed)
         # ``recording``: each drawn microbatch sets the token weight of losses added inside the
         # model (core/training/aux_losses.py). ``local_microbatches``: every cp rank of a dp rank draws
         # the same samples and keeps its sequence chunks (core/parallel/context_parallel.py).
-        out.append(aux_losses.recording(local_microbatches(timed, run.parallel,
+        out.append(aux_losses.recording(local_microbatches(source, run.parallel,
                                                            run.config.model.seq_length)))
     return out
 
@@ -283,7 +291,9 @@ def run_schedule(run: Run, iterators, forward_only: bool) -> list[dict]:
         loss_scale=run.optimizer.loss_scale())
 
 
-def train_step(run: Run, iterators) -> tuple[dict, object]:
+def forward_backward(run: Run, iterators) -> tuple[list[dict], dict]:
+    """One step's forward and backward over every microbatch, gradients reduced and ready for
+    the optimizer: the step's reports and the losses added inside the model."""
     run.optimizer.zero_grad()
     for chunk in run.model_chunks:  # after the optimizer: it may point .grad into the buffers
         chunk.zero_grad_buffer()
@@ -296,8 +306,29 @@ def train_step(run: Run, iterators) -> tuple[dict, object]:
     for report in reports:
         num_tokens += report["num_tokens"].float().cpu()
     grads.finalize_model_grads(run.model_chunks, run.parallel, num_tokens)
-    result = run.optimizer.step()
-    return reduce_reports(reports, run.parallel, added, run.report_keys), result
+    return reports, added
+
+
+def train_step(run: Run, iterators) -> tuple[dict, object]:
+    rerun = run.rerun
+    if rerun is None or not rerun.enabled:
+        reports, added = forward_backward(run, iterators)
+        result = run.optimizer.step()
+        return reduce_reports(reports, run.parallel, added, run.report_keys), result
+    # --rerun-mode validate_results: the result is checked before the optimizer step, and a
+    # suspicious step runs once more on the same microbatches from the same RNG state.
+    rerun.start_step()
+    try:
+        while True:
+            reports, added = forward_backward(run, iterators)
+            losses = reduce_reports(reports, run.parallel, added, run.report_keys)
+            if not rerun.verdict(losses.get(run.info.main_loss), run.model_chunks):
+                break
+    finally:
+        rerun.end_step()
+    if rerun.error is not None:  # reported with the step's record, then the run stops
+        return losses, StepResult(False, math.nan, None)
+    return losses, run.optimizer.step()
 
 
 def evaluate_all(run: Run) -> dict[str, float] | None:
@@ -368,8 +399,12 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
         if hasattr(run.optimizer, "current_loss_scale"):
             record["loss_scale"] = run.optimizer.current_loss_scale()
         record.update(stragglers.report(iteration))  # every rank: a gather when due
+        if run.rerun is not None:
+            record.update(run.rerun.report)
         metrics.train_step(record)
         run.pm.hook.plugtron_step_end(iteration=iteration, metrics=record)
+        if run.rerun is not None:
+            run.rerun.stop()  # a reproducible NaN/Inf: an error, once the record says so
         if t.eval_interval and iteration % t.eval_interval == 0:
             run_evaluation(run, metrics, iteration)
         after_step(run, iteration)

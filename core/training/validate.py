@@ -19,6 +19,7 @@ from plugtron.core.plugins.manager import wants_sharded_gradients
 from plugtron.core.plugins.objects import call_declared, run_plugin_objects
 from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.training.recompute import validate_recompute
+from plugtron.core.training.rerun import validate_rerun
 
 
 def _positive(name: str, value) -> None:
@@ -75,6 +76,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
 
     validate_profile(config)
     validate_straggler(config)
+    validate_rerun(config)
     validate_recompute(config)
     validate_plugins(config, world_size)
 
