@@ -105,3 +105,14 @@ def test_four_srun_tasks_train_dp4_with_one_process_losses(tmp_path):
     want, got = _losses(tmp_path / "one.jsonl"), _losses(metrics)
     assert sorted(got) == sorted(want) == [1, 2, 3]
     assert all(abs(got[i] - want[i]) <= TOL * abs(want[i]) for i in want), (got, want)
+
+
+def test_user_errors_under_srun_are_exit_2():
+    flags = tiny_flags(train_iters=1)
+    env = {**fake_srun.slurm_env(0, 4, 4242, "localhost")}
+    both = run_cli(["train", *flags, "--nproc-per-node", "2"], env=env)
+    assert both.rc == 2 and "cannot be used under torchrun or srun" in both.out, both.out
+    bad = run_cli(["train", *flags], env={**env, "SLURM_NODELIST": "node[01-",
+                                          "SLURM_JOB_NODELIST": "node[01-"})
+    assert bad.rc == 2 and "cannot read the world from SLURM's variables" in bad.out, bad.out
+    assert "Traceback" not in both.out + bad.out
