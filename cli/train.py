@@ -79,7 +79,9 @@ def node_layout(external: bool, nnodes: int, node_rank: int, master_addr: str | 
     several = nnodes > 1 or max_restarts > 0
     if external and (several or node_rank):
         raise ConfigError("--nnodes, --node-rank and --max-restarts start ranks; under torchrun "
-                          "the launcher already did: give them to torchrun")
+                          "(or srun with several tasks) the launcher already did: give them to "
+                          "torchrun, or run one plugtron launcher per node with "
+                          "PLUGTRON_SLURM=0 (docs/clusters.md)")
     if node_rank >= nnodes:
         raise ConfigError(f"--node-rank {node_rank} must be below --nnodes {nnodes}")
     if rdzv_endpoint and master_addr:
@@ -213,8 +215,9 @@ def make_train_command(args: list[str]) -> click.Command:
         config = run.config(params, config_file, preset)
         external = launched_externally()
         if external and nproc_per_node > 1:
-            raise ConfigError("--nproc-per-node cannot be used under torchrun: the launcher "
-                              "already started the ranks")
+            raise ConfigError("--nproc-per-node cannot be used under torchrun or srun with "
+                              "several tasks: the launcher already started the ranks (one "
+                              "plugtron launcher per node under SLURM: set PLUGTRON_SLURM=0)")
         nodes = node_layout(external, nnodes, node_rank, master_addr, master_port,
                             rdzv_endpoint, max_restarts)
         world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node * nnodes

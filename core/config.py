@@ -184,6 +184,16 @@ class TrainingConfig:
                                  "fp16: steps without overflow before the scale grows.")
     hysteresis: int = opt(2, "--hysteresis", "fp16: overflows tolerated before backing off.")
     # Clean stops (core/training/preemption.py); SIGTERM/SIGINT are always handled.
+    rerun_mode: str = opt("disabled", "--rerun-mode", "validate_results: a step whose loss is "
+                          "NaN/Inf or spiky (or a gradient NaN/Inf) is re-run once on the same "
+                          "data before the optimizer step; reproducible stops (NaN/Inf), "
+                          "transient continues. report_stats is not implemented.",
+                          choices=("disabled", "validate_results", "report_stats"))
+    check_for_spiky_loss: bool = opt(False, "--check-for-spiky-loss", "With --rerun-mode "
+                                     "validate_results, also validate loss spikes.",
+                                     is_flag=True)
+    spiky_loss_factor: float = opt(10.0, "--spiky-loss-factor", "A loss over this many times the "
+                                   "largest of the first 100 steps is a spike.")
     exit_signal_handler: bool = opt(False, "--exit-signal-handler",
                                     "Also stop cleanly (finish the step, save) on SIGUSR1.",
                                     is_flag=True)
@@ -260,6 +270,9 @@ class LoggingConfig:
     profile_step_end: int = opt(12, "--profile-step-end", "Last profiled iteration.")
     profile_ranks: list = opt([0], "--profile-ranks", "Global ranks to profile (repeatable).")
     profile_dir: str = opt("profiles", "--profile-dir", "Where the traces are written.")
+    log_straggler: bool = opt(False, "--log-straggler", "Every --log-interval iterations, "
+                              "gather each rank's forward-backward time and log the fastest and "
+                              "slowest rank (metrics file and console).", is_flag=True)
 
 
 SECTIONS = {

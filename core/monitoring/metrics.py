@@ -11,11 +11,18 @@ import uuid
 
 from tqdm import tqdm
 
+from . import straggler
+
+#: Keys of a re-run step's record (core/training/rerun.py; not imported: monitoring sits below
+#: training).
+RERUN_KEYS = ("rerun", "rerun_reason")
+
 
 class MetricsLogger:
     #: Keys of a train record that are not losses (everything else a model reported is one).
     STEP_KEYS = ("iteration", "grad_norm", "lr", "tokens_per_sec", "step_time_s",
-                 "data_time_s", "consumed_samples", "skipped", "num_zeros", "loss_scale", "memory_mb")
+                 "data_time_s", "consumed_samples", "skipped", "num_zeros", "loss_scale", "memory_mb",
+                 *straggler.KEYS, *RERUN_KEYS)
 
     def __init__(self, config, rank: int, start_iteration: int = 0, main_loss: str = "lm_loss"):
         self.config = config
@@ -58,6 +65,10 @@ class MetricsLogger:
                   f"grad norm {record['grad_norm']:.3f} | "
                   f"lr {record['lr']:.3e} | {record['tokens_per_sec']:.0f} tokens/s | "
                   f"{record['step_time_s'] * 1000:.0f} ms/step", flush=True)
+        if "straggler_max_rank" in record:
+            self._print(straggler.console_line(record))
+        if "rerun" in record:
+            self._print(rerun_line(record))
 
     def losses(self, record: dict) -> dict:
         """The loss entries of a record, the main loss first."""
@@ -111,6 +122,15 @@ def _finite(value):
 
 def _number(value) -> str:
     return f"{value:.4f}" if isinstance(value, (int, float)) else str(value)
+
+
+def rerun_line(record: dict) -> str:
+    """The console line of a step that ``--rerun-mode validate_results`` re-ran."""
+    outcome = ("reproducible: a problem of the data or the model" if record["rerun"] ==
+               "reproducible" else "transient: not repeated on the same data, a hardware fault; "
+               "continuing with the re-run's result")
+    return (f"rerun at iteration {record['iteration']}: {record['rerun_reason']}; the step was "
+            f"re-run on the same data: {outcome}")
 
 
 class Throughput:

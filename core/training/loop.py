@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from plugtron.core.monitoring import run_status
 from plugtron.core.monitoring.memory import step_memory_mb
 from plugtron.core.monitoring.metrics import MetricsLogger, Throughput
 from plugtron.core.monitoring.profiling import StepProfiler
+from plugtron.core.monitoring.straggler import StragglerLog
 from plugtron.core.parallel import comm, shared_params
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.context_parallel import check_built_layers, local_microbatches
@@ -32,7 +34,8 @@ from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.training import aux_losses, data, grads, preemption, step_info
 from plugtron.core.training.builder import build_model
 from plugtron.core.training.lr_schedule import LRScheduler
-from plugtron.core.training.optimizer import checked_optimizer
+from plugtron.core.training.optimizer import StepResult, checked_optimizer
+from plugtron.core.training.rerun import RerunStateMachine
 from plugtron.core.training.state import TrainState
 from plugtron.core.training.validate import apply_schedule_placement, validate_plugins
 
@@ -56,6 +59,10 @@ class Run:
     info: ModelInfo = field(default_factory=ModelInfo)
     #: The pipeline's agreed report keys of the training step (core.training.reduce_reports).
     report_keys: dict = field(default_factory=dict)
+    #: Seconds this rank spent in the last step's forward and backward (the schedule).
+    forward_backward_s: float = 0.0
+    #: --rerun-mode validate_results (core/training/rerun.py); made by setup.
+    rerun: RerunStateMachine | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -160,7 +167,8 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None,
         p2p = P2PCommunicator.from_config(config, parallel, model_dtype(config), world.device)
     info = pm.hook.model_info(config=config)
     return Run(config, world, parallel, pm, backend, model_chunks, optimizer, scheduler,
-               tuple(datasets), p2p, info=info if isinstance(info, ModelInfo) else ModelInfo())
+               tuple(datasets), p2p, info=info if isinstance(info, ModelInfo) else ModelInfo(),
+               rerun=RerunStateMachine(config, parallel, getattr(backend, "rng_tracker", None)))
 
 
 # --------------------------------------------------------------------------- the step
@@ -177,12 +185,15 @@ def data_iterators(run: Run, dataset, consumed_samples: int, timers: list | None
         timed = data.TimedIterator(data.microbatch_iterator(
             dataset, mbs, run.parallel.dp_rank, run.parallel.dp_size, consumed_samples,
             num_workers=workers))
+        source = timed
         if timers is not None:
             timers.append(timed)
+            if run.rerun is not None:  # training: a step may be re-run on the same data
+                source = run.rerun.wrap(timed)
         # ``recording``: each drawn microbatch sets the token weight of losses added inside the
         # model (core/training/aux_losses.py). ``local_microbatches``: every cp rank of a dp rank draws
         # the same samples and keeps its sequence chunks (core/parallel/context_parallel.py).
-        out.append(aux_losses.recording(local_microbatches(timed, run.parallel,
+        out.append(aux_losses.recording(local_microbatches(source, run.parallel,
                                                            run.config.model.seq_length)))
     return out
 
@@ -280,19 +291,44 @@ def run_schedule(run: Run, iterators, forward_only: bool) -> list[dict]:
         loss_scale=run.optimizer.loss_scale())
 
 
-def train_step(run: Run, iterators) -> tuple[dict, object]:
+def forward_backward(run: Run, iterators) -> tuple[list[dict], dict]:
+    """One step's forward and backward over every microbatch, gradients reduced and ready for
+    the optimizer: the step's reports and the losses added inside the model."""
     run.optimizer.zero_grad()
     for chunk in run.model_chunks:  # after the optimizer: it may point .grad into the buffers
         chunk.zero_grad_buffer()
     aux_losses.take()  # nothing left over from an evaluation or a failed step
+    schedule_start = time.perf_counter()
     reports = run_schedule(run, iterators, forward_only=False)
+    run.forward_backward_s = time.perf_counter() - schedule_start
     added = aux_losses.take()
     num_tokens = torch.zeros((), dtype=torch.float32)
     for report in reports:
         num_tokens += report["num_tokens"].float().cpu()
     grads.finalize_model_grads(run.model_chunks, run.parallel, num_tokens)
-    result = run.optimizer.step()
-    return reduce_reports(reports, run.parallel, added, run.report_keys), result
+    return reports, added
+
+
+def train_step(run: Run, iterators) -> tuple[dict, object]:
+    rerun = run.rerun
+    if rerun is None or not rerun.enabled:
+        reports, added = forward_backward(run, iterators)
+        result = run.optimizer.step()
+        return reduce_reports(reports, run.parallel, added, run.report_keys), result
+    # --rerun-mode validate_results: the result is checked before the optimizer step, and a
+    # suspicious step runs once more on the same microbatches from the same RNG state.
+    rerun.start_step()
+    try:
+        while True:
+            reports, added = forward_backward(run, iterators)
+            losses = reduce_reports(reports, run.parallel, added, run.report_keys)
+            if not rerun.verdict(losses.get(run.info.main_loss), run.model_chunks):
+                break
+    finally:
+        rerun.end_step()
+    if rerun.error is not None:  # reported with the step's record, then the run stops
+        return losses, StepResult(False, math.nan, None)
+    return losses, run.optimizer.step()
 
 
 def evaluate_all(run: Run) -> dict[str, float] | None:
@@ -332,6 +368,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
     run.pm.hook.plugtron_train_start(config=config, state=state)
     throughput = Throughput()
     profiler = StepProfiler(config, run.world.rank)
+    stragglers = StragglerLog(config, run.world.device)
     losses = {}
     start = time.perf_counter()
     while state.iteration < t.train_iters:
@@ -348,6 +385,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
                               f"is smaller than --train-iters x --global-batch-size") from None
         step_time = time.perf_counter() - step_start
         profiler.after_step(iteration)
+        stragglers.add(run.forward_backward_s)
         state.iteration = iteration
         state.consumed_samples += t.global_batch_size
         record = {"iteration": iteration, **loss_metrics(losses),
@@ -360,8 +398,13 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
             record["num_zeros"] = result.num_zeros
         if hasattr(run.optimizer, "current_loss_scale"):
             record["loss_scale"] = run.optimizer.current_loss_scale()
+        record.update(stragglers.report(iteration))  # every rank: a gather when due
+        if run.rerun is not None:
+            record.update(run.rerun.report)
         metrics.train_step(record)
         run.pm.hook.plugtron_step_end(iteration=iteration, metrics=record)
+        if run.rerun is not None:
+            run.rerun.stop()  # a reproducible NaN/Inf: an error, once the record says so
         if t.eval_interval and iteration % t.eval_interval == 0:
             run_evaluation(run, metrics, iteration)
         after_step(run, iteration)

@@ -17,6 +17,9 @@ from plugtron.core.errors import PlugtronError
 class StepInfo:
     iteration: int = 0
     rank: int = 0
+    #: Set under --rerun-mode validate_results: a non-finite loss is validated (and the step
+    #: re-run) after the backward (core/training/rerun.py), not raised inside the loss function.
+    defer_nonfinite: bool = False
 
 
 current = StepInfo()
@@ -27,7 +30,10 @@ class NonFiniteLossError(PlugtronError):
 
 
 def check_finite(value: torch.Tensor, what: str = "loss") -> None:
-    """Raise before any reduction across ranks, naming iteration and rank."""
+    """Raise before any reduction across ranks, naming iteration and rank (unless the run
+    validates its steps' results itself: ``defer_nonfinite``)."""
+    if current.defer_nonfinite:
+        return
     number = float(value.detach().float().sum())
     if not math.isfinite(number):
         raise NonFiniteLossError(f"{what} is {number} at iteration {current.iteration} on rank "

@@ -9,6 +9,7 @@ from plugtron.core.config import TrainConfig, validate_tensor_parallel
 from plugtron.core.contracts.model_info import model_info_for
 from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.monitoring.profiling import validate_profile
+from plugtron.core.monitoring.straggler import validate_straggler
 from plugtron.core.parallel.context import V_SHAPE, check_placement, validate_sizes
 from plugtron.core.parallel.context_parallel import check_support
 from plugtron.core.pipeline.layout import chunk_layers
@@ -18,6 +19,7 @@ from plugtron.core.plugins.manager import wants_sharded_gradients
 from plugtron.core.plugins.objects import call_declared, run_plugin_objects
 from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.training.recompute import validate_recompute
+from plugtron.core.training.rerun import validate_rerun
 
 
 def _positive(name: str, value) -> None:
@@ -73,6 +75,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
         raise ConfigError("--save-interval needs --save DIR")
 
     validate_profile(config)
+    validate_straggler(config)
+    validate_rerun(config)
     validate_recompute(config)
     validate_plugins(config, world_size)
 
