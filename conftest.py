@@ -13,6 +13,9 @@ HEAVIEST_FIRST = (
     "tests/test_plugin_new.py",
     "tests/reliability/test_ranks_and_signals.py",
     "tests/reliability/test_save_directory.py",
+    "tests/distributed/test_zero_bubble.py",
+    "tests/reliability/test_two_nodes.py",
+    "tests/reliability/test_elastic_restart.py",
     "moe_plugin/tests/test_moe_expert_parallel.py",
     "tests/test_end_to_end.py",
     "tests/distributed/test_tensor_parallel.py",
@@ -26,6 +29,10 @@ HEAVIEST_FIRST = (
     "tests/distributed/test_recompute_layouts.py",
     "tests/test_generate.py",
     "tests/test_memory_estimate.py",
+    "tests/reliability/test_slurm.py",
+    "gpt_plugin/tests/test_mla_layouts.py",
+    "gpt_plugin/tests/test_mtp_layouts.py",
+    "tests/test_rerun.py",
 )
 
 
