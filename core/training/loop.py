@@ -134,6 +134,10 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None,
     with_plugin_sections(config)  # a config built in Python may not carry them yet
     validate_plugins(config, world.world_size)
     pm = build_plugin_manager(config, extra_plugins)
+    # Module state of the losses added inside a model: an earlier run in this process (fp16's
+    # loss scale) must not scale this one's terms.
+    aux_losses.take()
+    aux_losses.set_loss_scale(1.0)
     if schedule is not None:
         pm.unregister(name=f"schedule:{resolve_schedule(config)}")
         pm.register(schedule)

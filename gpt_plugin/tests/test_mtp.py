@@ -55,6 +55,7 @@ def test_losses_and_gradients_equal_the_written_out_objective():
     mask = (torch.rand(2, 16, generator=g) > 0.2).float()
     positions = torch.arange(16).expand(2, 16)
     aux_losses.take()
+    aux_losses.set_loss_scale(1.0)  # an earlier fp16 run in this process may have left its own
     aux_losses.note_microbatch({"loss_mask": mask})
     out = model(tokens, positions, labels=labels, loss_mask=mask)
     got = torch.autograd.grad((out * mask).sum(), params)
