@@ -34,8 +34,14 @@ def _compare(flags, schedule, pool, world_size=4):
                                                                                str) else {}
     got = train_run({**base, **own}, world_size, pool,
                     schedule=None if isinstance(schedule, str) else schedule)
-    want = train_run({**base, "schedule": "1f1b"}, world_size, pool)
-    assert_records_close(got.records, want.records, 1e-5, f"{schedule} against 1f1b {flags}")
+    key = (repr(sorted(base.items())), world_size)
+    if key not in _REFERENCE:  # the same 1f1b run serves every schedule of a layout
+        _REFERENCE[key] = train_run({**base, "schedule": "1f1b"}, world_size, pool).records
+    assert_records_close(got.records, _REFERENCE[key], 1e-5, f"{schedule} against 1f1b {flags}")
+
+
+#: 1f1b's records per (flags, world size), within this module.
+_REFERENCE: dict = {}
 
 
 def test_zb_h1_matches_1f1b_under_tp_2_and_sequence_parallel(pool):
