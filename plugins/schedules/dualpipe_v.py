@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from collections import deque
 
-from plugtron.api import V_SHAPE, Action, ActionListSchedule, ConfigError, hookimpl
+from plugtron.api import Action, ConfigError
+
+from .v_shape import VShapeSchedule
 
 
 def dualpipe_v_actions(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Action]:
@@ -85,18 +87,10 @@ def dualpipe_v_actions(pp_rank: int, pp_size: int, num_microbatches: int) -> lis
     return actions
 
 
-class DualPipeV(ActionListSchedule):
-    @hookimpl
-    def pipeline_placement(self):
-        return V_SHAPE
+class DualPipeV(VShapeSchedule):
+    name = "dualpipev"
 
-    @hookimpl
-    def schedule_actions(self, pp_rank, pp_size, num_chunks, num_microbatches):
-        if num_chunks != 2:
-            raise ConfigError(f"dualpipev places two model chunks per pipeline rank in a V; got "
-                              f"--vp {num_chunks}")
-        if pp_size < 2:
-            raise ConfigError("dualpipev needs --pp 2 or more")
+    def v_actions(self, pp_rank, pp_size, num_microbatches):
         if num_microbatches < 2 * pp_size:
             raise ConfigError(f"dualpipev needs at least as many microbatches as stages (2 x pp "
                               f"= {2 * pp_size}); got {num_microbatches}: raise "

@@ -18,7 +18,9 @@ chunk-1 ``W``'s left and the chunk-0 ones. Fewer than ``2P - 1`` microbatches ru
 
 from __future__ import annotations
 
-from plugtron.api import V_SHAPE, Action, ActionListSchedule, ConfigError, hookimpl
+from plugtron.api import Action
+
+from .v_shape import VShapeSchedule
 
 
 def zbv_actions(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Action]:
@@ -61,16 +63,8 @@ def zbv_actions(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Actio
     return [a for a in actions if a.microbatch < num_microbatches]
 
 
-class ZeroBubbleV(ActionListSchedule):
-    @hookimpl
-    def pipeline_placement(self):
-        return V_SHAPE
+class ZeroBubbleV(VShapeSchedule):
+    name = "zbv"
 
-    @hookimpl
-    def schedule_actions(self, pp_rank, pp_size, num_chunks, num_microbatches):
-        if num_chunks != 2:
-            raise ConfigError(f"zbv places two model chunks per pipeline rank in a V; got "
-                              f"--vp {num_chunks}")
-        if pp_size < 2:
-            raise ConfigError("zbv needs --pp 2 or more")
+    def v_actions(self, pp_rank, pp_size, num_microbatches):
         return zbv_actions(pp_rank, pp_size, num_microbatches)
