@@ -18,8 +18,10 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def ranks_of(launcher: int) -> dict[int, int]:
-    """{rank: pid} of the launcher's rank processes (their RANK variable)."""
+def ranks_of(launcher: int, module: bytes = b"plugtron.cli.rank") -> dict[int, int]:
+    """{rank: pid} of the launcher's rank processes (their RANK variable): children whose
+    command line names ``module`` (plugtron's launcher starts ``plugtron.cli.rank``; under
+    torchrun itself, give ``b"plugtron.cli"``)."""
     out = {}
     for pid in children(launcher):
         try:
@@ -27,6 +29,6 @@ def ranks_of(launcher: int) -> dict[int, int]:
                 env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
         except OSError:
             continue
-        if b"RANK" in env and b"plugtron.cli.rank" in open(f"/proc/{pid}/cmdline", "rb").read():
+        if b"RANK" in env and module in open(f"/proc/{pid}/cmdline", "rb").read():
             out[int(env[b"RANK"])] = pid
     return out

@@ -7,7 +7,6 @@ uninterrupted run's losses and final checkpoint, bit for bit."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
@@ -16,10 +15,11 @@ import pytest
 import torch
 from plugtron.core.checkpoint import CheckpointReader
 
-from .procs import children
+from .procs import ranks_of
 from .tools import (
     HARD_TIMEOUT_S,
     finish,
+    losses_of,
     plugtron_argv,
     run_cli,
     start_cli,
@@ -36,33 +36,11 @@ def _torchrun(*args) -> list[str]:
             "-m", "plugtron.cli.main"]
 
 
-def _losses(metrics: str) -> dict[int, float]:
-    out = {}
-    with open(metrics) as f:
-        for line in f:
-            record = json.loads(line)
-            if "lm_loss" in record and "iteration" in record:
-                out[record["iteration"]] = record["lm_loss"]
-    return out
-
-
 def _iterations(metrics: str) -> int:
     try:
-        return len(_losses(metrics))
+        return len(losses_of(metrics))
     except (OSError, ValueError):
         return 0
-
-
-def _rank_pid(agent: int, rank: int) -> int | None:
-    for pid in children(agent):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
-            continue
-        if env.get(b"RANK") == str(rank).encode():
-            return pid
-    return None
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +49,7 @@ def whole(tmp_path_factory):
     done = run_cli(["train", *FLAGS, "--save", str(path / "ckpt"), "--metrics-file",
                     str(path / "m.jsonl"), "--nproc-per-node", "2"])
     assert done.rc == 0, done.out
-    return str(path / "ckpt"), _losses(str(path / "m.jsonl"))
+    return str(path / "ckpt"), losses_of(str(path / "m.jsonl"))
 
 
 def _launch(launcher: str, save: str, metrics: str) -> list[str]:
@@ -88,7 +66,7 @@ def test_a_killed_rank_restarts_and_resumes_bitwise(tmp_path, whole, launcher):
     proc = start_cli([], argv=_launch(launcher, save, metrics))
     try:
         assert wait_for(lambda: _iterations(metrics) >= 5 or proc.poll() is not None, 60)
-        victim = _rank_pid(proc.pid, 1)
+        victim = ranks_of(proc.pid, b"plugtron.cli").get(1)
         assert proc.poll() is None and victim is not None, "the run did not start training"
         os.kill(victim, signal.SIGKILL)
         done = finish(proc, HARD_TIMEOUT_S)
@@ -98,7 +76,7 @@ def test_a_killed_rank_restarts_and_resumes_bitwise(tmp_path, whole, launcher):
     assert done.rc == 0 and not done.timed_out, done.out
     assert "loaded checkpoint" in done.out  # the second attempt resumed
     whole_save, want = whole
-    got = _losses(metrics)  # both attempts append; the resumed one rewrites iterations
+    got = losses_of(metrics)  # both attempts append; the resumed one rewrites iterations
     assert sorted(got) == sorted(want)
     for i in want:
         assert got[i] == want[i], i

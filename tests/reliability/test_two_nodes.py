@@ -6,12 +6,11 @@ run resumes on one node of 4 ranks with the uninterrupted losses."""
 
 from __future__ import annotations
 
-import json
 import socket
 
 import pytest
 
-from .tools import finish, run_cli, start_cli, tiny_flags
+from .tools import finish, losses_of, run_cli, start_cli, tiny_flags
 
 ITERS, STOP = 6, 3
 FLAGS = tiny_flags(train_iters=ITERS, log_interval=1, num_layers=4)
@@ -21,16 +20,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _losses(path) -> dict[int, float]:
-    out = {}
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            if "lm_loss" in record and "iteration" in record:
-                out[record["iteration"]] = record["lm_loss"]
-    return out
 
 
 def _close(got: dict, want: dict, what: str) -> None:
@@ -44,7 +33,7 @@ def alone(tmp_path_factory):
     path = tmp_path_factory.mktemp("alone") / "m.jsonl"
     done = run_cli(["train", *FLAGS, "--metrics-file", str(path)])
     assert done.rc == 0, done.out
-    return _losses(path)
+    return losses_of(path)
 
 
 def _two_nodes(tmp_path, layout: list[str], *extra: str):
@@ -67,14 +56,14 @@ def test_two_nodes_train_like_one_process(tmp_path, alone, layout):
     for node, done in enumerate(nodes):
         assert done.rc == 0 and not done.timed_out, (node, done.out)
     want = {i: alone[i] for i in range(1, (STOP if resume else ITERS) + 1)}
-    _close(_losses(tmp_path / "node0.jsonl"), want, "two nodes")
+    _close(losses_of(tmp_path / "node0.jsonl"), want, "two nodes")
     assert not (tmp_path / "node1.jsonl").exists()  # global rank 0 writes the metrics
     if not resume:
         return
     again = run_cli(["train", *FLAGS, "--nproc-per-node", "4", "--load", save, "--save", save,
                      "--metrics-file", str(tmp_path / "resumed.jsonl")])
     assert again.rc == 0, again.out
-    _close(_losses(tmp_path / "resumed.jsonl"), {i: alone[i] for i in range(STOP + 1, ITERS + 1)},
+    _close(losses_of(tmp_path / "resumed.jsonl"), {i: alone[i] for i in range(STOP + 1, ITERS + 1)},
            "resumed on one node of 4 ranks")
 
 

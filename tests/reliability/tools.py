@@ -97,3 +97,17 @@ def pid_alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def losses_of(metrics) -> dict[int, float]:
+    """``{iteration: lm_loss}`` of a metrics file (a later line for an iteration wins: a resumed
+    run rewrites the iterations after its checkpoint)."""
+    import json
+
+    out = {}
+    with open(metrics) as f:
+        for line in f:
+            record = json.loads(line)
+            if "lm_loss" in record and "iteration" in record:
+                out[record["iteration"]] = record["lm_loss"]
+    return out
