@@ -1,6 +1,6 @@
 """The architectures people download, imported and exported: GPT-2 as published (gelu_new),
-Llama 3.x and linear rope scaling, Mistral's sliding window (sequences longer than the window),
-Qwen2's q/k/v biases and Qwen3's per-head q/k norms, as tiny random models built from configs
+Llama 3.x, linear and YaRN rope scaling, Mistral's sliding window (sequences longer than the
+window), Qwen2's q/k/v biases and Qwen3's per-head q/k norms, as tiny random models built from configs
 (no downloads). plugtron's logits equal transformers' CPU forward within 1e-5 (fp32); export
 after import gives back the same tensors bit for bit and a config transformers reads as the
 same model; rope types plugtron does not compute are refused naming the type (exit 2)."""
@@ -35,6 +35,13 @@ LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_
              rms_norm_eps=1e-5, initializer_range=0.2)
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 8}
+#: Qwen's long-context YaRN (its original context shrunk so that the ramp falls inside the
+#: head's channels), and one with every option away from its default.
+QWEN_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 16}
+ODD_YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 8.0,
+            "original_max_position_embeddings": 32, "beta_fast": 16, "beta_slow": 2,
+            "mscale": 0.707, "mscale_all_dim": 0.5, "truncate": False}
 
 #: kind -> (config class, model class, config arguments, a flag the import must print)
 CASES = {
@@ -55,6 +62,11 @@ CASES = {
     "qwen3-window": ("Qwen3Config", "Qwen3ForCausalLM",
                      dict(LLAMA, head_dim=16, use_sliding_window=True, sliding_window=6,
                           max_window_layers=0), "--qk-layernorm"),
+    "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(LLAMA, rope_parameters=QWEN_YARN),
+                   "--rope-type yarn --rotary-scaling-factor 4.0"),
+    "qwen3-yarn-options": ("Qwen3Config", "Qwen3ForCausalLM",
+                           dict(LLAMA, head_dim=16, rope_parameters=ODD_YARN),
+                           "--mscale 0.707 --mscale-all-dim 0.5"),
 }
 
 
@@ -97,7 +109,7 @@ def test_window_shorter_than_sequence_changes_the_output(tmp_path):
 
 
 @pytest.mark.parametrize("rope", [{"rope_type": "dynamic", "factor": 2.0},
-                                  {"rope_type": "yarn", "factor": 2.0,
+                                  {"rope_type": "longrope", "factor": 2.0,
                                    "original_max_position_embeddings": 32}])
 def test_unsupported_rope_types_are_refused_by_name(rope, tmp_path):
     hf_dir = tmp_path / "hf"
@@ -118,6 +130,10 @@ def test_unsupported_rope_types_are_refused_by_name(rope, tmp_path):
     ({"add-qkv-bias": True, "use-rope-scaling": True,
       "rope-scaling-original-max-position-embeddings": 8}, "qwen2"),
     ({"window-size": "3", "rotary-seq-len-interpolation-factor": 2.0}, "mistral"),
+    # mscale without mscale_all_dim: transformers would ignore it; config.json states the
+    # attention factor plugtron computes
+    ({"rope-type": "yarn", "rotary-scaling-factor": 4.0, "mscale": 0.8,
+      "yarn-original-max-position-embeddings": 16}, "llama"),
 ])
 def test_plugtron_model_exports_to_its_family_and_back_unchanged(flags, model_type, tmp_path):
     """A model made by plugtron (not imported) exports as the family its flags select, and

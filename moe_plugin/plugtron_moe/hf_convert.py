@@ -13,6 +13,9 @@
   q/k/v biases, with per-head q/k RMSNorm (``q_norm`` / ``k_norm``: ``--qk-layernorm``,
   ``self_attention.{q,k}_layernorm.weight``).
 
+Rotary position: plain, or YaRN (``rope_type: yarn``: ``--rope-type yarn`` and its options;
+hf_rope.py); other scalings are refused by name.
+
 transformers 5 stores experts fused: ``mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows first,
 as plugtron's SwiGLU ``linear_fc1 = [gate; up]``), ``mlp.experts.down_proj [E, H, I]``, router
 ``mlp.gate.weight [E, H]``. plugtron's per-expert tensors are
@@ -24,6 +27,7 @@ from __future__ import annotations
 import torch
 from plugtron.api import ConfigError
 
+from .hf_rope import rope_config, rope_flags
 from .options import moe_layer_pattern, uses_sinkhorn
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -52,16 +56,6 @@ def split_qkv(qkv, heads: int, groups: int):
     x = qkv.reshape(groups, per + 2, d, *rest)
     return (x[:, :per].reshape(heads * d, *rest), x[:, per].reshape(groups * d, *rest),
             x[:, per + 1].reshape(groups * d, *rest))
-
-
-def _rope_theta(c: dict) -> float:
-    params = dict(c.get("rope_scaling") or {})
-    params.update(c.get("rope_parameters") or {})
-    kind = params.get("rope_type") or params.get("type") or "default"
-    if kind != "default":
-        raise ConfigError(f"rope type {kind!r} is not supported for MoE models by plugtron "
-                          f"(plain rotary only)")
-    return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
 
 
 #: Attention flags of the Qwen MoE families (the GPT model's `*` layer options).
@@ -157,7 +151,7 @@ class MoEConverter:
                  "ffn-hidden-size": c["intermediate_size"], "num-attention-heads": heads,
                  "num-query-groups": groups, "kv-channels": head_dim,
                  "vocab-size": c["vocab_size"], "position-embedding-type": "rope",
-                 "rotary-base": _rope_theta(c), "normalization": "RMSNorm",
+                 **rope_flags(c), "normalization": "RMSNorm",
                  "norm-epsilon": c.get("rms_norm_eps", 1e-6), "swiglu": True,
                  "untie-embeddings-and-output-weights": not tied, "add-bias-linear": False,
                  "attention-dropout": float(c.get("attention_dropout", 0.0)),
@@ -257,9 +251,7 @@ class MoEConverter:
                        "num_hidden_layers": m.num_layers, "num_attention_heads": heads,
                        "num_key_value_heads": groups, "head_dim": head_dim,
                        "hidden_act": "silu", "rms_norm_eps": m.norm_epsilon,
-                       "rope_theta": float(m.rotary_base),
-                       "rope_parameters": {"rope_theta": float(m.rotary_base),
-                                           "rope_type": "default"},
+                       **rope_config(config),
                        "max_position_embeddings": m.max_position_embeddings or m.seq_length,
                        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
                        "num_experts_per_tok": o.moe_router_topk,

@@ -1,5 +1,5 @@
 """Hugging Face interchange for MoE models (plugtron-moe's converters): tiny random Mixtral,
-Qwen2-MoE and Qwen3-MoE models built from configs (no downloads). plugtron's logits equal transformers'
+Qwen2-MoE and Qwen3-MoE models (one with YaRN rope) built from configs (no downloads). plugtron's logits equal transformers'
 within 1e-5 (fp32); export after import gives back the same tensors, and importing that export
 (transformers 5's fused expert tensors) gives back the same checkpoint."""
 
@@ -29,15 +29,21 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attenti
               initializer_range=0.2, num_experts_per_tok=2)
 
 
+#: Qwen3-MoE's long-context rope (original context shrunk into the test's sequence).
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16}
+
+
 def make_hf(kind: str, directory: str):
     if kind == "mixtral":
         config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=4,
                                             rope_theta=5000.0, **COMMON)
         return save_random(transformers.MixtralForCausalLM, config, directory)
-    if kind == "qwen3_moe":  # per-head q/k norms, no shared expert, no biases
+    if kind.startswith("qwen3_moe"):  # per-head q/k norms, no shared expert, no biases
+        rope = {"rope_parameters": YARN} if kind.endswith("yarn") else {}
         config = transformers.Qwen3MoeConfig(
             intermediate_size=40, moe_intermediate_size=24, num_experts=4, head_dim=16,
-            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], **COMMON)
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], **rope, **COMMON)
         return save_random(transformers.Qwen3MoeForCausalLM, config, directory)
     config = transformers.Qwen2MoeConfig(
         intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=20,
@@ -46,12 +52,14 @@ def make_hf(kind: str, directory: str):
     return save_random(transformers.Qwen2MoeForCausalLM, config, directory)
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen2_moe-norm", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen2_moe-norm", "qwen3_moe",
+                                  "qwen3_moe-yarn"])
 def test_import_gives_transformers_logits_and_exports_back(kind, tmp_path):
     hf_dir, ckpt, back = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
     model = make_hf(kind, hf_dir)
     result = convert("import-hf", hf_dir, ckpt)
     assert "--num-experts 4" in result.output
+    assert ("--rope-type yarn" in result.output) == kind.endswith("yarn")
 
     batch = tokens(VOCAB, (2, SEQ))
     ours = logits_of(ckpt, batch, VOCAB)

@@ -11,15 +11,19 @@ qwen3      ``q_norm`` / ``k_norm`` per head: ``--qk-layernorm``; ``attention_bia
 =========  ===========================================================================
 
 Rotary scaling (``rope_parameters``, or the older ``rope_scaling``): ``default``, ``linear``
-(``--rotary-seq-len-interpolation-factor``) and ``llama3`` (``--use-rope-scaling`` and its four
-options) convert exactly; any other type (``dynamic``, ``yarn``, ``longrope``, ...) is refused
-naming it, since plugtron would compute different angles.
+(``--rotary-seq-len-interpolation-factor``), ``llama3`` (``--use-rope-scaling`` and its four
+options) and ``yarn`` (``--rope-type yarn`` and its options, :func:`yarn_flags`) convert
+exactly; any other type (``dynamic``, ``longrope``, ...) is refused naming it, since plugtron
+would compute different angles.
 """
 
 from __future__ import annotations
 
+import math
+
 from plugtron.api import ConfigError
 from plugtron_gpt.layers.attention_options import attention_options, parse_window, rope_scaling
+from plugtron_gpt.layers.rope import yarn_attention_factor, yarn_mscale
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -65,9 +69,49 @@ def rope_flags(c: dict) -> dict:
                                                                    where)),
                       "rope-scaling-original-max-position-embeddings": int(original)})
         return flags
+    if kind == "yarn":
+        return flags | yarn_flags(params, c)
     raise ConfigError(f"rope type {kind!r} is not supported by plugtron: it converts 'default', "
-                      f"'linear' and 'llama3' rotary scaling exactly; {kind!r} would compute "
-                      f"different angles")
+                      f"'linear', 'llama3' and 'yarn' rotary scaling exactly; {kind!r} would "
+                      f"compute different angles")
+
+
+def yarn_flags(params: dict, c: dict) -> dict:
+    """``--rope-type yarn`` and its options, computing what transformers computes: ``factor``
+    required; ``original_max_position_embeddings`` from the top level, else the rope
+    parameters, else ``max_position_embeddings``; cos and sin scaled by ``attention_factor``
+    where given, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` only when both
+    are set, else ``mscale(factor)`` (a config whose value --mscale / --mscale-all-dim cannot
+    give is refused); ``beta_fast`` / ``beta_slow`` 32 / 1 and ``truncate`` true by default."""
+    factor = params.get("factor")
+    if factor is None:
+        raise ConfigError("config.json rope_parameters (yarn) has no 'factor'")
+    factor = float(factor)
+    original = (c.get("original_max_position_embeddings")
+                or params.get("original_max_position_embeddings")
+                or c.get("max_position_embeddings"))
+    if original is None:
+        raise ConfigError("config.json rope_parameters (yarn) has no "
+                          "'original_max_position_embeddings'")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    given = params.get("attention_factor")
+    # Without attention_factor transformers ignores mscale unless mscale_all_dim is set too;
+    # with it (plugtron's export writes one then), the file's values are taken as they are.
+    if given is not None or (mscale and all_dim):
+        ours = (float(1.0 if mscale is None else mscale), float(all_dim or 0.0))
+    else:
+        ours = (1.0, 0.0)
+    computed = yarn_mscale(factor, ours[0]) / yarn_mscale(factor, ours[1])
+    theirs = float(given) if given is not None else computed
+    if not math.isclose(theirs, computed, rel_tol=1e-12):
+        raise ConfigError(f"rope_parameters (yarn) attention_factor {given} is not what "
+                          f"plugtron's --mscale / --mscale-all-dim give ({computed})")
+    return {"rope-type": "yarn", "rotary-scaling-factor": factor,
+            "yarn-original-max-position-embeddings": int(original),
+            "mscale": ours[0], "mscale-all-dim": ours[1],
+            "yarn-beta-fast": float(params.get("beta_fast") or 32),
+            "yarn-beta-slow": float(params.get("beta_slow") or 1),
+            "yarn-correction-range-round-to-int": bool(params.get("truncate", True))}
 
 
 def window_flags(c: dict, family: str) -> dict:
@@ -157,6 +201,11 @@ def family_config(config, family: str) -> dict:
     scaling = rope_scaling(config)
     if scaling is not None:
         rope = {"rope_theta": theta} | scaling
+        if (scaling["rope_type"] == "yarn"
+                and not (scaling["mscale"] and scaling["mscale_all_dim"])
+                and yarn_attention_factor(scaling) != yarn_mscale(scaling["factor"])):
+            # transformers would infer mscale(factor) from these: state plugtron's value
+            rope["attention_factor"] = yarn_attention_factor(scaling)
     out = {"architectures": [ARCHITECTURES[family]], "model_type": family,
            "rope_theta": theta, "rope_parameters": rope}
     window = parse_window(o.window_size)
