@@ -122,7 +122,9 @@ class MoEConverter:
     @classmethod
     def handles(cls, config) -> bool:
         moe = getattr(config, "moe", None)
-        return config.plugins.model == "gpt" and bool(moe and moe.num_experts)
+        mla = getattr(getattr(config, "attention", None), "multi_latent_attention", False)
+        # with multi-latent attention: DeepSeek-V3 (hf_deepseek.py)
+        return config.plugins.model == "gpt" and bool(moe and moe.num_experts) and not mla
 
     # ------------------------------------------------------------------ import
 
@@ -223,12 +225,11 @@ class MoEConverter:
     def export_hf_from(self, config, t: dict) -> tuple[dict, dict]:
         m, o = config.model, config.moe
         if getattr(getattr(config, "attention", None), "multi_latent_attention", False):
-            raise ConfigError("--multi-latent-attention matches no Hugging Face layout "
-                              "plugtron exports yet (deepseek_v3 export is not implemented: "
-                              "issue 27)")
+            raise ConfigError("--multi-latent-attention with experts exports as deepseek_v3 "
+                              "(its converter, not this one)")
         if getattr(getattr(config, "mtp", None), "mtp_num_layers", None):
-            raise ConfigError("--mtp-num-layers: no Hugging Face MoE layout plugtron exports has "
-                              "multi-token prediction layers yet (deepseek_v3 export: issue 27)")
+            raise ConfigError("--mtp-num-layers: Mixtral and Qwen-MoE have no multi-token "
+                              "prediction layers; DeepSeek-V3 has (--multi-latent-attention)")
         qkv_bias, qk_norm = _attention_options(config)
         kind = ("qwen3_moe" if qk_norm else "qwen2_moe" if o.moe_shared_expert_intermediate_size
                 else "mixtral")

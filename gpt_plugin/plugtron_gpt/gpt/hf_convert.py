@@ -274,11 +274,13 @@ def hf_layout_of(config) -> str:
     m = config.model
     groups = m.num_query_groups or m.num_attention_heads
     if attention_options(config).multi_latent_attention:
-        raise ConfigError("--multi-latent-attention matches no Hugging Face layout plugtron "
-                          "exports yet (deepseek_v3 export is not implemented: issue 27)")
+        raise ConfigError("--multi-latent-attention exports as deepseek_v3 (plugtron-moe), "
+                          "whose layers after first_k_dense_replace are MoE: a dense MLA "
+                          "model (no --num-experts) matches no Hugging Face layout")
     if getattr(getattr(config, "mtp", None), "mtp_num_layers", None):
-        raise ConfigError("--mtp-num-layers: no Hugging Face layout plugtron exports has "
-                          "multi-token prediction layers yet (deepseek_v3 export: issue 27)")
+        raise ConfigError("--mtp-num-layers: the Hugging Face layout with multi-token "
+                          "prediction layers is deepseek_v3 (--multi-latent-attention with "
+                          "--num-experts); this model matches none")
     if m.normalization == "RMSNorm" and m.swiglu and m.position_embedding_type == "rope":
         return family_of(config)
     if squared_relu(config):
