@@ -319,3 +319,29 @@ def test_load_hf_dir_trains_deepseek_v3_with_mtp(base_dir, tmp_path, monkeypatch
         "--eval-iters", "1", "--no-progress", "--log-interval", "1"])
     assert result.exit_code == 0, result.output
     assert "mtp 1 loss" in result.output, result.output
+
+
+def test_deepseek_own_rope_scaling_field_imports(base_dir, tmp_path):
+    """DeepSeek's own config.json spells YaRN the older way (``rope_scaling`` with ``type``,
+    ``rope_theta`` at the top level): it imports to the logits transformers computes from it."""
+    hf_dir = str(tmp_path / "hf")
+    shutil.copytree(base_dir, hf_dir)
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        config = json.load(f)
+    config.pop("rope_parameters", None)
+    config["rope_theta"] = 10000.0
+    config["rope_scaling"] = {"type": "yarn", **{k: v for k, v in YARN.items()
+                                                 if k not in ("rope_type", "rope_theta")}}
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(hf_dir).eval()
+    assert model.config.rope_parameters["rope_type"] == "yarn"
+    result = convert("import-hf", hf_dir, str(tmp_path / "ckpt"))
+    assert "--rope-type yarn --rotary-scaling-factor 40.0" in result.output
+    batch = tokens(VOCAB, (2, SEQ))
+    ours = logits_of(str(tmp_path / "ckpt"), batch, VOCAB)
+    with torch.no_grad():
+        theirs = model(batch).logits.float()
+        plain = transformers.DeepseekV3ForCausalLM.from_pretrained(base_dir).eval()(batch).logits
+    assert (theirs - plain).abs().max() > 1e-3  # YaRN changes this model's function
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
