@@ -4,7 +4,8 @@
 # Needs CUDA and transformer-engine (pip install 'transformer-engine[pytorch]'). Not runnable on
 # CPU-only machines. With two GPUs or more it also runs the zero-bubble schedules at pp 2 over
 # NCCL (1f1b, zb-h1, zbv, each with the local and the te backend: the te linears compute their
-# weight gradients at I, the local ones defer them) and compares their losses.
+# weight gradients at I, the local ones defer them) and compares their losses, and fsdp2 against
+# ddp at dp 2 (tokens/s and losses).
 # Usage: benchmarks/gpu_smoke.sh [ITERS]
 set -euo pipefail
 
@@ -74,6 +75,34 @@ for backend in ("local", "te"):
         print(f"{backend:5s} {schedule:6s}: {rate:10.0f} tokens/s, final loss {losses[-1]:.4f}, "
               f"max relative loss difference to 1f1b {drift:.2e}")
 PY
+  # fsdp2 against ddp over NCCL: the same code path as on gloo, the devices' own collectives.
+  DP=(--data mock --vocab-size 32000 --num-layers 8 --hidden-size 1024
+      --num-attention-heads 16 --seq-length 1024 --micro-batch-size 2 --global-batch-size 16
+      --train-iters "$ITERS" --lr 1e-4 --eval-interval 0 --log-interval 5 --no-progress
+      --bf16 --nproc-per-node 2)
+  for wrapper in ddp fsdp2; do
+    echo "== dp 2, --data-parallel $wrapper, $ITERS iterations"
+    plugtron train "${DP[@]}" --data-parallel "$wrapper" \
+      --metrics-file "$WORK/dp-$wrapper.jsonl"
+  done
+  python - "$WORK" <<'PY'
+import json, pathlib, sys
+
+work = pathlib.Path(sys.argv[1])
+TOKENS_PER_ITER = 16 * 1024
+base = None
+for wrapper in ("ddp", "fsdp2"):
+    records = [json.loads(line) for line in
+               (work / f"dp-{wrapper}.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "step_time_s" in r]
+    timed = steps[len(steps) // 4:] or steps
+    rate = TOKENS_PER_ITER * len(timed) / sum(r["step_time_s"] for r in timed)
+    losses = [r["lm_loss"] for r in steps]
+    base = base or losses
+    drift = max(abs(a - b) / abs(b) for a, b in zip(losses, base))
+    print(f"{wrapper:5s}: {rate:10.0f} tokens/s, final loss {losses[-1]:.4f}, "
+          f"max relative loss difference to ddp {drift:.2e}")
+PY
 else
-  echo "(one GPU: the pp 2 zero-bubble runs need two)"
+  echo "(one GPU: the pp 2 zero-bubble and the dp 2 fsdp2 runs need two)"
 fi

@@ -29,13 +29,14 @@ KINDS = {
     "model": "plugtron.models",
     "schedule": "plugtron.schedules",
     "optimizer": "plugtron.optimizers",
+    "data_parallel": "plugtron.data_parallel",
     "dataset": "plugtron.datasets",
     "layer": "plugtron.layers",
     "extension": "plugtron",
 }
 
 #: Kinds whose generated tests train the ``gpt`` model, so they need plugtron-gpt to run.
-NEEDS_GPT = {"schedule", "optimizer", "dataset", "extension"}
+NEEDS_GPT = {"schedule", "optimizer", "data_parallel", "dataset", "extension"}
 
 
 

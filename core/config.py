@@ -137,6 +137,20 @@ class ParallelConfig:
     overlap_param_gather: bool = opt(False, "--overlap-param-gather",
                                      "Overlap the parameter all-gather with the next forward.",
                                      is_flag=True)
+    use_torch_fsdp2: bool = opt(False, "--use-torch-fsdp2",
+                                "Shard parameters, gradients and optimizer state over dp x cp "
+                                "with torch's fully_shard (the fsdp2 data-parallel wrapper).",
+                                is_flag=True)
+    torch_fsdp2_reshard_after_forward: bool = opt(
+        True, "--torch-fsdp2-reshard-after-forward",
+        "fsdp2: free each layer's gathered parameters after its forward (gather again for "
+        "backward); off keeps them gathered for the whole step.", is_flag=True,
+        negative="--torch-fsdp2-no-reshard-after-forward")
+    data_parallel_sharding_strategy: str | None = opt(
+        None, "--data-parallel-sharding-strategy",
+        "What data parallelism shards (Megatron's levels): no_shard (ddp), optim (ddp with the "
+        "distributed optimizer), optim_grads_params (fsdp2); default: what the other flags say.",
+        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
     ddp_bucket_size: int | None = opt(None, "--ddp-bucket-size",
                                       "Elements per gradient bucket (default: about 40M).")
     accumulate_allreduce_grads_in_fp32: bool = opt(
@@ -237,6 +251,9 @@ class PluginConfig:
     schedule: str = opt("auto", "--schedule",
                         "Pipeline schedule (plugtron.schedules), or auto from pp and vp.")
     optimizer: str = opt("adam", "--optimizer", "Optimizer (plugtron.optimizers).")
+    data_parallel: str = opt("auto", "--data-parallel",
+                             "Data-parallel wrapper (plugtron.data_parallel): ddp, fsdp2, or "
+                             "auto from --use-torch-fsdp2 and --data-parallel-sharding-strategy.")
     layer_backend: str = opt("local", "--layer-backend",
                              "Tensor-parallel layer backend (plugtron.layer_backends).")
     data: str = opt("text", "--data", "Dataset provider (plugtron.datasets).")

@@ -27,10 +27,13 @@ from tests.doc_packages import doc_files
 ROOT = pathlib.Path(__file__).parents[1]
 #: kind -> the NAME generated here, and shown on that kind's docs page
 NAMES = {"model": "prefix-mean", "schedule": "deep-warmup", "optimizer": "lion",
+         "data_parallel": "flat-allreduce",
          "dataset": "repeat", "layer": "gated-mlp", "extension": "csv-log",
          "moe_dispatcher": "relay"}  # the last: plugtron-moe's declared role, its template
 #: kind -> its docs page (the model's is the tutorial, with its own test and its own model)
-PAGES = {kind: ROOT / "docs" / "plugins" / f"{kind}s.md" for kind in KINDS if kind != "model"}
+PAGES = {kind: ROOT / "docs" / "plugins" / ("data-parallel.md" if kind == "data_parallel"
+                                             else f"{kind}s.md")
+         for kind in KINDS if kind != "model"}
 #: The names each part of a generated package may import from plugtron.
 ALLOWED_IMPORTS = {"plugin": ("plugtron.api",), "tests": ("plugtron.api", "plugtron.testing")}
 

@@ -26,6 +26,7 @@ from plugtron.core.contracts.activations import (
     ChunkActivations,
     decoder_activations,
 )
+from plugtron.core.contracts.data_parallel import DataParallelChunk, DataParallelMemory
 from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.contracts.layer_backend import LayerBackend
 from plugtron.core.contracts.layers import load_layer_types, substitute_symbols
@@ -71,9 +72,13 @@ from plugtron.core.parallel.random import (
 )
 from plugtron.core.parallel.sharding import (
     block_sizes,
+    full_tensor,
+    is_dtensor,
     is_tensor_parallel,
+    local_tensor,
     mark_sequence_parallel,
     set_tensor_parallel,
+    shard_like,
     shard_of,
 )
 from plugtron.core.parallel.shared_params import share_parameter
@@ -98,6 +103,8 @@ from plugtron.core.pipeline.plan import Action, ActionKind
 from plugtron.core.pipeline.steps import backward_step as schedule_backward_step
 from plugtron.core.pipeline.steps import forward_step as schedule_forward_step
 from plugtron.core.pipeline.steps import sync_context
+from plugtron.core.plugins.manager import takes_dtensor_params as optimizer_takes_dtensor_params
+from plugtron.core.plugins.manager import wants_sharded_gradients
 from plugtron.core.plugins.registry import PluginRole
 from plugtron.core.plugins.registry import load as load_plugin
 from plugtron.core.plugins.selection import selected_drivers
@@ -106,6 +113,7 @@ from plugtron.core.tools.estimate import estimate_memory
 from plugtron.core.tools.generation import InferenceState, generate
 from plugtron.core.tools.inference import load_model
 from plugtron.core.training.aux_losses import add_loss
+from plugtron.core.training.builder import model_dtype
 from plugtron.core.training.data import collate
 from plugtron.core.training.optimizer import (
     OPTIMIZER_STATE_KEY,
@@ -164,6 +172,8 @@ __all__ = [
     "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",
     "named_params", "no_weight_decay", "param_groups_for", "OPTIMIZER_STATE_KEY",
     "DistributedDataParallel", "BucketShard", "ParamShard",
+    "DataParallelChunk", "DataParallelMemory", "model_dtype", "wants_sharded_gradients",
+    "optimizer_takes_dtensor_params", "is_dtensor", "local_tensor", "full_tensor", "shard_like",
     # datasets and tokenizers
     "collate", "build_tokenizer", "tokenizer_for",
 ]

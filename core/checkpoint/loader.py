@@ -24,6 +24,7 @@ from plugtron.core.contracts.model_info import ModelInfo, model_info_of
 from plugtron.core.errors import CheckpointError
 from plugtron.core.parallel import random as random_module
 from plugtron.core.parallel.random import resume_seed, seed_everything, set_rng_state
+from plugtron.core.parallel.sharding import copy_full_into_, is_dtensor
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.options import config_from_dict
 
@@ -123,7 +124,12 @@ def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReade
         specs[name] = (stored, spec, tensor)
         logical = f"model/{stored}"
         target_spec(logical, spec)
-        reader.read_into(logical, tensor, spec)
+        if is_dtensor(tensor):  # sharded over data parallelism: read whole, keep our shard
+            whole = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
+            reader.read_into(logical, whole, spec)
+            copy_full_into_(tensor, whole)
+        else:
+            reader.read_into(logical, tensor, spec)
 
     contents = reader.metadata.get("contents", {})
     if not model_only and contents.get("optimizer"):

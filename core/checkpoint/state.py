@@ -5,6 +5,8 @@ Rules (the contracts in docs/checkpoints.md):
 
 * Model tensors are every chunk's ``state_dict`` entry (parameters and persistent buffers) under
   its global name; sharding is what the layer declared on the tensor (core/parallel/sharding.py).
+  A data-parallel wrapper's DTensor shards (``fsdp2``) are gathered into the whole tensor when
+  saved and cut again when loaded: the files never depend on the data-parallel layout.
 * Data-parallel replicas are identical: only dp-cp rank 0 writes (expert tensors, which differ
   across ep ranks: expert-data-parallel rank 0). Tensor-parallel replicas
   (tensors that are not tp-sharded) are written by tp rank 0 only; expert tensors are split
@@ -29,7 +31,7 @@ from plugtron.core.checkpoint.writer import RankSnapshot, TensorEntry
 from plugtron.core.errors import CheckpointError
 from plugtron.core.parallel import shared_params
 from plugtron.core.parallel.random import get_rng_state
-from plugtron.core.parallel.sharding import is_expert, tp_split_of
+from plugtron.core.parallel.sharding import full_tensor, is_expert, tp_split_of
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.selection import resolve_optimizer, resolve_schedule, selected_drivers
 
@@ -120,8 +122,12 @@ def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot
     for name, tensor, spec in model_tensors(run):
         stored = stored_name(run, name, tensor)
         specs[name] = (stored, spec, _is_expert(tensor))
+        # A tensor sharded over data parallelism (DTensor) is gathered by every rank of its
+        # group (a collective), then written like a whole one by the first.
+        whole = full_tensor(tensor)
         if stored == name and writes_here(run, spec, _is_expert(tensor)):
-            model.append(_entry(f"model/{name}", tensor, spec, copy, seen, staging))
+            model.append(_entry(f"model/{name}", whole, spec, copy or whole is not tensor,
+                                seen, staging))
     state = dict(run.optimizer.sharded_state_dict())
     global_state = state.pop(OPTIMIZER_GLOBAL_KEY, {})
     for name, entries in state.items():

@@ -3,7 +3,8 @@
 Three kinds of hooks live here:
 
 * **Contract hooks** (``dataset_provider``, ``model_provider``, ``forward_step``, ``loss_func``,
-  ``forward_backward``, ``schedule_actions``, ``build_optimizer``). Their names and signatures
+  ``forward_backward``, ``schedule_actions``, ``build_optimizer``, ``wrap_model_chunk``). Their
+  names and signatures
   follow Megatron-Core. For one run each must end up with exactly one implementation: the driver
   that the run selected by entry-point name. They are ``firstresult`` hooks, so calling one
   returns that implementation's value. Extension plugins may wrap them (``wrapper=True``).
@@ -28,6 +29,7 @@ import pluggy
 if TYPE_CHECKING:  # the types only: the contract imports nothing it describes
     import torch
     from plugtron.core.config import ConfigSection, TrainConfig
+    from plugtron.core.contracts.data_parallel import DataParallelChunk, DataParallelMemory
     from plugtron.core.contracts.layer_backend import LayerBackend
     from plugtron.core.contracts.model_info import ModelInfo
     from plugtron.core.parallel.context import ParallelContext
@@ -54,6 +56,8 @@ OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
     # absent: the core's executor runs the schedule's ``schedule_actions`` (pipeline/executor.py)
     "forward_backward": "schedule",
     "pipeline_placement": "schedule",
+    "optimizer_takes_dtensor_params": "optimizer",
+    "data_parallel_memory": "data_parallel",
 }
 
 #: Hooks that exactly one selected driver implements, with the registry role that provides it.
@@ -64,6 +68,7 @@ CONTRACT_HOOKS: dict[str, str] = {
     "loss_func": "model",
     "schedule_actions": "schedule",
     "build_optimizer": "optimizer",
+    "wrap_model_chunk": "data_parallel",
 }
 
 
@@ -297,6 +302,68 @@ def optimizer_state_per_param(config: TrainConfig) -> int:
 
     Optional; implemented by the optimizer driver only. Without an implementation the estimate
     counts 2 (Adam's) and says so in its notes. Called before launch, without process groups.
+    """
+
+
+@hookspec(firstresult=True)
+def optimizer_takes_dtensor_params(config: TrainConfig) -> bool:
+    """Say whether the optimizer can step parameters that are DTensors sharded over data
+    parallelism (a sharding data-parallel wrapper such as ``fsdp2`` hands it those).
+
+    :param config: the run's ``TrainConfig``.
+    :returns: ``True`` when ``build_optimizer`` accepts chunks whose parameters (and
+        gradients) are ``torch.distributed.tensor.DTensor`` s: torch's own optimizers do, and
+        ``plugtron.api.TorchOptimizer`` handles the norm, clipping and checkpoint state over
+        the shards. ``False``, or no implementation: a sharding wrapper refuses the run before
+        launch.
+
+    Optional; implemented by the optimizer driver only. Called before launch, without process
+    groups.
+    """
+
+
+@hookspec(firstresult=True)
+def wrap_model_chunk(config: TrainConfig, module: torch.nn.Module, parallel: ParallelContext,
+                     shard_gradients: bool) -> DataParallelChunk:
+    """Wrap one model chunk for data parallelism.
+
+    :param config: the run's ``TrainConfig`` (``config.parallel`` has the data-parallel flags).
+    :param module: the chunk ``model_provider`` built, on the run's device, parameters in fp32;
+        the wrapper decides the dtype it keeps them in (``ddp``: the training dtype; ``fsdp2``:
+        fp32 shards with compute in the training dtype). ``plugtron.api.model_dtype(config)``
+        is the training dtype.
+    :param parallel: the run's ``ParallelContext``: ``dp_cp_group`` (dense parameters) and
+        ``edp_group`` (expert parameters, ``allreduce = False``) are the groups to reduce over.
+    :param shard_gradients: the optimizer's answer to ``optimizer_shards_gradients``.
+    :returns: an object following ``plugtron.api.DataParallelChunk`` (docs/plugins/
+        data-parallel.md): forward, ``set_input_tensor``, ``no_sync``, the grad sync and
+        scaling, and the attributes that tell the core how gradients are laid out.
+
+    Called once per chunk on every rank, after the model is built and before
+    ``build_optimizer``.
+    """
+
+
+@hookspec(firstresult=True)
+def data_parallel_memory(config: TrainConfig, chunks: list[torch.nn.Module], dp_cp: int,
+                         edp: int, state_per_param: int, shard_gradients: bool
+                         ) -> DataParallelMemory:
+    """Count one rank's parameters, gradients and optimizer state under this wrapper, for
+    ``plugtron estimate`` and the memory check before launch.
+
+    :param config: the run's ``TrainConfig``.
+    :param chunks: the model chunks of one rank position, built on the meta device (shapes
+        only, unwrapped); expert parameters carry ``allreduce = False``.
+    :param dp_cp: ranks that share the dense parameters (dp x cp).
+    :param edp: ranks that share the expert parameters (the expert data-parallel group).
+    :param state_per_param: fp32 optimizer values per parameter (hook
+        ``optimizer_state_per_param``), the main copy not included.
+    :param shard_gradients: the optimizer's answer to ``optimizer_shards_gradients``.
+    :returns: a ``plugtron.api.DataParallelMemory``.
+
+    Optional; implemented by the data-parallel driver only. Without it the estimate counts
+    whole parameters and gradients on every rank (``ddp``'s count) and says so. Called before
+    launch, without process groups.
     """
 
 

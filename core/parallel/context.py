@@ -23,6 +23,7 @@ from typing import Any, Final, Literal
 import torch
 import torch.distributed as dist
 from plugtron.core.errors import ConfigError
+from plugtron.core.parallel.sharding import forget_meshes
 
 # Where the virtual pipeline stages live. The model is cut into ``pp * chunks`` virtual stages
 # and the schedule chooses their placement: ``looped`` (Megatron's interleaving, and every
@@ -107,6 +108,7 @@ def _world_groups() -> dict[tuple[int, ...], Any]:
     world = dist.group.WORLD
     if _GROUPS["world"] is not world:
         _GROUPS["world"], _GROUPS["by_ranks"] = world, {}
+        forget_meshes()  # DTensor's caches still name the old world's groups
     return _GROUPS["by_ranks"]
 
 

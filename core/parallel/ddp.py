@@ -33,6 +33,11 @@ from plugtron.core.training.optimizer_shards import BucketShard, bucket_shard
 
 
 class DistributedDataParallel(torch.nn.Module):
+    #: Every rank holds whole parameters and gradients (``plugtron.api.DataParallelChunk``).
+    grad_shard_groups: tuple = ((), ())
+    #: Buckets wait for deferred weight gradients (``weight_grad_deferred``): W may run late.
+    defers_weight_grads = True
+
     def __init__(self, module: torch.nn.Module, config, parallel, sharded: bool = False):
         super().__init__()
         self.module = module

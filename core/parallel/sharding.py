@@ -18,12 +18,22 @@ into any layout. Attributes (absent means "replicated, not sharded"):
   reduce over the expert data-parallel group). An expert parameter's tensor-parallel split and
   ``sequence_parallel`` sum are over the *expert* tensor-parallel group (etp, which may differ
   from tp): :func:`tp_split_of` says which group a parameter is split over.
+
+A data-parallel wrapper may shard parameters again over data parallelism as DTensors (``fsdp2``);
+the functions at the end of this module (:func:`local_tensor`, :func:`full_tensor`,
+:func:`shard_like`) let code written for whole tensors handle those too.
 """
 
 from __future__ import annotations
 
 import torch
 from plugtron.core.parallel import comm
+
+try:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # a torch built without distributed: nothing can be a DTensor
+    DTensor = None  # type: ignore[assignment,misc]
+    distribute_tensor = None  # type: ignore[assignment]
 
 
 def block_sizes(total: int, chunks: int | tuple[int, ...] = 1) -> list[int]:
@@ -107,11 +117,13 @@ def mark_sequence_parallel(module: torch.nn.Module) -> None:
 def gather_tensor_parallel(param: torch.Tensor, tp_group) -> torch.Tensor:
     """The full (tp-unsharded) tensor of ``param``, the same on every rank of ``tp_group``.
 
-    A collective over ``tp_group`` for sharded params (every tp rank must call it, for the same
+    A collective over ``tp_group`` for sharded params (and over the data-parallel mesh of a
+    DTensor parameter) (every tp rank must call it, for the same
     params in the same order); replicated params come back as they are.
     """
 
-    tensor = param.detach()
+    # Sharded over data parallelism too (a DTensor): whole over dp first (a collective there).
+    tensor = full_tensor(param.detach())
     if not is_tensor_parallel(param) or comm.group_size(tp_group) == 1:
         return tensor
     dim, chunks = param.partition_dim, getattr(param, "partition_chunks", 1)
@@ -122,3 +134,84 @@ def gather_tensor_parallel(param: torch.Tensor, tp_group) -> torch.Tensor:
 def full_named_tensors(module: torch.nn.Module, tp_group) -> dict[str, torch.Tensor]:
     """``{name: full tensor}`` for every parameter of ``module`` (a collective over tp)."""
     return {name: gather_tensor_parallel(p, tp_group) for name, p in module.named_parameters()}
+
+
+# --------------------------------------------------------------------------- dp shards (DTensors)
+# Tensors a data-parallel wrapper shards over data parallelism as DTensors (``fsdp2``), seen from
+# code written for whole local tensors: the gradient math reads each rank's local shard,
+# checkpoints and comparisons gather the whole tensor, loading cuts this rank's shard. Every
+# function takes plain tensors too and returns them unchanged, so callers need no branch.
+
+
+def is_dtensor(tensor) -> bool:
+    return DTensor is not None and isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor):
+    """This rank's shard of ``tensor`` (a view: writing into it writes the DTensor)."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
+def local_tensors(tensors) -> list:
+    return [local_tensor(t) for t in tensors]
+
+
+def full_tensor(tensor):
+    """The whole tensor (this rank's tensor-parallel piece, never split over data
+    parallelism). A collective over the DTensor's mesh: every rank of it calls it, for the same
+    tensors in the same order."""
+    if not is_dtensor(tensor):
+        return tensor
+    return tensor.detach().full_tensor()
+
+
+def shard_like(full: torch.Tensor, reference):
+    """``full`` (a whole tensor) laid out like ``reference``: its DTensor shard when
+    ``reference`` is one (cut locally, no communication), else ``full`` itself."""
+    if not is_dtensor(reference):
+        return full
+    full = full.to(device=reference.device, dtype=reference.dtype)
+    return distribute_tensor(full, reference.device_mesh, reference.placements,
+                             src_data_rank=None)
+
+
+def copy_full_into_(target, full: torch.Tensor) -> None:
+    """Write this rank's part of ``full`` into ``target`` (a DTensor parameter or a plain
+    tensor of ``full``'s shape)."""
+    with torch.no_grad():
+        if is_dtensor(target):
+            local_tensor(target).copy_(local_tensor(shard_like(full, target)))
+        else:
+            target.copy_(full)
+
+
+#: torch's caches keyed by device meshes: ``(module, attribute path)`` of each ``cache_clear``.
+_MESH_CACHES = (
+    ("torch.distributed.tensor._api", "DTensor._op_dispatcher.sharding_propagator"
+                                      ".propagate_op_sharding"),
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator"
+                                                "._propagate_tensor_meta_cached"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh"),
+)
+
+
+def forget_meshes() -> None:
+    """Drop what DTensor cached about device meshes. Those caches compare meshes by their
+    ranks, not their process groups: after the world is destroyed and formed again (a test
+    pool, a notebook), a hit would hand back a mesh whose groups died with the old world."""
+    import importlib  # noqa: PLC0415 - only when a world is re-formed
+
+    for module_name, path in _MESH_CACHES:
+        try:
+            target = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        for part in path.split("."):
+            target = getattr(target, part, None)
+        clear = getattr(target, "cache_clear", None)
+        if clear is not None:
+            clear()
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if native is not None:  # the C++ dispatch fast path's own copy of the sharding cache
+        native()

@@ -244,9 +244,14 @@ class _Runner:
         self.steps = steps
         actions = [step.action for step in steps if step.action is not None]
         for a in actions:
-            if a.kind == BACKWARD_INPUT:
+            if a.kind == BACKWARD_INPUT and self.defers(a.chunk):
                 self.split.add((a.microbatch, a.chunk))
         self.syncing = sync_points(actions)
+
+    def defers(self, chunk: int) -> bool:
+        """Whether the chunk's data-parallel wrapper lets weight gradients wait for ``W``
+        (``DataParallelChunk.defers_weight_grads``)."""
+        return bool(getattr(self.chunks[chunk], "defers_weight_grads", True))
 
     def post_receives(self, until: int) -> None:
         """Post the receives of steps up to ``until`` early, in step order: the data can then
@@ -340,8 +345,10 @@ class _Runner:
         # Grad sync (e.g. overlapped data-parallel reduction) only where it is complete.
         last = action in self.syncing
         store = wgrad.WeightGradStore()
-        collect = (wgrad.collecting_weight_grads(store) if action.kind == BACKWARD_INPUT
-                   else contextlib.nullcontext())
+        # A data-parallel wrapper that reduces inside backward's hooks cannot wait for a W:
+        # then the I computes every gradient and the W finds nothing left.
+        collect = (wgrad.collecting_weight_grads(store)
+                   if (action.microbatch, chunk) in self.split else contextlib.nullcontext())
         with schedule_utils.sync_context(self.chunks[chunk], last), collect:
             if isinstance(output, torch.Tensor) and not output.requires_grad:
                 input_grad = None  # nothing in this chunk depends on trainable values

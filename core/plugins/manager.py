@@ -15,12 +15,13 @@ from plugtron.core.plugins.selection import (
     AUTOLOAD_ENV,
     autoload_disabled,
     disabled_extensions,
+    resolve_data_parallel,
     resolve_optimizer,
     selected_drivers,
 )
 
-__all__ = ["build_plugin_manager", "new_plugin_manager", "optimizer_state_per_param",
-           "verify_contracts", "wants_sharded_gradients"]
+__all__ = ["build_plugin_manager", "data_parallel_memory", "new_plugin_manager", "optimizer_state_per_param",
+           "takes_dtensor_params", "verify_contracts", "wants_sharded_gradients"]
 
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
@@ -95,10 +96,24 @@ def wants_sharded_gradients(config, pm: pluggy.PluginManager | None = None) -> b
     return bool(_optimizer_hooks(config, pm).optimizer_shards_gradients(config=config))
 
 
+def takes_dtensor_params(config, pm: pluggy.PluginManager | None = None) -> bool:
+    """The answer of hook ``optimizer_takes_dtensor_params`` (no implementation means no).
+    ``pm`` as for :func:`wants_sharded_gradients`."""
+    return bool(_optimizer_hooks(config, pm).optimizer_takes_dtensor_params(config=config))
+
+
 def optimizer_state_per_param(config, pm: pluggy.PluginManager | None = None) -> int | None:
     """The answer of hook ``optimizer_state_per_param``; None when the optimizer does not
     implement it. ``pm`` as for :func:`wants_sharded_gradients`."""
     return _optimizer_hooks(config, pm).optimizer_state_per_param(config=config)
+
+
+def data_parallel_memory(config, **kwargs):
+    """The answer of the data-parallel driver's hook ``data_parallel_memory`` (None when it
+    does not implement it), from a plugin manager of just that driver."""
+    pm = new_plugin_manager()
+    register_driver(pm, "data_parallel", resolve_data_parallel(config))
+    return pm.hook.data_parallel_memory(config=config, **kwargs)
 
 
 def _optimizer_hooks(config, pm: pluggy.PluginManager | None):

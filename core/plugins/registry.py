@@ -57,6 +57,8 @@ CORE_ROLES: dict[str, PluginRole] = {
     "model": PluginRole("plugtron.models", "builds one pipeline stage, forward_step, loss_func"),
     "schedule": PluginRole("plugtron.schedules", "the pipeline schedule"),
     "optimizer": PluginRole("plugtron.optimizers", "builds the optimizer"),
+    "data_parallel": PluginRole("plugtron.data_parallel",
+                                "wraps each model chunk for data parallelism"),
     "layer_backend": PluginRole("plugtron.layer_backends", "tensor-parallel building blocks"),
     "layer": PluginRole("plugtron.layers", "decoder layer types by symbol", always_collected=True),
     "dataset": PluginRole("plugtron.datasets", "dataset providers"),

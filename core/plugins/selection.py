@@ -11,7 +11,10 @@ from plugtron.core.errors import ConfigError
 AUTOLOAD_ENV = "PLUGTRON_DISABLE_PLUGIN_AUTOLOAD"
 
 #: The config field of ``config.plugins`` that names each driver role.
-DRIVER_ROLES = ("model", "schedule", "optimizer", "dataset")
+DRIVER_ROLES = ("model", "schedule", "optimizer", "data_parallel", "dataset")
+
+#: ``--data-parallel-sharding-strategy`` (Megatron's levels) -> what implements it.
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 
 def resolve_schedule(config) -> str:
@@ -28,13 +31,28 @@ def resolve_schedule(config) -> str:
 
 
 def resolve_optimizer(config) -> str:
-    if config.parallel.use_distributed_optimizer:
+    """``--use-distributed-optimizer`` and ``--data-parallel-sharding-strategy optim`` both
+    mean ``distributed-adam``."""
+    if (config.parallel.use_distributed_optimizer
+            or config.parallel.data_parallel_sharding_strategy == "optim"):
         if config.plugins.optimizer not in ("adam", "distributed-adam"):
-            raise ConfigError(f"--use-distributed-optimizer is an alias of --optimizer "
-                              f"distributed-adam and cannot be combined with --optimizer "
-                              f"{config.plugins.optimizer}")
+            flag = ("--use-distributed-optimizer" if config.parallel.use_distributed_optimizer
+                    else "--data-parallel-sharding-strategy optim")
+            raise ConfigError(f"{flag} means --optimizer distributed-adam and cannot be "
+                              f"combined with --optimizer {config.plugins.optimizer}")
         return "distributed-adam"
     return config.plugins.optimizer
+
+
+def resolve_data_parallel(config) -> str:
+    """``auto`` is ``fsdp2`` under ``--use-torch-fsdp2`` or ``--data-parallel-sharding-strategy
+    optim_grads_params``, else ``ddp``. A named wrapper is taken as named."""
+    name = config.plugins.data_parallel
+    p = config.parallel
+    if name == "auto":
+        fsdp = p.use_torch_fsdp2 or p.data_parallel_sharding_strategy == "optim_grads_params"
+        return "fsdp2" if fsdp else "ddp"
+    return name  # a contradiction with --use-torch-fsdp2 is refused by validation
 
 
 def selected_drivers(config) -> dict[str, str]:
@@ -43,6 +61,7 @@ def selected_drivers(config) -> dict[str, str]:
         "model": config.plugins.model,
         "schedule": resolve_schedule(config),
         "optimizer": resolve_optimizer(config),
+        "data_parallel": resolve_data_parallel(config),
         "dataset": config.plugins.data,
     }
 

@@ -28,6 +28,7 @@ _EXPORTS = {
     "DEFAULT_LAYOUTS": "layouts", "assert_layouts_match": "layouts",
     "assert_schedule_matches_1f1b": "schedules",
     "assert_optimizer_dp_equivalent": "optimizers",
+    "assert_wrapper_dp_equivalent": "data_parallel",
     "assert_checkpoint_reshards": "checkpoints", "read_checkpoint": "checkpoints",
     "saved_activation_bytes": "activations", "assert_activation_bytes_match": "activations",
 }

@@ -34,6 +34,7 @@ from plugtron.core.contracts.activations import (
     ChunkActivations,
     module_activation_bytes,
 )
+from plugtron.core.contracts.data_parallel import DataParallelMemory
 from plugtron.core.errors import ConfigError
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.pipeline.executor import RECEIVE_LOOKAHEAD, communication_plan
@@ -45,9 +46,13 @@ from plugtron.core.pipeline.plan import (
     activation_change,
 )
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.manager import optimizer_state_per_param, wants_sharded_gradients
+from plugtron.core.plugins.manager import (
+    data_parallel_memory,
+    optimizer_state_per_param,
+    wants_sharded_gradients,
+)
 from plugtron.core.plugins.options import with_plugin_sections
-from plugtron.core.plugins.selection import resolve_schedule
+from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule
 from plugtron.core.plugins.tokenizers import build_tokenizer
 from plugtron.core.training.builder import build_model, model_provider_of
 from plugtron.core.training.validate import apply_schedule_placement
@@ -82,15 +87,15 @@ class RankEstimate:
     recompute_bytes: int
     workspace_bytes: int
     distributed_optimizer: bool
-
-    @property
-    def optimizer_selected(self) -> int:
-        return self.optimizer_bytes_distributed if self.distributed_optimizer else \
-            self.optimizer_bytes
+    #: The run's optimizer state as its data-parallel wrapper counts it (hook
+    #: ``data_parallel_memory``): one of the two columns above under ddp.
+    optimizer_selected: int = 0
+    #: Parameters and gradients a sharding wrapper gathers for compute at the peak.
+    gathered_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_selected
+        return self.param_bytes + self.grad_bytes + self.optimizer_selected + self.gathered_bytes
 
     @property
     def total(self) -> int:
@@ -268,6 +273,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
     chunks_per_rank = p.virtual_pipeline_model_parallel_size or 1
     actions = actions_of_all_ranks(schedule.schedule_actions, pp, chunks_per_rank,
                                    microbatches, config)
+    wrapper = resolve_data_parallel(config)
     declared_state = optimizer_state_per_param(config)
     state_values = 2 if declared_state is None else int(declared_state)
     distributed = wants_sharded_gradients(config)
@@ -294,9 +300,23 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
         stored = [c.stored for c in per_chunk]
         held, in_flight = _held_peak(actions[pp_rank], list(per_chunk))
         optimizer = numel * (4 * state_values + (4 if mixed else 0))
+        counted = data_parallel_memory(config, chunks=chunks, dp_cp=dp * cp,
+                                       edp=ctx.edp_size, state_per_param=state_values,
+                                       shard_gradients=distributed)
+        if counted is None:  # the wrapper does not count itself: whole tensors, as ddp
+            counted = DataParallelMemory(numel * e, numel * grad_e, -(-optimizer // (dp * cp))
+                                         if distributed else optimizer)
+            note = (f"data-parallel wrapper {wrapper!r} does not implement "
+                    f"data_parallel_memory: counted as whole parameters and gradients (ddp)")
+        else:
+            note = counted.note
+        if note and note not in result.notes:
+            result.notes.append(note)
         result.ranks.append(RankEstimate(
             ranks=ranks, pp_rank=pp_rank, tp_rank=tp_rank, ep_rank=ep_rank, parameters=numel,
-            param_bytes=numel * e, grad_bytes=numel * grad_e, optimizer_bytes=optimizer,
+            param_bytes=counted.param_bytes, grad_bytes=counted.grad_bytes,
+            optimizer_bytes=optimizer, optimizer_selected=counted.optimizer_bytes,
+            gathered_bytes=counted.gathered_bytes,
             optimizer_bytes_distributed=-(-optimizer // (dp * cp)),
             activations_per_microbatch=stored, in_flight=in_flight, activation_bytes=held,
             recompute_bytes=max(c.recompute_peak for c in per_chunk),
@@ -356,13 +376,14 @@ def _mib(n: float) -> str:
 def format_table(estimate: MemoryEstimate) -> str:
     """The per-rank table ``plugtron estimate`` prints (MiB)."""
     head = ("ranks", "pp", "tp", "ep", "params", "weights", "grads", "optim", "optim(dist)",
-            "act/mb", "in flight", "activations", "recompute+ws", "total")
+            "gathered", "act/mb", "in flight", "activations", "recompute+ws", "total")
     rows = []
     for r in estimate.ranks:
         ranks = ",".join(map(str, r.ranks[:4])) + ("..." if len(r.ranks) > 4 else "")
         rows.append((ranks, str(r.pp_rank), str(r.tp_rank), str(r.ep_rank),
                      f"{r.parameters:,}", _mib(r.param_bytes), _mib(r.grad_bytes),
                      _mib(r.optimizer_bytes), _mib(r.optimizer_bytes_distributed),
+                     _mib(r.gathered_bytes),
                      "/".join(_mib(a) for a in r.activations_per_microbatch),
                      str(r.in_flight), _mib(r.activation_bytes),
                      _mib(r.recompute_bytes + r.workspace_bytes), _mib(r.total)))
@@ -377,6 +398,8 @@ def header_line(estimate: MemoryEstimate) -> str:
     r = estimate.peak
     return (f"memory estimate (rank {r.ranks[0]}, largest): {_mib(r.total)} MiB = weights "
             f"{_mib(r.param_bytes)} + grads {_mib(r.grad_bytes)} + optimizer "
-            f"{_mib(r.optimizer_selected)} + activations {_mib(r.activation_bytes)} "
+            f"{_mib(r.optimizer_selected)}"
+            + (f" + gathered {_mib(r.gathered_bytes)}" if r.gathered_bytes else "")
+            + f" + activations {_mib(r.activation_bytes)} "
             f"({r.in_flight} in flight) + recompute/workspace "
             f"{_mib(r.recompute_bytes + r.workspace_bytes)}")

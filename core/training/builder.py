@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import torch
 from plugtron.core.pipeline.layout import building_for
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import new_plugin_manager
@@ -53,3 +54,12 @@ def build_model(config: TrainConfig, parallel: ParallelContext, *,
                          vp_stage=stage if stages else None,
                          layer_backend=layer_backend, parallel=parallel)
                 for stage in range(stages or 1)]
+
+
+def model_dtype(config) -> torch.dtype:
+    """The dtype the model computes in: bf16 or fp16 under ``--bf16``/``--fp16``, else fp32."""
+    if config.training.bf16:
+        return torch.bfloat16
+    if config.training.fp16:
+        return torch.float16
+    return torch.float32

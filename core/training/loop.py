@@ -11,8 +11,9 @@ from plugtron.core import checkpoint
 from plugtron.core.checkpoint import dir_lock
 from plugtron.core.config import TrainConfig, num_microbatches, padded_vocab_size
 from plugtron.core.contracts import weight_grads as wgrad
+from plugtron.core.contracts.data_parallel import DataParallelChunk
 from plugtron.core.contracts.model_info import ModelInfo, metric_name
-from plugtron.core.errors import ConfigError
+from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.monitoring import run_status
 from plugtron.core.monitoring.memory import step_memory_mb
 from plugtron.core.monitoring.metrics import MetricsLogger, Throughput
@@ -21,7 +22,6 @@ from plugtron.core.monitoring.straggler import StragglerLog
 from plugtron.core.parallel import comm, shared_params
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.context_parallel import check_built_layers, local_microbatches
-from plugtron.core.parallel.ddp import DistributedDataParallel
 from plugtron.core.parallel.distributed import WorldInfo, init_distributed
 from plugtron.core.parallel.random import seed_everything
 from plugtron.core.pipeline.executor import ensure_forward_backward
@@ -30,9 +30,9 @@ from plugtron.core.pipeline.plan import check_schedule
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import build_plugin_manager, wants_sharded_gradients
 from plugtron.core.plugins.options import with_plugin_sections
-from plugtron.core.plugins.selection import resolve_schedule
+from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule
 from plugtron.core.training import aux_losses, data, grads, preemption, step_info
-from plugtron.core.training.builder import build_model
+from plugtron.core.training.builder import build_model, model_dtype
 from plugtron.core.training.lr_schedule import LRScheduler
 from plugtron.core.training.optimizer import StepResult, checked_optimizer
 from plugtron.core.training.rerun import RerunStateMachine
@@ -96,29 +96,44 @@ def finalize_model_config(config: TrainConfig, parallel: ParallelContext) -> Non
                                             parallel.tp_size)
 
 
-def model_dtype(config: TrainConfig) -> torch.dtype:
-    if config.training.bf16:
-        return torch.bfloat16
-    if config.training.fp16:
-        return torch.float16
-    return torch.float32
-
-
 def build_model_chunks(config, pm, backend, parallel, device) -> list:
+    """The rank's model chunks, each wrapped by the run's data-parallel plugin (hook
+    ``wrap_model_chunk``), which decides the dtype the parameters are kept in."""
     sharded = wants_sharded_gradients(config, pm)
     chunks = []
     for module in build_model(config, parallel, provider=pm.hook.model_provider,
                               layer_backend=backend):
-        module.to(device=device, dtype=model_dtype(config))
-        chunks.append(DistributedDataParallel(module, config, parallel, sharded=sharded))
+        module.to(device=device)
+        chunks.append(checked_chunk(pm.hook.wrap_model_chunk(
+            config=config, module=module, parallel=parallel, shard_gradients=sharded), config))
     shared_params.check_placement(chunks, parallel)
     check_built_layers(chunks, parallel)
     return chunks
 
 
+def checked_chunk(chunk, config) -> DataParallelChunk:
+    """What ``wrap_model_chunk`` returned, if it follows ``DataParallelChunk``; else a
+    ``PluginError`` naming the wrapper and what is missing."""
+    if isinstance(chunk, DataParallelChunk):
+        return chunk
+    missing = sorted(name for name in ("module", "sharded", "grad_shard_groups",
+                                       "defers_weight_grads", "set_input_tensor", "no_sync",
+                                       "start_grad_sync", "finish_grad_sync", "scale_grads",
+                                       "zero_grad_buffer", "start_param_sync",
+                                       "finish_param_sync") if not hasattr(chunk, name))
+    raise PluginError(f"data-parallel wrapper {resolve_data_parallel(config)!r}: "
+                      f"wrap_model_chunk returned {type(chunk).__qualname__}, which lacks "
+                      f"{', '.join(missing) or 'the protocol'} of plugtron.api.DataParallelChunk")
+
+
 def _name_undeferred_layers(model_chunks) -> None:
     """Under a split-backward schedule, say which layers compute their weight gradients at
     ``I`` (exact, but they do not fill the bubble)."""
+    if not all(getattr(chunk, "defers_weight_grads", True) for chunk in model_chunks):
+        print(f"note: split backward: the data-parallel wrapper "
+              f"{type(model_chunks[0]).__qualname__} reduces gradients inside backward, so "
+              f"every weight gradient is computed at I, not deferred to W", flush=True)
+        return
     found = wgrad.weight_grads_at_input(m for chunk in model_chunks for m in chunk.modules())
     if found:
         print("note: split backward: weight gradients computed at I, not deferred to W: "

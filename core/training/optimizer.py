@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from plugtron.core.errors import PluginError
+from plugtron.core.parallel.sharding import full_tensor, local_tensors, shard_like
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.selection import resolve_optimizer
 from plugtron.core.training import grads as grad_utils
@@ -195,7 +196,7 @@ class MixedPrecisionOptimizer(Optimizer):
         grads = [g for g, _ in pairs]
         if self.scaler is not None:
             groups = (self.parallel.mp_group, self.parallel.dp_cp_group)
-            found_inf = unscale_and_check(grads, self.scaler.scale, groups)
+            found_inf = unscale_and_check(local_tensors(grads), self.scaler.scale, groups)
             self.scaler.update(found_inf)
             if found_inf:
                 self._clear_main_grads()
@@ -239,8 +240,9 @@ class MixedPrecisionOptimizer(Optimizer):
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (moments, and main params where they are
         copies)."""
-        total = sum(v.numel() * v.element_size() for s in self.inner.state.values()
-                    for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+        # The local shard's bytes where the state is a DTensor (its numel is the whole's).
+        total = sum(t.numel() * t.element_size() for s in self.inner.state.values()
+                    for t in local_tensors(s.values()) if torch.is_tensor(t) and t.dim() > 0)
         return total + self.main_param_bytes()
 
     def main_param_bytes(self) -> int:
@@ -249,7 +251,10 @@ class MixedPrecisionOptimizer(Optimizer):
 
 
 class TorchOptimizer(MixedPrecisionOptimizer):
-    """A torch optimizer over whole fp32 main parameters (replicated over data parallelism).
+    """A torch optimizer over fp32 main parameters: whole ones replicated over data
+    parallelism, or the DTensor shards of a sharding data-parallel wrapper (``fsdp2``), whose
+    norm is then summed over the groups the chunks name in ``grad_shard_groups`` and whose
+    state is gathered into whole tensors for checkpoints.
 
     With fp32 model parameters the main parameters are the model parameters themselves; with
     bf16/fp16 ones, fp32 copies are kept and stepped, then copied back.
@@ -261,6 +266,7 @@ class TorchOptimizer(MixedPrecisionOptimizer):
             raise PluginError("this optimizer reads whole gradients, but the model's gradient "
                               "buffers are sharded (reduce-scattered); use a sharding optimizer "
                               "such as distributed-adam")
+        self.norm_groups, self.expert_norm_groups = shard_groups_of(model_chunks)
         named = named_params(model_chunks)
         self.names = [n for n, _ in named]
         self.model_params = [p for _, p in named]
@@ -310,10 +316,12 @@ class TorchOptimizer(MixedPrecisionOptimizer):
         state = {}
         for name, main_p in zip(self.names, self.main_params):
             per_param = self.inner.state.get(main_p, {})
-            state[name] = {k: v.detach().clone() for k, v in per_param.items()
+            # Sorted: gathering DTensor state is a collective, in one order on every rank.
+            state[name] = {k: full_tensor(v).detach().clone()
+                           for k, v in sorted(per_param.items())
                            if torch.is_tensor(v) and k != "step"}
             if self.mixed:
-                state[name]["main_param"] = main_p.detach().clone()
+                state[name]["main_param"] = full_tensor(main_p).detach().clone()
         state[OPTIMIZER_STATE_KEY] = self.scalar_state()
         return state
 
@@ -321,16 +329,29 @@ class TorchOptimizer(MixedPrecisionOptimizer):
         self.load_scalar_state(state.get(OPTIMIZER_STATE_KEY))
         self.reload_model_params()
         for name, model_p, main_p in zip(self.names, self.model_params, self.main_params):
-            saved = state.get(name, {})
+            saved = {k: shard_like(v.view(main_p.shape), main_p)
+                     for k, v in state.get(name, {}).items()}
             if "main_param" in saved:  # the fp32 master weights beat a bf16 model's
                 with torch.no_grad():
-                    main_p.copy_(saved["main_param"].view_as(main_p))
+                    main_p.copy_(saved["main_param"])
                     model_p.copy_(main_p)
             entries = self.inner_state_for(main_p, saved)
             if entries:
                 self.inner.state[main_p] = entries
             else:
                 self.inner.state.pop(main_p, None)
+
+
+def shard_groups_of(model_chunks) -> tuple[tuple, tuple]:
+    """The dense and expert groups the chunks' parameters are sharded over as DTensors
+    (``DataParallelChunk.grad_shard_groups``; none for whole tensors)."""
+    dense: tuple = ()
+    expert: tuple = ()
+    for chunk in model_chunks:
+        chunk_dense, chunk_expert = getattr(chunk, "grad_shard_groups", ((), ()))
+        dense = dense or tuple(chunk_dense)
+        expert = expert or tuple(chunk_expert)
+    return dense, expert
 
 
 def adamw_factory(config):

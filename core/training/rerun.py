@@ -199,7 +199,7 @@ def _key(value: float | None):
 def _grads_finite(model_chunks) -> bool:
     for chunk in model_chunks:
         for param in chunk.parameters():
-            grad = grad_utils.grad_of(param)
+            grad = grad_utils.local_grad_of(param)
             if grad is not None and not bool(torch.isfinite(grad).all()):
                 return False
     return True

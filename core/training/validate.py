@@ -17,7 +17,7 @@ from plugtron.core.pipeline.plan import check_schedule, placement_of
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import wants_sharded_gradients
 from plugtron.core.plugins.objects import call_declared, run_plugin_objects
-from plugtron.core.plugins.selection import resolve_schedule
+from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule
 from plugtron.core.training.recompute import validate_recompute
 from plugtron.core.training.rerun import validate_rerun
 
@@ -137,7 +137,12 @@ def _check_data_parallel(config: TrainConfig) -> None:
     """Distributed-optimizer and fp16 loss-scaler settings (docs/data_parallel.md)."""
 
     p, t = config.parallel, config.training
-    if p.overlap_param_gather:
+    wrapper = resolve_data_parallel(config)
+    if p.use_torch_fsdp2 and wrapper != "fsdp2":
+        raise ConfigError(f"--use-torch-fsdp2 selects the data-parallel wrapper fsdp2 and "
+                          f"cannot be combined with --data-parallel {wrapper}")
+    # The parameter gather is ddp's with a sharding optimizer; another wrapper validates it.
+    if p.overlap_param_gather and wrapper == "ddp":
 
         try:
             sharded = wants_sharded_gradients(config)

@@ -11,5 +11,9 @@ class Adam:
         return 2  # the two moments
 
     @hookimpl
+    def optimizer_takes_dtensor_params(self, config):
+        return True  # TorchOptimizer steps fsdp2's shards
+
+    @hookimpl
     def build_optimizer(self, config, model_chunks, parallel):
         return TorchOptimizer(model_chunks, config, parallel, adamw_factory(config))

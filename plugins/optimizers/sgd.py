@@ -12,6 +12,10 @@ class SGD:
         return 1 if config.training.sgd_momentum else 0  # the momentum buffer
 
     @hookimpl
+    def optimizer_takes_dtensor_params(self, config):
+        return True  # TorchOptimizer steps fsdp2's shards
+
+    @hookimpl
     def build_optimizer(self, config, model_chunks, parallel):
         t = config.training
 

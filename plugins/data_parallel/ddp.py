@@ -1,0 +1,51 @@
+"""Data-parallel wrapper ``ddp`` (the default): Megatron-Core's DistributedDataParallel.
+
+Every rank holds whole parameters (in the training dtype) and gradient buffers (fp32 under
+``--accumulate-allreduce-grads-in-fp32``); buckets are all-reduced, or reduce-scattered for a
+sharding optimizer (``distributed-adam``, ``--data-parallel-sharding-strategy optim``).
+"""
+
+from __future__ import annotations
+
+from plugtron.api import (
+    ConfigError,
+    DataParallelMemory,
+    DistributedDataParallel,
+    hookimpl,
+    model_dtype,
+)
+
+#: Strategies ddp implements (``--data-parallel-sharding-strategy``); ``optim`` selects the
+#: distributed optimizer.
+STRATEGIES = ("no_shard", "optim")
+
+
+class DDP:
+    @hookimpl
+    def plugtron_validate(self, config):
+        strategy = config.parallel.data_parallel_sharding_strategy
+        if strategy not in (None, *STRATEGIES):
+            raise ConfigError(
+                f"--data-parallel-sharding-strategy {strategy}: the ddp wrapper shards at most "
+                f"the optimizer state; use optim (ddp with the distributed optimizer) or "
+                f"optim_grads_params (fsdp2: --use-torch-fsdp2)"
+                + ("; gradients alone (ZeRO-2) are not offered" if strategy == "optim_grads"
+                   else ""))
+
+    @hookimpl
+    def wrap_model_chunk(self, config, module, parallel, shard_gradients):
+        module.to(dtype=model_dtype(config))
+        return DistributedDataParallel(module, config, parallel, sharded=shard_gradients)
+
+    @hookimpl
+    def data_parallel_memory(self, config, chunks, dp_cp, edp, state_per_param,
+                             shard_gradients):
+        mixed = model_dtype(config).itemsize == 2
+        e = model_dtype(config).itemsize
+        grad_e = 4 if mixed and config.parallel.accumulate_allreduce_grads_in_fp32 else e
+        numel = sum(q.numel() for chunk in chunks for q in chunk.parameters())
+        optimizer = numel * (4 * state_per_param + (4 if mixed else 0))
+        if shard_gradients:
+            optimizer = -(-optimizer // dp_cp)
+        return DataParallelMemory(param_bytes=numel * e, grad_bytes=numel * grad_e,
+                                  optimizer_bytes=optimizer)
