@@ -12,8 +12,9 @@ Mixed precision follows Megatron's: fp32 master shards, compute in bf16/fp16
 (``MixedPrecisionPolicy.param_dtype``), gradients reduced in fp32 under
 ``--accumulate-allreduce-grads-in-fp32`` (the default). Reductions are sums (the core divides by
 the token count). Every microbatch's backward reduce-scatters into the sharded gradient, so
-gradients stay at 1/dp; parameters are gathered again for each microbatch unless
-``--torch-fsdp2-no-reshard-after-forward`` keeps them gathered for the whole step.
+gradients stay at 1/dp, and parameters are gathered again for each forward and backward;
+``--torch-fsdp2-no-reshard-after-forward`` keeps the parameters gathered and accumulates the
+gradients whole for the whole step instead (one gather and one reduce-scatter per step).
 """
 
 from __future__ import annotations
@@ -115,7 +116,8 @@ class FSDP2Chunk(torch.nn.Module):
                 for param in module.parameters():
                     param.data = param.data.to(compute).float()
         managed: set[int] = set()
-        for unit in wrapping_units(module):
+        units = wrapping_units(module)
+        for unit in units:
             params = _own_params(unit, managed)
             if not params:
                 continue
@@ -124,8 +126,11 @@ class FSDP2Chunk(torch.nn.Module):
                 raise PluginError(f"fsdp2: {type(unit).__qualname__} holds expert and dense "
                                   f"parameters directly; expert parameters must sit in "
                                   f"modules of their own to be sharded over the expert group")
+            # The last layer's backward comes right after its forward: resharding it in
+            # between would only gather it again (torchtitan does the same).
+            reshard = self.reshard_after_forward and unit is not units[-1]
             fully_shard(unit, mesh=expert_mesh if kinds == {True} else dense_mesh,
-                        reshard_after_forward=self.reshard_after_forward, mp_policy=policy)
+                        reshard_after_forward=reshard, mp_policy=policy)
             managed.update(id(q) for q in unit.parameters())
         if any(_is_expert(q) for q in _own_params(module, managed)):
             raise PluginError("fsdp2: the chunk holds expert parameters outside an expert-only "
@@ -136,6 +141,12 @@ class FSDP2Chunk(torch.nn.Module):
             param.__dict__.update(declared.get(name, {}))
         self.module = module
         self.fsdp_modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        # Prefetch: each layer starts gathering the next one's parameters before its own
+        # forward runs (torch prefetches backward by itself), as torchtitan sets it.
+        layers = [u for u in units if isinstance(u, FSDPModule)
+                  and not all(_is_expert(q) for q in u.parameters())]
+        for layer, following in zip(layers, layers[1:]):
+            layer.set_modules_to_forward_prefetch([following])
         for m in self.fsdp_modules:
             # SUM, not mean (the core divides by the token count); gloo has no pre-scaled sum.
             m.set_gradient_divide_factor(1.0)
@@ -158,18 +169,25 @@ class FSDP2Chunk(torch.nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Microbatches before a chunk's last: still reduce-scattered (the gradient stays
-        sharded); with the parameters kept gathered when they are not resharded after forward."""
+        """Microbatches before a chunk's last. Resharding after forward (the default), each
+        still reduce-scatters into the sharded gradient, so gradients stay at 1/dp. With
+        ``--torch-fsdp2-no-reshard-after-forward`` the parameters stay gathered and the
+        gradients accumulate whole until the last microbatch: one gather and one reduce-scatter
+        per step, at the memory of whole parameters and gradients during the step."""
         if self.reshard_after_forward:
             yield
             return
-        for m in self.fsdp_modules:
-            m.set_reshard_after_backward(False, recurse=False)
+        self._set_syncing(False)
         try:
             yield
         finally:
-            for m in self.fsdp_modules:
-                m.set_reshard_after_backward(True, recurse=False)
+            self._set_syncing(True)
+
+    def _set_syncing(self, sync: bool) -> None:
+        for m in self.fsdp_modules:
+            m.set_requires_gradient_sync(sync, recurse=False)
+            m.set_reshard_after_backward(sync, recurse=False)
+            m.set_is_last_backward(sync)
 
     def start_grad_sync(self) -> None:
         """Reductions start inside backward, unit by unit."""
@@ -244,6 +262,9 @@ class FSDP2:
         mixed = compute == 2
         reduce_e = 4 if (not mixed or config.parallel.accumulate_allreduce_grads_in_fp32) \
             else compute
+        t = config.training
+        dp = max(1, dp_cp // config.parallel.context_parallel_size)
+        microbatches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
         shard = 0
         gathered = 0
         for chunk in chunks:
@@ -258,13 +279,15 @@ class FSDP2:
                 managed.update(id(q) for q in unit.parameters())
                 units.append(sum(q.numel() for q in own))
             root = sum(q.numel() for q in _own_params(chunk, managed))
+            largest = max(units, default=0)
             if config.parallel.torch_fsdp2_reshard_after_forward:
                 # The root stays gathered; one unit computes while the next is prefetched, and
-                # backward holds one unit's whole gradient before its reduce-scatter.
-                largest = max(units, default=0)
-                units_in_flight = (root + 2 * largest) * compute + largest * reduce_e
-            else:
-                units_in_flight = (root + sum(units)) * compute + max(units, default=0) * reduce_e
+                # backward holds one unit's whole gradient and its reduce-scatter copy.
+                units_in_flight = (root + 2 * largest) * compute + 2 * largest * reduce_e
+            elif microbatches > 1:  # the whole chunk gathered, gradients accumulated whole
+                units_in_flight = (root + sum(units)) * (compute + reduce_e)
+            else:  # the whole chunk gathered, gradients reduce-scattered unit by unit
+                units_in_flight = (root + sum(units)) * compute + 2 * largest * reduce_e
             gathered = max(gathered, units_in_flight)
         return DataParallelMemory(
             param_bytes=shard * 4, grad_bytes=shard * reduce_e,
