@@ -216,11 +216,17 @@ class CoreAttention(torch.nn.Module):
                               document_ids=None if document_ids is None
                               else document_ids.to(q.device))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+        v_dim = v.shape[-1]
+        if v_dim < q.shape[-1]:
+            # Values narrower than queries and keys (multi-latent attention): torch's fused
+            # kernels want one head dim, else it builds the whole score matrix. Zero channels
+            # give zero outputs, sliced off; the gradient of the padding is dropped.
+            v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))
         with self._dropout_rng():
             out = _training_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                       dropout_p=p,
                                       enable_gqa=self.num_query_groups != self.num_heads)
-        return out.transpose(1, 2).reshape(b, s, -1)
+        return out[..., :v_dim].transpose(1, 2).reshape(b, s, -1)
 
 
 _HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

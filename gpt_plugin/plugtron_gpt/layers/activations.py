@@ -72,15 +72,17 @@ def mla_layer_bytes(layer, shape) -> int:
     total += shape.tensor(4 * pos)  # cos and sin, for the queries and the key
     qkv, out = shape.tensor(heads * (2 * qd + vd)), shape.tensor(heads * vd)
     dropout = getattr(attn.core_attention, "dropout", 0.0)
+    # The core attention pads v to the keys' width (a fused kernel wants one head dim): the
+    # kernel keeps q, k, the padded v and its padded output; the projection a narrow copy.
+    padded = shape.tensor(heads * 4 * qd) + out
     if attn.recompute_core:  # its inputs: v a view of the whole up-projected [k_nope; v]
         total += qkv + out + shape.tensor(heads * attn.qk_head_dim)
-    elif not shape.cuda and (dropout > 0 or vd != qd):
-        # torch's CPU math kernel (its flash kernel wants values as wide as the keys): q, k,
-        # v and the probabilities (with dropout also the mask and the dropped probabilities)
+    elif not shape.cuda and dropout > 0:
+        # torch's CPU math kernel: q, k, v, the probabilities, the mask and the dropped ones
         scores = shape.micro_batch_size * heads * shape.seq_length * shape.context_length
-        total += qkv + out + scores * shape.dtype_bytes * (3 if dropout > 0 else 1)
+        total += padded + scores * shape.dtype_bytes * 3
     else:
-        total += qkv + out + shape.tensor(heads, 4)  # fused: the log-sum-exp besides
+        total += padded + shape.tensor(heads, 4)  # fused: the log-sum-exp besides
     return total + shape.dropout_mask(h, layer.hidden_dropout)
 
 
