@@ -30,6 +30,11 @@ def pool(rank_pool_factory):
 
 MOE = {"num-experts": 4, "moe-grouped-gemm": True}
 HYBRID = {"model": "hybrid", "hybrid-override-pattern": "M*M-"}
+#: DeepSeek-V3's shape: multi-latent attention, a dense layer then MoE, multi-token prediction.
+DEEPSEEK = {**MOE, "multi-latent-attention": True, "kv-lora-rank": 16, "q-lora-rank": 24,
+            "qk-head-dim": 8, "qk-pos-emb-head-dim": 8, "v-head-dim": 8,
+            "position-embedding-type": "rope", "normalization": "RMSNorm", "mtp-num-layers": 1,
+            "moe-layer-freq": "[0]+[1]*3"}
 
 #: name -> (flags, layout besides dp, dp)
 LAYOUTS = {
@@ -39,6 +44,8 @@ LAYOUTS = {
     "pp2-dp2": ({}, {"pp": 2}, 2),
     "pp2-vp2-dp2": ({}, {"pp": 2, "vp": 2}, 2),
     "ep2-dp2-moe": (MOE, {"expert-model-parallel-size": 2}, 2),
+    "tp2-ep2-dp2-moe": (MOE, {"tp": 2, "expert-model-parallel-size": 2}, 2),
+    "deepseek-ep2-dp4": (DEEPSEEK, {"expert-model-parallel-size": 2}, 4),
     "cp2-dp2": ({}, {"cp": 2}, 2),
     "hybrid-dp2": (HYBRID, {}, 2),
     "recompute-dp2": ({"recompute-granularity": "full", "recompute-method": "uniform"}, {}, 2),
