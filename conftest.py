@@ -15,6 +15,8 @@ HEAVIEST_FIRST = (
     "tests/reliability/test_save_directory.py",
     "tests/distributed/test_zero_bubble.py",
     "tests/reliability/test_two_nodes.py",
+    "tests/reliability/test_elastic_nodes.py",
+    "tests/distributed/test_fsdp2.py",
     "tests/reliability/test_elastic_restart.py",
     "moe_plugin/tests/test_moe_expert_parallel.py",
     "tests/test_end_to_end.py",

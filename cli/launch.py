@@ -81,16 +81,37 @@ class Nodes:
     rank: int = 0
     endpoint: str | None = None  # host:port of the rendezvous
     max_restarts: int = 0
+    #: Elastic (``--nnodes MIN:MAX``): the fewest nodes a group may re-form with after a
+    #: node is lost; ``count`` is the most. None: exactly ``count``.
+    min_count: int | None = None
 
     @property
     def several(self) -> bool:
         return self.count > 1 or self.max_restarts > 0
 
+    @property
+    def nnodes(self) -> str:
+        """torchrun's ``--nnodes``: ``N``, or ``MIN:MAX`` when elastic."""
+        if self.min_count is None or self.min_count == self.count:
+            return str(self.count)
+        return f"{self.min_count}:{self.count}"
+
     def torchrun_options(self) -> list[str]:
         if not self.several:
             return ["--standalone"]
-        return [f"--nnodes={self.count}", f"--node-rank={self.rank}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id=plugtron-{self.endpoint}"]
+        # No --node-rank: the c10d rendezvous assigns node ranks itself (torch ignores it and
+        # warns); plugtron's own --node-rank only says which launcher takes the save lock.
+        options = [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id=plugtron-{self.endpoint}"]
+        if ":" in self.nnodes:
+            # After a node is lost the survivors wait this long for more nodes before they
+            # re-form without it (torch's default, 30 s, is meant for large jobs' stragglers).
+            options.append(f"--rdzv-conf=last_call_timeout={ELASTIC_LAST_CALL_S}")
+        return options
+
+
+#: Seconds an elastic group (``--nnodes MIN:MAX``) waits for late nodes once MIN have joined.
+ELASTIC_LAST_CALL_S = 5
 
 
 def torchrun_argv(nproc: int, command: str, config_path: str, parser=None,
@@ -124,6 +145,7 @@ def launch_local_ranks(config_json: str, nproc: int, command: str = "train",
     import logging
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     from .failure_report import report
@@ -158,6 +180,15 @@ def launch_local_ranks(config_json: str, nproc: int, command: str = "train",
             restarting = nodes is not None and nodes.max_restarts > 0
             with contextlib.nullcontext() if restarting else RankReaper(status_dir, error_file):
                 run(args)
+        except RendezvousError as exc:
+            # The c10d rendezvous lives in the launcher at the endpoint (node 0's): when that
+            # node is gone, no group can form again.
+            where = nodes.endpoint if nodes is not None else "the rendezvous"
+            raise RankFailure(f"lost the rendezvous at {where} ({type(exc).__name__}): the "
+                              f"node whose launcher held it is gone, so the remaining nodes "
+                              f"cannot form a group again; resume with --load from the "
+                              f"latest checkpoint (an etcd rendezvous through torchrun "
+                              f"survives the loss of any node)") from None
         except ChildFailedError as exc:
             if os.path.exists(error_file):
                 with open(error_file) as f:

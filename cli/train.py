@@ -73,9 +73,24 @@ def ranks_on_node(external: bool, nproc_per_node: int) -> int:
     return nproc_per_node
 
 
-def node_layout(external: bool, nnodes: int, node_rank: int, master_addr: str | None,
+def parse_nnodes(value: str) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX`` (torchrun's elastic form) -> (min, max)."""
+    text = str(value).strip()
+    low, sep, high = text.partition(":")
+    try:
+        lo, hi = (int(low), int(high)) if sep else (int(low), int(low))
+    except ValueError:
+        raise ConfigError(f"--nnodes {text!r}: give a number of nodes N, or MIN:MAX for an "
+                          f"elastic job that may lose nodes (e.g. 1:2)") from None
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"--nnodes {text!r}: need 1 <= MIN <= MAX")
+    return lo, hi
+
+
+def node_layout(external: bool, nnodes: str | int, node_rank: int, master_addr: str | None,
                 master_port: int, rdzv_endpoint: str | None, max_restarts: int) -> Nodes:
     """The ``--nnodes`` options, checked: what torchrun is told on this node."""
+    min_nodes, nnodes = parse_nnodes(str(nnodes))
     several = nnodes > 1 or max_restarts > 0
     if external and (several or node_rank):
         raise ConfigError("--nnodes, --node-rank and --max-restarts start ranks; under torchrun "
@@ -98,7 +113,10 @@ def node_layout(external: bool, nnodes: int, node_rank: int, master_addr: str | 
         host, _, port = endpoint.rpartition(":")
         if not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ConfigError(f"--rdzv-endpoint {endpoint!r} must be HOST:PORT")
-    return Nodes(nnodes, node_rank, endpoint, max_restarts)
+    if min_nodes < nnodes and max_restarts == 0:
+        raise ConfigError(f"--nnodes {min_nodes}:{nnodes}: the group re-forms without a lost node "
+                          f"only by restarting; add --max-restarts K")
+    return Nodes(nnodes, node_rank, endpoint, max_restarts, min_nodes)
 
 
 def load_argument(args: list[str]) -> str | None:
@@ -185,10 +203,11 @@ def make_train_command(args: list[str]) -> click.Command:
         click.option("--nproc-per-node", type=click.IntRange(min=1), default=1,
                      show_default=True,
                      help="Launch this many local ranks (through torch.distributed.run)."),
-        click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True,
+        click.option("--nnodes", default="1", show_default=True, metavar="N|MIN:MAX",
                      help="Nodes of the job: run this command once on each, with its "
                      "--node-rank; they meet at --rdzv-endpoint (or --master-addr and "
-                     "--master-port)."),
+                     "--master-port). MIN:MAX: elastic, with --max-restarts the survivors of a "
+                     "lost node re-form (at least MIN nodes) and resume from the checkpoint."),
         click.option("--node-rank", type=click.IntRange(min=0), default=0, show_default=True,
                      help="This node's index, 0 .. --nnodes - 1 (node 0 holds the save lock)."),
         click.option("--master-addr", default=None,
@@ -220,10 +239,19 @@ def make_train_command(args: list[str]) -> click.Command:
                               "plugtron launcher per node under SLURM: set PLUGTRON_SLURM=0)")
         nodes = node_layout(external, nnodes, node_rank, master_addr, master_port,
                             rdzv_endpoint, max_restarts)
-        world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node * nnodes
+        world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node * nodes.count
         check_plugins(config)
         preflight(config, world_size, memory_check=False)
         validate(config, world_size)
+        if nodes.min_count is not None and nodes.min_count < nodes.count:
+            # An elastic group may re-form with any node count in between: each must fit.
+            for count in range(nodes.min_count, nodes.count):
+                try:
+                    validate(config, nproc_per_node * count)
+                except ConfigError as exc:
+                    raise ConfigError(f"--nnodes {nodes.nnodes}: the group may re-form with "
+                                      f"{count} node(s) ({nproc_per_node * count} ranks), "
+                                      f"where {exc}") from None
         check_data_paths(config)
         if not no_memory_check:
             check_memory(config, world_size, ranks_on_node(external, nproc_per_node))
