@@ -112,6 +112,26 @@ def test_attention_mask_is_causal_with_an_offset_and_hides_padding():
     assert full[2].tolist() == [False, True, True, False]
 
 
+def test_the_cache_appends_any_per_token_tensors():
+    """``update(key, *tensors)``: each tensor's prefix comes back, in order, whatever its
+    trailing shape and dtype (a layer may cache k and v, or what it rebuilds them from)."""
+    state = InferenceState(torch.ones(2, 5, dtype=torch.bool))
+    a, b = torch.randn(2, 3, 8), torch.randn(2, 3, 1, 4, dtype=torch.float64)
+    assert all(torch.equal(x, y) for x, y in zip(state.update("l0", a, b), (a, b)))
+    assert [t.shape for t in state.cached("l0")] == [(2, 5, 8), (2, 5, 1, 4)]
+    state.advance(3)
+    a2, b2 = torch.randn(2, 1, 8), torch.randn(2, 1, 1, 4, dtype=torch.float64)
+    got_a, got_b = state.update("l0", a2, b2)
+    assert torch.equal(got_a, torch.cat([a, a2], 1)) and torch.equal(got_b, torch.cat([b, b2], 1))
+    state.update("l1", a2)
+    assert state.bytes_per_token("l0") == 8 * 4 + 4 * 8 and state.bytes_per_token() == 96
+    with pytest.raises(ValueError, match="cached 2 tensors and now gives 1"):
+        state.update("l0", a2)
+    uncached = InferenceState(torch.ones(2, 5, dtype=torch.bool), use_cache=False)
+    assert all(x is y for x, y in zip(uncached.update("l0", a, b), (a, b)))
+    assert uncached.bytes_per_token() == 0
+
+
 def test_bad_arguments_are_value_errors(gpt_checkpoint):
     model = load_model(gpt_checkpoint)
     for kwargs, match in [({"max_new_tokens": 0}, "positive"),

@@ -3,21 +3,22 @@
 The loop feeds the model through the same ``module(tokens, position_ids)`` call that training
 uses; what generation adds reaches the layers through the forward context
 (``forward_context(inference=state)``): an :class:`InferenceState` holds each attention layer's
-keys and values (keyed by the layer's name) and says which keys a query may see. An attention
-layer that finds a state appends its new k/v (:meth:`InferenceState.update`) and its core
-attention masks with :meth:`InferenceState.attention_mask` (causal with an offset, as the new
-queries sit at the end of the cached sequence, and never a padding key).
+cached tensors (keyed by the layer's name) and says which keys a query may see. An attention
+layer that finds a state appends this step's tensors (:meth:`InferenceState.update`: its k and
+v, or whatever per-token tensors it rebuilds them from, such as a compressed latent) and its
+core attention masks with :meth:`InferenceState.attention_mask` (causal with an offset, as the
+new queries sit at the end of the cached sequence, and never a padding key).
 
 Prompts of different lengths are left-padded: every row's next token is then in the same
 column. Positions count each row's own tokens (the first real token is position 0), so a padded
 row gets exactly the tokens it gets alone.
 
 Layer types whose state between steps lives in the InferenceState declare
-``supports_kv_cache = True``: an attention layer keeps its k/v, a layer without state keeps
-nothing, a recurrent layer keeps its state in ``state.recurrent`` (and makes padding tokens
-no-ops). A model
-with any other layer is run without a cache and one row at a time: the whole prefix is
-recomputed for every new token, with no padding that an unknown layer would read.
+``supports_kv_cache = True``: an attention layer keeps its k/v (or what it makes them from), a
+layer without state keeps nothing, a recurrent layer keeps its state in ``state.recurrent`` (and
+makes padding tokens no-ops). A model with any other layer is run without a cache and one row at
+a time: the whole prefix is recomputed for every new token, with no padding that an unknown
+layer would read.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from plugtron.core.blocks.forward_context import forward_context
 
 
 class InferenceState:
-    """The generation state of one batch: per-layer K/V cache and the key padding.
+    """The generation state of one batch: per-layer KV cache and the key padding.
 
     ``key_valid``: ``[batch, max_length]`` bool, False at a row's left padding. With
     ``use_cache`` False nothing is kept and every forward sees the whole sequence (the uncached
@@ -41,7 +42,8 @@ class InferenceState:
         self.max_length = key_valid.shape[1]
         self.use_cache = use_cache
         self.offset = 0  # tokens of every row already in the cache
-        self._kv: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: Per-layer cached tensors, by layer name: ``[batch, max_length, ...]`` buffers.
+        self._cache: dict[str, tuple[torch.Tensor, ...]] = {}
         #: Per-layer state of recurrent layers (e.g. a convolution window), by layer name.
         self.recurrent: dict[str, object] = {}
 
@@ -49,21 +51,36 @@ class InferenceState:
         """``[b, num_tokens]`` bool: which of this step's tokens are real (not padding)."""
         return self.key_valid[:, self.offset:self.offset + num_tokens]
 
-    def update(self, key: str, k: torch.Tensor, v: torch.Tensor):
-        """Append this step's ``k``, ``v`` ``[b, s, groups, d]`` of layer ``key`` at the
-        current offset; returns every cached key and value so far (``[b, offset + s, ...]``)."""
+    def update(self, key: str, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Append this step's per-token tensors of layer ``key`` (each ``[b, s, ...]``; an
+        attention layer's ``k, v``, or what it rebuilds them from) at the current offset;
+        returns each one's cached sequence so far (``[b, offset + s, ...]``), in the same
+        order. A layer gives the same number of tensors, of the same trailing shapes and
+        dtypes, at every step."""
         if not self.use_cache:
-            return k, v
-        if key not in self._kv:  # allocated once: appending never copies the prefix
-            self._kv[key] = tuple(t.new_empty((t.shape[0], self.max_length, *t.shape[2:]))
-                                  for t in (k, v))
-        cache_k, cache_v = self._kv[key]
-        end = self.offset + k.shape[1]
+            return tensors
+        if key not in self._cache:  # allocated once: appending never copies the prefix
+            self._cache[key] = tuple(
+                t.new_empty((t.shape[0], self.max_length, *t.shape[2:])) for t in tensors)
+        cached = self._cache[key]
+        if len(cached) != len(tensors):
+            raise ValueError(f"{key} cached {len(cached)} tensors and now gives {len(tensors)}")
+        end = self.offset + tensors[0].shape[1]
         if end > self.max_length:
             raise ValueError(f"KV cache of {self.max_length} positions is full (needs {end})")
-        cache_k[:, self.offset:end] = k
-        cache_v[:, self.offset:end] = v
-        return cache_k[:, :end], cache_v[:, :end]
+        for buffer, t in zip(cached, tensors):
+            buffer[:, self.offset:end] = t
+        return tuple(buffer[:, :end] for buffer in cached)
+
+    def cached(self, key: str) -> tuple[torch.Tensor, ...]:
+        """Layer ``key``'s cache buffers, ``[b, max_length, ...]`` each (empty: never updated)."""
+        return self._cache.get(key, ())
+
+    def bytes_per_token(self, key: str | None = None) -> int:
+        """Bytes the cache holds per token (one row, one position): of layer ``key``, or of
+        every layer when None (the recurrent states, which do not grow, are not counted)."""
+        keys = [key] if key is not None else list(self._cache)
+        return sum(t[0, 0].numel() * t.element_size() for k in keys for t in self.cached(k))
 
     def advance(self, num_tokens: int) -> None:
         """Called by the loop after each forward: the step's tokens are now in the cache."""

@@ -204,30 +204,75 @@ def test_other_layer_backends_are_refused():
         validate_attention(make_config({**MLA, "layer-backend": "te"}))
 
 
-def test_generation_caches_the_expanded_keys_and_values(tmp_path):
-    """An MLA model (with YaRN and an MTP layer, which generation skips) saved after one step:
-    cached greedy generation equals generation without a cache and the full-sequence argmax,
-    with prompts of different lengths (left padding). The cache holds the expanded keys and
-    values; the compressed latent cache is issue 27's open part."""
-    from plugtron.api import generate, load_model
+PROMPTS = [[5, 17, 3, 9, 42], [7, 1], [88, 2, 64]]  # different lengths: left padding
+
+
+@pytest.fixture(scope="module")
+def mla_checkpoint(tmp_path_factory):
+    """An MLA model (q compression, YaRN, and an MTP layer, which generation skips; 2 layers)
+    saved after one training step."""
     from plugtron.core import checkpoint
     from plugtron.core.monitoring.metrics import MetricsLogger
     from plugtron.core.training import loop as training
 
-    path = str(tmp_path / "mla")
-    config = make_config({**MLA, **YARN, "q-lora-rank": Q_RANK, "mtp-num-layers": 1,
-                          "train-iters": 1, "save": path, "init-method-std": 0.2})
+    path = str(tmp_path_factory.mktemp("mla") / "ck")
+    config = make_config({**MLA, **YARN, "num-layers": 2, "q-lora-rank": Q_RANK,
+                          "mtp-num-layers": 1, "train-iters": 1, "save": path,
+                          "init-method-std": 0.2})
     run = training.setup(config, world=single_process())
     checkpoint.load_if_requested(run)
     training.train(run, MetricsLogger(config, rank=1))
-    model = load_model(path)
-    prompts = [[5, 17, 3, 9, 42], [7, 1], [88, 2, 64]]
-    cached = generate(model, prompts, 6, greedy=True)
-    assert cached.tokens == generate(model, prompts, 6, greedy=True, use_cache=False).tokens
-    for prompt, tokens in zip(prompts, cached.tokens):
+    return path
+
+
+def test_generation_caches_the_latent(mla_checkpoint):
+    """The cache of each MLA layer holds the normed latent (kv_lora_rank per token) and the
+    rotated shared key (qk_pos_emb_head_dim per token), not the expanded keys and values; cached
+    greedy generation equals generation without a cache and the full-sequence argmax, with
+    prompts of different lengths (left padding)."""
+    from plugtron.api import InferenceState, forward_context, generate, load_model
+
+    model = load_model(mla_checkpoint)
+    state = InferenceState(torch.ones(2, 7, dtype=torch.bool))
+    with forward_context(inference=state), torch.no_grad():
+        model.module(torch.tensor([PROMPTS[0], PROMPTS[0][::-1]]))
+    keys = [f"decoder.layers.{i}.self_attention" for i in range(2)]
+    for key in keys:
+        latent, k_rope = state.cached(key)
+        assert latent.shape == (2, 7, KV_RANK) and k_rope.shape == (2, 7, 1, POS)
+        assert state.bytes_per_token(key) == (KV_RANK + POS) * 4  # fp32
+    assert state.bytes_per_token() == 2 * (KV_RANK + POS) * 4  # nothing else is cached
+    expanded = HEADS * (QK + POS + V) * 4  # what caching k and v would hold: 240 bytes
+    assert expanded == 5 * state.bytes_per_token(keys[0])
+
+    cached = generate(model, PROMPTS, 6, greedy=True)
+    assert cached.tokens == generate(model, PROMPTS, 6, greedy=True, use_cache=False).tokens
+    for prompt, tokens in zip(PROMPTS, cached.tokens):
         sequence = list(prompt)
         for _ in range(6):
             with torch.no_grad():
                 logits = model(torch.tensor([sequence]))
             sequence.append(int(logits[0, -1, :128].argmax()))
         assert tokens == sequence[len(prompt):]
+
+
+def test_tp2_generation_gives_the_tokens_of_tp1(mla_checkpoint):
+    """Through the launcher, two ranks with two heads each: each rank caches the whole latent
+    (the down-projection is replicated) and rebuilds its own heads' keys and values."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from plugtron.api import generate, load_model
+
+    args = ["generate", "--load", mla_checkpoint, "--greedy", "--max-new-tokens", "5",
+            "--json", "--nproc-per-node", "2", "--tp", "2", "--device", "cpu",
+            *[a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "plugtron.cli.main", *args], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    expected = generate(load_model(mla_checkpoint), PROMPTS, 5, greedy=True).tokens
+    assert [line["tokens"] for line in lines] == expected

@@ -15,6 +15,13 @@ Per token, with Megatron-Core's names under ``decoder.layers.{i}.self_attention`
   ``[q_nope; q_rope]``; softmax scale ``1/sqrt(qk + pos)`` (times YaRN's correction);
 * ``linear_proj``: heads x ``--v-head-dim`` -> hidden.
 
+Generation (an ``InferenceState`` in the forward context) caches the normed latent and the
+rotated shared key, ``--kv-lora-rank`` + ``--qk-pos-emb-head-dim`` values per token and layer,
+not the expanded keys and values (heads x (``--qk-head-dim`` + ``--qk-pos-emb-head-dim`` +
+``--v-head-dim``)); each step rebuilds the keys and values of the whole cached prefix with
+``linear_kv_up_proj``, as the full-sequence forward computes them, so cached and uncached
+generation agree.
+
 Tensor parallelism splits the heads: the up-projections are column-parallel, ``linear_proj``
 row-parallel, and the down-projections and latent norms are replicated on every tp rank, as in
 Megatron-Core. Gradients: without sequence parallelism the up-projections' backward sums their
@@ -120,9 +127,7 @@ class MultiLatentAttention(torch.nn.Module):
         q = q.view(b, s, self.num_heads, self.q_head_dim)
         latent, k_rope = self.linear_kv_down_proj(x).split([self.kv_lora_rank, self.pos_dim],
                                                            dim=-1)
-        kv, _ = self.linear_kv_up_proj(self.kv_layernorm(latent))
-        kv = kv.view(b, s, self.num_heads, self.qk_head_dim + self.v_head_dim)
-        k_nope, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
+        latent = self.kv_layernorm(latent)
         # The rotary key enters the tp region (this rank's heads use it): gathered along the
         # sequence under sp, else copied; either way its gradient is summed over tp.
         if self.backend.sequence_parallel:
@@ -134,13 +139,20 @@ class MultiLatentAttention(torch.nn.Module):
         if rotary is not None:
             q_rope = apply_rotary(q_rope, rotary, self.rotary_mscale, interleaved_pairs=True)
             k_rope = apply_rotary(k_rope, rotary, self.rotary_mscale, interleaved_pairs=True)
+        inference = current_forward_context().inference
+        if inference is not None:
+            # Generation caches what the keys and values are made from, not them: the normed
+            # latent and the rotated shared key (kv_lora_rank + qk_pos_emb_head_dim values a
+            # token, the same on every tp rank), and rebuilds this rank's heads from the whole
+            # cached prefix at every step.
+            latent, k_rope = inference.update(self.cache_key, latent, k_rope)
+        kv, _ = self.linear_kv_up_proj(latent)
+        kv = kv.view(b, kv.shape[1], self.num_heads, self.qk_head_dim + self.v_head_dim)
+        k_nope, v = kv.split([self.qk_head_dim, self.v_head_dim], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, -1, self.num_heads, -1)], dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
-        inference = current_forward_context().inference
-        if inference is not None:  # generation: attend over the cached keys too
-            k, v = inference.update(self.cache_key, k, v)
         context = (recompute(self.core_attention, q, k, v) if self.recompute_core
                    else self.core_attention(q, k, v))
         out, _ = self.linear_proj(context)
