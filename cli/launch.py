@@ -101,17 +101,10 @@ class Nodes:
             return ["--standalone"]
         # No --node-rank: the c10d rendezvous assigns node ranks itself (torch ignores it and
         # warns); plugtron's own --node-rank only says which launcher takes the save lock.
-        options = [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id=plugtron-{self.endpoint}"]
-        if ":" in self.nnodes:
-            # After a node is lost the survivors wait this long for more nodes before they
-            # re-form without it (torch's default, 30 s, is meant for large jobs' stragglers).
-            options.append(f"--rdzv-conf=last_call_timeout={ELASTIC_LAST_CALL_S}")
-        return options
-
-
-#: Seconds an elastic group (``--nnodes MIN:MAX``) waits for late nodes once MIN have joined.
-ELASTIC_LAST_CALL_S = 5
+        # Elastic (MIN:MAX): once MIN nodes have joined, torch waits its last call (30 s) for
+        # more, at the first start and after a node is lost, so slow starters are not left out.
+        return [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id=plugtron-{self.endpoint}"]
 
 
 def torchrun_argv(nproc: int, command: str, config_path: str, parser=None,
