@@ -1,0 +1,98 @@
+"""Against Megatron-Core itself (skipped when megatron-core is not installed): plugtron's
+torch_dist export of multi-latent attention (with query compression), MoE (dense layers
+first, every layer, every other layer; shared experts, expert bias) and multi-token prediction
+models, and Megatron-Core 0.19 building its own GPTModel from the saved ``args`` the way its
+training script does (megatron_mla_moe_worker.py): every tensor Megatron's sharded state dict
+asks for is in the export under the same key with the same global shape, nothing more, and so
+are the ``_extra_state`` objects.
+
+Transformer Engine is not installable here, so Megatron builds its local spec, which names
+four norms differently from the TE spec that the export writes (Megatron's TE spec fuses each
+into the linear that follows it; read in gpt_layer_specs.py): ``input_layernorm`` /
+``self_attention.linear_qkv.layer_norm_weight``, ``pre_mlp_layernorm`` /
+``mlp.linear_fc1.layer_norm_weight``, and MLA's ``self_attention.{q,kv}_layernorm`` /
+``self_attention.linear_{q,kv}_up_proj.layer_norm_weight``. Both sides are compared with those
+pairs read as one name."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+from plugtron.cli.main import cli
+from plugtron.core.interchange.torch_dist import read_torch_dist
+
+from moe_plugin.tests.test_megatron_moe import CASES, MLA, _saved
+
+pytest.importorskip("megatron.core")
+if importlib.util.find_spec("megatron.training") is None:  # imported by the worker only
+    pytest.skip("megatron.training is not installed", allow_module_level=True)
+
+#: TE-spec name -> local-spec module name (the last part of a key).
+_FUSED = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+          "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+          "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+          "self_attention.linear_kv_up_proj.layer_norm_weight":
+              "self_attention.kv_layernorm.weight"}
+DENSE_MLA_MTP = {"swiglu": True, "normalization": "RMSNorm", "add_bias_linear": False,
+                 "position_embedding_type": "rope", "num_layers": 2, "hidden_size": 32,
+                 "num_attention_heads": 4, "ffn_hidden_size": 48, **MLA, "q_lora_rank": 12,
+                 "mtp_num_layers": 1}
+
+
+def _one_name(key: str) -> str:
+    for te, local in _FUSED.items():
+        if key.endswith(te):
+            return key[:-len(te)] + local
+    return key
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: Megatron-Core 0.19 cannot compute MLA without query compression as plugtron does (the export
+#: refuses it: megatron_convert.refuse_uncompressed_queries), so every MLA case compresses.
+MEGATRON_CASES = {"mla-q-dense-then-moe-mtp": CASES["mla-q-dense-then-moe-mtp"],
+                  "mla-q-all-moe-mtp-stacked": {**CASES["mla-no-q-all-moe-mtp"],
+                                                "q_lora_rank": 12},
+                  "gqa-moe-freq-2": CASES["gqa-moe-freq-2"],
+                  "mla-dense-mtp": DENSE_MLA_MTP}
+
+
+@pytest.mark.parametrize("case", list(MEGATRON_CASES))
+def test_megatron_core_builds_the_exported_model(case, tmp_path):
+    settings = MEGATRON_CASES[case]
+    _saved(settings, str(tmp_path / "save"))
+    result = CliRunner().invoke(cli, ["convert", "export-megatron", str(tmp_path / "save"),
+                                      str(tmp_path / "mcore")])
+    assert result.exit_code == 0, result.output
+    exported = read_torch_dist(str(tmp_path / "mcore"))
+    job = {"port": _port(), "exported": exported.directory, "out": str(tmp_path / "keys.json")}
+    with open(tmp_path / "job.json", "w") as f:
+        json.dump(job, f)
+    worker = os.path.join(os.path.dirname(__file__), "megatron_mla_moe_worker.py")
+    proc = subprocess.run([sys.executable, worker, str(tmp_path / "job.json")],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(job["out"]) as f:
+        megatron = json.load(f)
+    assert megatron["num_moe_experts"] == settings.get("num_experts")
+    assert megatron["q_lora_rank"] == settings.get("q_lora_rank")
+    if settings.get("multi_latent_attention"):
+        assert megatron["rope_type"] == "rope"  # said explicitly: Megatron's MLA default is yarn
+    ours = {_one_name(k): list(info.shape) for k, info in exported.tensors.items()}
+    theirs = {_one_name(k): shape for k, shape in megatron["tensors"].items()}
+    assert len(theirs) == len(megatron["tensors"]) > 20  # the renaming merges no two keys
+    assert sorted(set(theirs) - set(ours)) == [] and sorted(set(ours) - set(theirs)) == []
+    assert {k: v for k, v in ours.items() if theirs[k] != v} == {}
+    assert set(megatron["objects"]) == set(exported.objects) - {
+        k for k in exported.objects if k.startswith("common_state")}
