@@ -46,6 +46,10 @@ from .options import MoEOptions, moe_layer_pattern
 
 #: The MoE options, each a Megatron arg of the same name.
 MOE_ARGS = tuple(f.name for f in fields(MoEOptions))
+#: MoE args that choose kernels, communication or logging, not the model: not taken from a
+#: checkpoint (Megatron has values plugtron does not, such as the flex dispatcher); given
+#: flags still count.
+RUN_ARGS = ("moe_token_dispatcher_type", "moe_grouped_gemm", "moe_per_layer_logging")
 #: Megatron MoE args that change the model, with the value under which plugtron computes the
 #: same thing.
 REFUSED_ARGS = {"moe_latent_size": None, "moe_apply_probs_on_input": False,
@@ -158,7 +162,8 @@ def import_megatron(model: str, args: dict | None, given: dict, tensors: dict,
                     flag_names) -> tuple[dict, dict]:
     moe_names = set(MOE_ARGS)
     rest_args = None if args is None else {k: v for k, v in args.items() if k not in moe_names}
-    saved = {k: v for k, v in (args or {}).items() if k in moe_names and v is not None}
+    saved = {k: v for k, v in (args or {}).items()
+             if k in moe_names and k not in RUN_ARGS and v is not None}
     for name, plain in REFUSED_ARGS.items():
         value = (args or {}).get(name, plain)
         if value != plain and value is not None:

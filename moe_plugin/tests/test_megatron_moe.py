@@ -1,9 +1,10 @@
 """Megatron-Core torch_dist export and import of MoE models (plugtron-moe's converters), with
 multi-latent attention (query compression on and off) and multi-token prediction: plugtron ->
 torch_dist -> plugtron keeps every tensor bit for bit, under Megatron's key names and layouts
-(no megatron-core needed; tests/checkpoint/test_megatron_core.py builds Megatron's own model
-from the exported args where it is installed). Every tensor is drawn at random before the save
-(norms included), so a swapped name cannot pass."""
+(no megatron-core needed; where it is installed, tests/checkpoint/test_megatron_core_mla_moe.py
+has Megatron build its own model from the exported args, load the export and match plugtron's
+logits). Every tensor is drawn at random before the save (norms and the expert bias included),
+so a swapped name cannot pass."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def _saved(settings: dict, path: str):
     with torch.no_grad():
         for t in run.model_chunks[0].module.state_dict(keep_vars=True).values():
             if t.is_floating_point():
-                t.copy_(torch.randn(t.shape, generator=gen))
+                t.copy_(torch.randn(t.shape, generator=gen) * 0.2)
     checkpointer(run).save(0)
     return run
 

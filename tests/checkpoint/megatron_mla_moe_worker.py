@@ -3,14 +3,16 @@ Megatron-Core builds its GPTModel from the ``args`` that plugtron's export saved
 training script does (``parse_args`` defaults overlaid with the saved args, then
 ``core_transformer_config_from_args``, the decoder and MTP block specs), and writes the keys
 and global shapes of its sharded state dict (what ``dist_checkpointing`` saves and loads) as
-JSON.
+JSON; then loads the export into it with ``dist_checkpointing.load``, writes its logits, and
+saves it again with ``dist_checkpointing.save`` (in its own key names) for the import test.
 
 Shims, for this CPU test only: the megatron_core_worker.py ones (no CUDA); ``typing.override``
-(megatron.training imports it; Python 3.11 lacks it); the local spec's core attention takes no
-MLA head sizes, so a parameterless stand-in replaces it (it has no state, so the state dict is
-unchanged); Transformer Engine is absent, so the local spec is built (its norm names differ from
-the TE spec's only where the test says; without query compression its separate q norm, which
-Megatron refuses as unused, is left out as the TE spec leaves it).
+(megatron.training imports it; Python 3.11 lacks it); kernel-fusion args that need CUDA, apex or
+TE turned off; the local spec's core attention takes no MLA head sizes, so a parameterless
+stand-in (torch's causal scaled-dot-product attention with the softmax scale MLA passes)
+replaces it; Transformer Engine is absent, so the local spec is built (its norm names differ
+from the TE spec's only where the test says; without query compression its separate q norm,
+which Megatron refuses as unused, is left out as the TE spec leaves it).
 """
 
 from __future__ import annotations
@@ -63,8 +65,18 @@ def main(job_path: str) -> None:
     config = core_transformer_config_from_args(args)
 
     class NoAttention(torch.nn.Module):
-        def __init__(self, *a, **k):
+        """Causal softmax attention over [s, b, heads, d] (Megatron's core-attention call),
+        with the scale MLA passes; no parameters."""
+
+        def __init__(self, *a, softmax_scale=None, **k):
             super().__init__()
+            self.softmax_scale = softmax_scale
+
+        def forward(self, query, key, value, *a, **k):
+            q, k_, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k_, v, is_causal=True, scale=self.softmax_scale, enable_gqa=True)
+            return out.permute(2, 0, 1, 3).flatten(2)
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization=args.normalization)
@@ -103,11 +115,59 @@ def main(job_path: str) -> None:
 
     for value in model.sharded_state_dict().values():
         add(value)
+    result = {}
+    if job.get("tokens") is not None:
+        result["logits"] = _load_and_run(model, job, tensors, saved)
     with open(job["out"], "w") as f:
         json.dump({"tensors": tensors, "objects": sorted(set(objects)),
                    "num_moe_experts": config.num_moe_experts,
                    "q_lora_rank": getattr(config, "q_lora_rank", None),
-                   "rope_type": getattr(config, "rope_type", None)}, f)
+                   "rope_type": getattr(config, "rope_type", None), **result}, f)
+
+
+def _load_and_run(model, job: dict, megatron_keys, saved_args) -> list:
+    """Load the export with ``dist_checkpointing.load`` (each key the local spec names
+    differently read under the export's TE name: job["fused"]) and return the logits."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    def one_name(key: str) -> str:
+        for te, local in job["fused"].items():
+            if key.endswith(te):
+                return key[:-len(te)] + local
+        return key
+
+    exported = {one_name(k): k for k in job["exported_keys"]}
+    renames = {k: exported[one_name(k)] for k in megatron_keys if one_name(k) in exported}
+    state = model.sharded_state_dict()
+
+    def rename(t) -> None:
+        if isinstance(t, (ShardedTensor, ShardedObject)) or hasattr(t, "key"):
+            t.key = renames.get(t.key, t.key)
+        if isinstance(t, dict):
+            for v in t.values():
+                rename(v)
+
+    for value in state.values():
+        rename(value)
+    loaded = dist_checkpointing.load(state, job["exported"])
+    for common in ("args", "checkpoint_version", "iteration"):
+        loaded.pop(common, None)
+    model.load_state_dict(loaded)
+    model.eval()
+    # ... and saved again by Megatron, in its local spec's own names, for the import test
+    import argparse
+
+    again = model.sharded_state_dict()
+    again["args"] = argparse.Namespace(**vars(saved_args))
+    os.makedirs(job["save"])
+    dist_checkpointing.save(again, job["save"])
+    tokens = torch.tensor(job["tokens"])
+    seq = tokens.shape[1]
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), 1)
+    with torch.no_grad():
+        out = model(tokens, torch.arange(seq).expand_as(tokens), mask)
+    return out.float().tolist()
 
 
 if __name__ == "__main__":
