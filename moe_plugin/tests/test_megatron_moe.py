@@ -62,8 +62,8 @@ def _options(section: dict) -> dict:
     return out
 
 
-def _saved(settings: dict, path: str):
-    run = setup(tiny_config(save=path, vocab_size=VOCAB, train_iters=1, **settings), world=ONE)
+def _saved(settings: dict, path: str, vocab: int = VOCAB):
+    run = setup(tiny_config(save=path, vocab_size=vocab, train_iters=1, **settings), world=ONE)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for t in run.model_chunks[0].module.state_dict(keep_vars=True).values():

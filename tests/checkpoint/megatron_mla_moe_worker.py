@@ -3,8 +3,8 @@ Megatron-Core builds its GPTModel from the ``args`` that plugtron's export saved
 training script does (``parse_args`` defaults overlaid with the saved args, then
 ``core_transformer_config_from_args``, the decoder and MTP block specs), and writes the keys
 and global shapes of its sharded state dict (what ``dist_checkpointing`` saves and loads) as
-JSON; then loads the export into it with ``dist_checkpointing.load``, writes its logits, and
-saves it again with ``dist_checkpointing.save`` (in its own key names) for the import test.
+JSON; then loads the export into it with ``dist_checkpointing.load``, writes its logits (and
+each MTP depth's loss, from a training-mode forward with labels), and saves it again with ``dist_checkpointing.save`` (in its own key names) for the import test.
 
 Shims, for this CPU test only: the megatron_core_worker.py ones (no CUDA); ``typing.override``
 (megatron.training imports it; Python 3.11 lacks it); kernel-fusion args that need CUDA, apex or
@@ -118,6 +118,7 @@ def main(job_path: str) -> None:
     result = {}
     if job.get("tokens") is not None:
         result["logits"] = _load_and_run(model, job, tensors, saved)
+        result["mtp_losses"] = job.get("mtp_losses")
     with open(job["out"], "w") as f:
         json.dump({"tensors": tensors, "objects": sorted(set(objects)),
                    "num_moe_experts": config.num_moe_experts,
@@ -167,6 +168,15 @@ def _load_and_run(model, job: dict, megatron_keys, saved_args) -> list:
     mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), 1)
     with torch.no_grad():
         out = model(tokens, torch.arange(seq).expand_as(tokens), mask)
+        if job.get("labels") is not None and model.config.mtp_num_layers:
+            # Megatron logs each MTP depth's masked mean loss in training mode only
+            from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+            model.train()
+            MTPLossLoggingHelper.tracker.clear()
+            model(tokens, torch.arange(seq).expand_as(tokens), mask,
+                  labels=torch.tensor(job["labels"]))
+            job["mtp_losses"] = MTPLossLoggingHelper.tracker["loss_values"].tolist()
     return out.float().tolist()
 
 

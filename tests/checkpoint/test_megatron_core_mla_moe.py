@@ -7,8 +7,9 @@ GPTModel from the saved ``args`` the way its training script does
 the same global shapes, and the same ``_extra_state`` objects; ``dist_checkpointing.load``
 reads the export and the model gives plugtron's logits within 1e-5 (fp32); Megatron then saves
 it with ``dist_checkpointing.save`` (its own key names) and ``convert import-megatron`` gives
-plugtron's logits back within 1e-5. The MTP layers are loaded and saved, not run (without
-labels Megatron's GPTModel skips them).
+plugtron's logits back within 1e-5, and each MTP depth's loss (Megatron's training-mode
+``mtp_k`` loss, a masked mean) within 1e-5 relative. The vocabulary is 128, which Megatron
+does not pad: its cross entropy runs over padded rows, plugtron's over the vocabulary only.
 
 Transformer Engine is not installable here, so Megatron builds its local spec, which names
 four norms differently from the TE spec that the export writes (Megatron's TE spec fuses each
@@ -38,9 +39,10 @@ from plugtron.core.config import apply_values
 from plugtron.core.interchange.torch_dist import read_torch_dist
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.plugins.options import config_from_dict
+from plugtron.core.training import aux_losses
 from plugtron.core.training.loop import setup
 
-from moe_plugin.tests.test_megatron_moe import CASES, MLA, VOCAB, _saved
+from moe_plugin.tests.test_megatron_moe import CASES, MLA, _saved
 
 pytest.importorskip("megatron.core")
 if importlib.util.find_spec("megatron.training") is None:  # imported by the worker only
@@ -56,6 +58,11 @@ DENSE_MLA_MTP = {"swiglu": True, "normalization": "RMSNorm", "add_bias_linear": 
                  "position_embedding_type": "rope", "num_layers": 2, "hidden_size": 32,
                  "num_attention_heads": 4, "ffn_hidden_size": 48, **MLA, "q_lora_rank": 12,
                  "mtp_num_layers": 1}
+
+
+#: A vocabulary Megatron does not pad (128): its cross entropy runs over the padded rows,
+#: plugtron's over the vocabulary only, and the MTP losses are compared.
+VOCAB = 128
 
 
 def _imported(path: str):
@@ -97,7 +104,7 @@ MEGATRON_CASES = {"mla-q-dense-then-moe-mtp": CASES["mla-q-dense-then-moe-mtp"],
 @pytest.mark.parametrize("case", list(MEGATRON_CASES))
 def test_megatron_core_builds_the_exported_model(case, tmp_path):
     settings = MEGATRON_CASES[case]
-    run = _saved(settings, str(tmp_path / "save"))
+    run = _saved(settings, str(tmp_path / "save"), vocab=VOCAB)
     result = CliRunner().invoke(cli, ["convert", "export-megatron", str(tmp_path / "save"),
                                       str(tmp_path / "mcore")])
     assert result.exit_code == 0, result.output
@@ -105,7 +112,8 @@ def test_megatron_core_builds_the_exported_model(case, tmp_path):
     tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
     job = {"port": _port(), "exported": exported.directory, "out": str(tmp_path / "keys.json"),
            "tokens": tokens.tolist(), "fused": _FUSED, "exported_keys": list(exported.tensors),
-           "save": str(tmp_path / "megatron_saved" / "iter_0000001")}
+           "save": str(tmp_path / "megatron_saved" / "iter_0000001"),
+           "labels": torch.roll(tokens, -1, 1).tolist()}
     with open(tmp_path / "job.json", "w") as f:
         json.dump(job, f)
     worker = os.path.join(os.path.dirname(__file__), "megatron_mla_moe_worker.py")
@@ -136,5 +144,16 @@ def test_megatron_core_builds_the_exported_model(case, tmp_path):
     with torch.no_grad():
         got = imported.model_chunks[0].eval()(tokens).float()
     torch.testing.assert_close(got[..., :VOCAB], ours_logits[..., :VOCAB], rtol=0, atol=1e-5)
+    if settings.get("mtp_num_layers"):  # each depth's masked mean loss
+        labels, mask = torch.tensor(job["labels"]), torch.ones(tokens.shape)
+        aux_losses.note_microbatch({"loss_mask": mask})
+        aux_losses.take()
+        with torch.no_grad():
+            imported.model_chunks[0](tokens, labels=labels, loss_mask=mask)
+        reported = aux_losses.take()
+        depths = [float(reported[f"mtp_{k + 1} loss"]) / mask.sum().item()
+                  for k in range(settings["mtp_num_layers"])]
+        torch.testing.assert_close(torch.tensor(depths), torch.tensor(megatron["mtp_losses"]),
+                                   rtol=1e-5, atol=0)
     assert set(megatron["objects"]) == set(exported.objects) - {
         k for k in exported.objects if k.startswith("common_state")}
