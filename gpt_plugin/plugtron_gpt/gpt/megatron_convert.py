@@ -29,10 +29,10 @@ has latent norms only with ``qk_layernorm`` (plugtron always has them, so export
 stays ``input_layernorm.weight`` (there is no ``linear_qkv`` to fuse it into). Without query
 compression Megatron-Core 0.19 adds a norm before ``linear_q_proj`` (qk_layernorm on) or drops
 the kv latent norm (off), so such a model is not exported; a checkpoint without that norm
-(Megatron's layout before 0.19) imports. The local spec
-keeps ``q_layernorm`` / ``kv_layernorm``; both are read, export writes the TE names. In
-general a TE ``X.layer_norm_*`` is written only where the layer has the linear ``X`` (an MoE
-layer keeps ``pre_mlp_layernorm.weight``, as Megatron's TE spec does).
+(Megatron's layout before 0.19) imports. The local spec keeps ``q_layernorm`` /
+``kv_layernorm``; both are read, export writes the TE names. In general a TE
+``X.layer_norm_*`` is written only where the layer has the linear ``X`` (an MoE layer keeps
+``pre_mlp_layernorm.weight``, as Megatron's TE spec does).
 
 Multi-token prediction (``--mtp-num-layers``): ``mtp.layers.{k}.{enorm,hnorm,eh_proj,
 final_layernorm}`` by name; plugtron's ``mtp.layers.{k}.mtp_model_layer.*`` is Megatron's
@@ -74,9 +74,6 @@ _TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.wei
                  "self_attention.kv_layernorm.weight",
              "self_attention.linear_kv_up_proj.layer_norm_bias":
                  "self_attention.kv_layernorm.bias"}
-#: MLA's projections under ``self_attention`` (Megatron's names, plugtron's too).
-MLA_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj",
-               "linear_kv_up_proj", "linear_proj")
 #: Megatron's MLA args that are plugtron attention flags of the same name.
 MLA_ARGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
             "rotary_scaling_factor", "mscale", "mscale_all_dim")
@@ -555,8 +552,9 @@ def extra_state_objects(keys_and_shards) -> dict:
 
 def export_megatron(config, tensors: dict, padded_vocab: int,
                     stacked: bool | None = None) -> tuple[argparse.Namespace, dict]:
-    """-> (Megatron ``args``, {Megatron key: tensor}): the keys both specs save (norms under
-    their TE names), layers stacked."""
+    """-> (Megatron ``args``, {Megatron key: tensor or ``_extra_state`` object}): norms under
+    their TE names; decoder layers stacked when ``stacked`` (None: when every layer holds the
+    same tensors), else ``decoder.layers.{i}.*``; MTP layers one by one."""
     m = config.model
     groups = m.num_query_groups or m.num_attention_heads
     args = {name: getattr(m, name) for name in MODEL_ARGS}
