@@ -77,6 +77,14 @@ class ConverterExtras(Protocol):
         when present."""
         ...
 
+    @classmethod
+    def claims_megatron(cls, args: dict | None, given: dict) -> bool:
+        """For a converter another plugin ships for a model it extends: ``import_megatron``
+        uses it, instead of the ``--model`` plugin's, for a checkpoint whose saved Megatron
+        ``args`` (None when it has none) and command-line settings ``given`` it claims
+        (plugtron-moe's: ``num_experts``)."""
+        ...
+
     def import_megatron(self, args: dict | None, given: dict, tensors: Tensors,
                         flag_names: Collection[str]) -> tuple[dict, dict]:
         """A Megatron-Core ``torch_dist`` checkpoint -> (flag values, ``{plugtron name:

@@ -43,6 +43,21 @@ def converter_for_config(config: TrainConfig) -> Converter:
     return load_converter(config.plugins.model)
 
 
+def converter_for_megatron(model: str, args: dict | None, given: dict) -> Converter:
+    """An installed converter for ``model`` that claims this Megatron checkpoint
+    (``claims_megatron``: its saved args and the settings given), else ``model``'s own."""
+    for info in registry.available("converter"):
+        try:
+            cls = registry.load("converter", info.name)
+        except Exception:  # noqa: BLE001 - a broken converter must not break the others
+            continue
+        claims = getattr(cls, "claims_megatron", None)
+        if getattr(cls, "model", info.name) == model and callable(claims) and \
+                claims(args, given):
+            return registry.instantiate(cls)
+    return load_converter(model)
+
+
 def run_export(converter, config: TrainConfig, tensors: Mapping) -> tuple[dict, dict]:
     """The converter's export, called the way it declares (see :class:`Converter` and :class:`ConverterExtras`)."""
     if hasattr(converter, "export_hf_from"):

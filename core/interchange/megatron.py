@@ -20,7 +20,11 @@ from plugtron.core.checkpoint.pieces import Box
 from plugtron.core.checkpoint.reader import CheckpointReader
 from plugtron.core.config import TrainConfig, flag_fields, padded_vocab_size
 from plugtron.core.errors import CheckpointError, ConfigError
-from plugtron.core.interchange.converters import converter_for_config, load_converter
+from plugtron.core.interchange.converters import (
+    converter_for_config,
+    converter_for_megatron,
+    load_converter,
+)
 from plugtron.core.interchange.hf_export import CheckpointTensors
 from plugtron.core.interchange.torch_dist import read_torch_dist, write_torch_dist
 from plugtron.core.plugins.options import collect_sections, config_from_dict, config_from_flags
@@ -65,7 +69,9 @@ def import_megatron(src: str, out_dir: str, model: str = "gpt", given: dict | No
     sections = model_option_sections(typed)
     fields = {f.name: f.section for f in flag_fields(typed) if f.section in sections}
     given = {k: getattr(sections[fields[k]], k) if k in fields else v for k, v in given.items()}
-    converter = _converter(model, "import_megatron")
+    converter = converter_for_megatron(model, args, given)
+    if not hasattr(converter, "import_megatron"):
+        converter = _converter(model, "import_megatron")
     tensors = {k: ckpt.read(k) for k in sorted(ckpt.tensors) if not _skipped(k)}
     names = set(fields)
     flags, out = converter.import_megatron(args, given, tensors, names)

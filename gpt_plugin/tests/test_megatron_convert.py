@@ -297,3 +297,57 @@ def test_damaged_files_and_unknown_features_are_clear_errors(tmp_path):
         result = runner.invoke(cli, ["convert", "import-megatron", str(tmp_path / f"f{i}"),
                                      str(tmp_path / f"o{i}")])
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_multi_latent_attention_and_mtp_export_and_import_keep_every_tensor(tmp_path):
+    """MLA (query compression) and two MTP layers on a dense GPT: Megatron's names (the latent
+    norms fused into the up-projections as the TE spec saves them, MTP's transformer_layer),
+    layers stacked, and back bit for bit; every tensor drawn at random so that no two norms can
+    be swapped unnoticed. Without query compression the export is refused by name (Megatron-Core
+    0.19 would normalise the hidden state again before linear_q_proj)."""
+    settings = {**LLAMA, "num_query_groups": None, "multi_latent_attention": True,
+                "q_lora_rank": 12, "kv_lora_rank": 8,
+                "qk_head_dim": 6, "qk_pos_emb_head_dim": 4, "v_head_dim": 5,
+                "mtp_num_layers": 2}
+    run = setup(ckpt_config(save=str(tmp_path / "save"), **settings), world=ONE)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for t in run.model_chunks[0].module.state_dict(keep_vars=True).values():
+            t.copy_(torch.randn(t.shape, generator=gen))
+    checkpointer(run).save(0)
+    runner = CliRunner()
+    result = runner.invoke(cli, ["convert", "export-megatron", str(tmp_path / "save"),
+                                 str(tmp_path / "mcore")])
+    assert result.exit_code == 0, result.output
+    ckpt = read_torch_dist(str(tmp_path / "mcore"))
+    args = ckpt.common["args"]
+    assert (args.multi_latent_attention, args.qk_layernorm, args.q_lora_rank,
+            args.rope_type, args.mtp_num_layers) == (True, True, 12, "rope", 2)
+    attn = "decoder.layers.self_attention"
+    assert tuple(ckpt.tensors[f"{attn}.linear_q_up_proj.layer_norm_weight"].shape) == (2, 12)
+    assert tuple(ckpt.tensors[f"{attn}.linear_kv_up_proj.layer_norm_weight"].shape) == (2, 8)
+    assert "decoder.layers.input_layernorm.weight" in ckpt.tensors
+    assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in ckpt.tensors
+    assert "mtp.layers.1.transformer_layer.self_attention.linear_kv_down_proj.weight" in \
+        ckpt.tensors and "mtp.layers.1.eh_proj._extra_state/shard_0_1" in ckpt.objects
+    result = runner.invoke(cli, ["convert", "import-megatron", str(tmp_path / "mcore"),
+                                 str(tmp_path / "again")])
+    assert result.exit_code == 0, result.output
+    before, after = CheckpointReader(str(tmp_path / "save")), CheckpointReader(
+        str(tmp_path / "again"))
+    assert {k: v for k, v in before.config["attention"].items() if v is not None} == \
+        {k: v for k, v in after.config["attention"].items() if v is not None}
+    assert before.config["mtp"] == after.config["mtp"]
+    assert before.names("model/") == after.names("model/")
+    for name in before.names("model/"):
+        a, b = before.read_full(f"model/{name}"), after.read_full(f"model/{name}")
+        if "word_embeddings" in name or "output_layer" in name:
+            a, b = a[:VOCAB], b[:VOCAB]
+        assert torch.equal(a, b), name
+    no_q = {**settings, "q_lora_rank": None}
+    run = setup(ckpt_config(save=str(tmp_path / "no_q"), **no_q), world=ONE)
+    checkpointer(run).save(0)
+    result = runner.invoke(cli, ["convert", "export-megatron", str(tmp_path / "no_q"),
+                                 str(tmp_path / "refused")])
+    assert result.exit_code == 2 and "linear_q_proj.layer_norm_weight" in result.output, \
+        result.output

@@ -28,6 +28,7 @@ import torch
 from plugtron.api import ConfigError
 
 from .hf_rope import rope_config, rope_flags
+from .megatron_convert import MegatronMoE
 from .options import moe_layer_pattern, uses_sinkhorn
 
 EMBEDDING = "embedding.word_embeddings.weight"
@@ -112,7 +113,7 @@ def fused_experts(hf: dict, src: str, experts: int):
     raise ConfigError(f"the Hugging Face weights have no experts for {src}")
 
 
-class MoEConverter:
+class MoEConverter(MegatronMoE):
     """Reads and writes Mixtral and Qwen2-MoE; the checkpoint runs on the ``gpt`` model."""
 
     model = "gpt"

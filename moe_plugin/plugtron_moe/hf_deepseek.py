@@ -45,6 +45,7 @@ from plugtron.api import ConfigError
 
 from .hf_convert import EMBEDDING, OUTPUT, _take, fused_experts
 from .hf_rope import rope_config, rope_flags
+from .megatron_convert import MegatronMoE
 from .options import moe_layer_pattern, uses_sinkhorn
 
 #: plugtron's MLA names under ``self_attention`` -> transformers' under ``self_attn``.
@@ -184,7 +185,7 @@ def router_flags(c: dict) -> dict:
     return flags
 
 
-class DeepseekV3Converter:
+class DeepseekV3Converter(MegatronMoE):
     """Reads and writes ``deepseek_v3``; the checkpoint runs on the ``gpt`` model."""
 
     model = "gpt"

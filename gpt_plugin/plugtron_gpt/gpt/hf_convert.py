@@ -341,8 +341,10 @@ class GPTConverter:
         return llama_to_hf(config, tensors)
 
     # Megatron-Core torch_dist checkpoints (core/interchange/megatron.py calls these).
-    def import_megatron(self, args, given, tensors, flag_names):
-        return import_megatron(args, given, tensors, flag_names)
+    # A converter extending the model (plugtron-moe's) passes ``foreign_mlp`` / ``stacked``
+    # (see megatron_convert.py).
+    def import_megatron(self, args, given, tensors, flag_names, foreign_mlp=frozenset()):
+        return import_megatron(args, given, tensors, flag_names, foreign_mlp)
 
-    def export_megatron(self, config, tensors, padded_vocab):
-        return export_megatron(config, tensors, padded_vocab)
+    def export_megatron(self, config, tensors, padded_vocab, stacked=None):
+        return export_megatron(config, tensors, padded_vocab, stacked)

@@ -19,6 +19,31 @@ What differs in a torch_dist checkpoint:
 * TE's ``_extra_state`` (fp8 scaling state) and the optimizer / RNG entries are not weights and
   are skipped by the core.
 
+Multi-latent attention (``--multi-latent-attention``; Megatron's ``MLASelfAttention``) maps by
+name: ``self_attention.linear_q_proj`` (no ``--q-lora-rank``) or ``linear_q_down_proj`` +
+``linear_q_up_proj``, ``linear_kv_down_proj``, ``linear_kv_up_proj``, ``linear_proj``. Megatron
+has latent norms only with ``qk_layernorm`` (plugtron always has them, so export says
+``qk_layernorm=True``), and its TE spec fuses them into the up-projections:
+``linear_q_up_proj.layer_norm_weight`` is plugtron's ``q_layernorm.weight``,
+``linear_kv_up_proj.layer_norm_weight`` its ``kv_layernorm.weight``; the MLA layer's input norm
+stays ``input_layernorm.weight`` (there is no ``linear_qkv`` to fuse it into). Without query
+compression Megatron-Core 0.19 adds a norm before ``linear_q_proj`` (qk_layernorm on) or drops
+the kv latent norm (off), so such a model is not exported; a checkpoint without that norm
+(Megatron's layout before 0.19) imports. The local spec keeps ``q_layernorm`` /
+``kv_layernorm``; both are read, export writes the TE names. In general a TE
+``X.layer_norm_*`` is written only where the layer has the linear ``X`` (an MoE layer keeps
+``pre_mlp_layernorm.weight``, as Megatron's TE spec does).
+
+Multi-token prediction (``--mtp-num-layers``): ``mtp.layers.{k}.{enorm,hnorm,eh_proj,
+final_layernorm}`` by name; plugtron's ``mtp.layers.{k}.mtp_model_layer.*`` is Megatron's
+``mtp.layers.{k}.transformer_layer.*`` (the name its GPT MTP layer keeps in checkpoints), with
+the same norm names as a decoder layer. MTP layers are never stacked.
+
+A converter that extends this model (plugtron-moe's, for MoE layers) calls
+:func:`import_megatron` with ``foreign_mlp`` (the layers whose ``mlp.*`` it maps itself) and
+:func:`export_megatron` with ``stacked`` (False: ``decoder.layers.{i}.*`` keys, Megatron's form
+whenever ``--moe-layer-freq`` is a list).
+
 Model settings come from Megatron's saved ``args`` (its flag names are plugtron's), else from
 the tensor shapes plus the flags given on the command line.
 """
@@ -36,11 +61,25 @@ from plugtron_gpt.layers.attention_options import attention_options, parse_windo
 from plugtron_gpt.layers.mlp import openai_gelu, squared_relu
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
-#: Megatron TE-spec name (under a layer) -> plugtron's (local-spec) name.
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(transformer_layer|mtp_model_layer)\.(.+)$")
+#: Megatron TE-spec name (under a layer) -> plugtron's (local-spec) name. On export a TE name
+#: ``X.layer_norm_*`` is written only where the layer has the linear ``X``.
 _TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
              "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
              "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias"}
+             "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+             "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+             "self_attention.linear_q_up_proj.layer_norm_bias": "self_attention.q_layernorm.bias",
+             "self_attention.linear_kv_up_proj.layer_norm_weight":
+                 "self_attention.kv_layernorm.weight",
+             "self_attention.linear_kv_up_proj.layer_norm_bias":
+                 "self_attention.kv_layernorm.bias"}
+#: Megatron's MLA args that are plugtron attention flags of the same name.
+MLA_ARGS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+            "rotary_scaling_factor", "mscale", "mscale_all_dim")
+#: YaRN settings Megatron's MLA config fixes (MLATransformerConfig; no argument sets them).
+MLA_YARN_CONSTANTS = {"yarn_original_max_position_embeddings": 4096, "yarn_beta_fast": 32.0,
+                      "yarn_beta_slow": 1.0, "yarn_correction_range_round_to_int": True}
 
 #: Megatron args that are plugtron GPT model flags of the same name.
 MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -103,14 +142,59 @@ def _rope_scaling(value, args, given, settings) -> dict:
             **{k: given.get(k, v) for k, v in MEGATRON_ROPE_CONSTANTS.items()}}
 
 
+def _mla_on(args, given) -> bool:
+    return bool(given.get("multi_latent_attention", args.get("multi_latent_attention")))
+
+
+def _qk_layernorm(value, args, given, settings) -> dict:
+    # Under MLA Megatron's qk_layernorm means the latent norms (see _mla); else Qwen3's norms.
+    return {"qk_layernorm": True} if value and not _mla_on(args, given) else {}
+
+
+def _mla(value, args, given, settings) -> dict:
+    if not value:
+        return {}
+    if not given.get("qk_layernorm", args.get("qk_layernorm", True)):
+        raise ConfigError("the Megatron checkpoint was trained with multi_latent_attention and "
+                          "qk_layernorm=False (no latent norms); plugtron's multi-latent "
+                          "attention always normalises the q and kv latents")
+    if args.get("mla_down_proj_fusion") or args.get("cache_mla_latents"):
+        raise ConfigError("the Megatron checkpoint was trained with --mla-down-proj-fusion or "
+                          "--cache-mla-latents (a fused linear_qkv_down_proj); plugtron maps "
+                          "the separate down-projections only")
+    out = {"multi_latent_attention": True}
+    out.update({k: args[k] for k in MLA_ARGS if args.get(k) is not None})
+    out["q_lora_rank"] = args.get("q_lora_rank")  # None: no query compression
+    # Megatron's MLA config takes YaRN when --rope-type is not given (MLATransformerConfig).
+    rope = args.get("rope_type") or "yarn"
+    out["rope_type"] = None if rope == "rope" else rope  # plugtron's default is plain rope
+    if rope == "yarn":
+        out.update({k: given.get(k, v) for k, v in MLA_YARN_CONSTANTS.items()})
+    return {**out, **{k: given[k] for k in out if k in given}}
+
+
+def _mtp(value, args, given, settings) -> dict:
+    if not value:
+        return {}
+    if args.get("mtp_hybrid_override_pattern") or args.get("mtp_layer_pattern"):
+        raise ConfigError("the Megatron checkpoint's MTP layers follow a hybrid pattern; "
+                          "plugtron's GPT converter maps GPT MTP layers (transformer_layer)")
+    out = {"mtp_num_layers": value}
+    if args.get("mtp_loss_scaling_factor") is not None:
+        out["mtp_loss_scaling_factor"] = args["mtp_loss_scaling_factor"]
+    return out
+
+
 #: The feature args this converter maps (with their tensors, where they have any); any other
 #: is refused by name even where plugtron has an option of that name (num_experts: the MoE
 #: model's experts are not this converter's).
 MAPPED_FEATURES = ("add_qkv_bias", "qk_layernorm", "openai_gelu", "squared_relu", "window_size",
-                   "use_rope_scaling", "rotary_seq_len_interpolation_factor")
+                   "use_rope_scaling", "rotary_seq_len_interpolation_factor",
+                   "multi_latent_attention", "mtp_num_layers")
 #: Megatron arg -> its plugtron settings, where the forms differ.
 _FROM_MEGATRON = {"add_qkv_bias": _qkv_bias, "openai_gelu": _openai_gelu, "window_size": _window,
-                  "use_rope_scaling": _rope_scaling}
+                  "use_rope_scaling": _rope_scaling, "qk_layernorm": _qk_layernorm,
+                  "multi_latent_attention": _mla, "mtp_num_layers": _mtp}
 
 
 def _unstack(tensors: dict, num_layers: int | None) -> dict:
@@ -130,6 +214,12 @@ def _unstack(tensors: dict, num_layers: int | None) -> dict:
                                   f"leading axis must be num_layers={num_layers}")
             pieces = [(i, rest, t) for i, t in enumerate(tensor.unbind(0))]
         else:
+            mtp = _MTP_LAYER.match(key)
+            if mtp:  # Megatron's GPT MTP layer saves its decoder layer as transformer_layer
+                rest = mtp.group(3)
+                key = f"mtp.layers.{mtp.group(1)}.mtp_model_layer.{_TE_NORMS.get(rest, rest)}"
+            if key in out:
+                raise ConfigError(f"the checkpoint gives {key!r} twice")
             out[key] = tensor
             continue
         for i, rest, t in pieces:
@@ -138,7 +228,7 @@ def _unstack(tensors: dict, num_layers: int | None) -> dict:
                 raise ConfigError(f"{key!r} gives layer {i} a second {name!r}")
             out[name] = t.clone() if len(pieces) > 1 else t
         del pieces, tensor
-    for name in [n for n in out if n.endswith("linear_fc1.weight_w")]:
+    for name in [n for n in out if n.endswith(".weight_w")]:
         up = out.pop(name[:-1] + "v", None)
         if up is None:
             raise ConfigError(f"{name!r} has no matching {name[:-1] + 'v'!r}")
@@ -187,12 +277,21 @@ def _inferred_features(t: dict) -> dict:
     return out
 
 
-def import_megatron(args: dict | None, given: dict, tensors: dict, flag_names) -> tuple:
+def import_megatron(args: dict | None, given: dict, tensors: dict, flag_names,
+                    foreign_mlp: frozenset = frozenset()) -> tuple:
     """-> (plugtron flag values, {plugtron name: tensor}). ``args``: the checkpoint's saved
     Megatron args (None when it has none); ``given``: settings from the command line, which win;
-    ``flag_names``: plugtron's model flag names (underscored), for args it may have gained."""
+    ``flag_names``: plugtron's model flag names (underscored), for args it may have gained;
+    ``foreign_mlp``: layer prefixes (``decoder.layers.3``, ``mtp.layers.0.mtp_model_layer``)
+    whose ``mlp.*`` another converter maps (and has taken out of ``tensors``)."""
     layers = (given.get("num_layers") or (args or {}).get("num_layers")
               or _layer_count(tensors))
+    q_norm = [k for k in tensors if k.endswith("self_attention.linear_q_proj.layer_norm_weight")]
+    if q_norm:
+        raise ConfigError(f"{q_norm[0]!r}: the checkpoint's multi-latent attention normalises "
+                          f"the hidden state again before linear_q_proj (Megatron-Core 0.19 "
+                          f"does so with qk_layernorm and no q_lora_rank); plugtron's MLA has "
+                          f"no such norm")
     t = _unstack(tensors, layers)
     settings = {**_inferred(t, layers), **{k: v for k, v in (args or {}).items()
                                            if k in MODEL_ARGS and v is not None}, **given}
@@ -219,30 +318,59 @@ def import_megatron(args: dict | None, given: dict, tensors: dict, flag_names) -
         raise ConfigError("the checkpoint saved no args (common.pt has no 'args'): give the "
                           "model flags the shapes cannot tell, at least --num-attention-heads "
                           "(and --num-query-groups, --kv-channels, --norm-epsilon, "
-                          "--rotary-base where not Megatron's defaults)")
-    _check_shapes(settings, t)
+                          "--rotary-base where not Megatron's defaults; with multi-latent "
+                          "attention its --q-lora-rank, --kv-lora-rank, ... flags)")
+    _check_shapes(settings, t, foreign_mlp)
     flags = {k.replace("_", "-"): v for k, v in settings.items() if v is not None}
     return flags, t
 
 
-def _check_shapes(s: dict, t: dict) -> None:
+def _layer_prefixes(s: dict) -> list[str]:
+    """Every decoder layer's prefix, then every MTP layer's."""
+    return [f"decoder.layers.{i}" for i in range(s["num_layers"])] + \
+        [f"mtp.layers.{k}.mtp_model_layer" for k in range(s.get("mtp_num_layers") or 0)]
+
+
+def _attention_shapes(s: dict) -> dict:
+    """{name under a layer: shape} of the attention's weights."""
+    heads, hidden = s.get("num_attention_heads"), s["hidden_size"]
+    if s.get("multi_latent_attention"):
+        q_dim = s.get("qk_head_dim", 128) + s.get("qk_pos_emb_head_dim", 64)
+        kv_rank, q_rank = s.get("kv_lora_rank", 32), s.get("q_lora_rank")
+        a = "self_attention"
+        out = {f"{a}.linear_kv_down_proj.weight": (kv_rank + s.get("qk_pos_emb_head_dim", 64),
+                                                   hidden),
+               f"{a}.kv_layernorm.weight": (kv_rank,),
+               f"{a}.linear_kv_up_proj.weight": (heads * (s.get("qk_head_dim", 128)
+                                                          + s.get("v_head_dim", 128)), kv_rank),
+               f"{a}.linear_proj.weight": (hidden, heads * s.get("v_head_dim", 128))}
+        if q_rank is None:
+            out[f"{a}.linear_q_proj.weight"] = (heads * q_dim, hidden)
+        else:
+            out.update({f"{a}.linear_q_down_proj.weight": (q_rank, hidden),
+                        f"{a}.q_layernorm.weight": (q_rank,),
+                        f"{a}.linear_q_up_proj.weight": (heads * q_dim, q_rank)})
+        return out
+    groups = s.get("num_query_groups") or heads
+    d = s.get("kv_channels") or hidden // heads
+    out = {"self_attention.linear_qkv.weight": ((heads + 2 * groups) * d, hidden),
+           "self_attention.linear_proj.weight": (hidden, heads * d)}
+    if s.get("add_bias_linear", True) or s.get("add_qkv_bias"):
+        out["self_attention.linear_qkv.bias"] = ((heads + 2 * groups) * d,)
+    if s.get("qk_layernorm"):
+        out["self_attention.q_layernorm.weight"] = out["self_attention.k_layernorm.weight"] \
+            = (d,)
+    return out
+
+
+def _check_shapes(s: dict, t: dict, foreign_mlp=frozenset()) -> None:
     """The fused tensors agree with the settings (wrong heads or groups would convert to a
     different model silently otherwise)."""
-    heads = s.get("num_attention_heads")
-    groups = s.get("num_query_groups") or heads
     hidden = s["hidden_size"]
-    d = s.get("kv_channels") or hidden // heads
     ffn = s.get("ffn_hidden_size") or 4 * hidden
-    want = {"self_attention.linear_qkv.weight": ((heads + 2 * groups) * d, hidden),
-            "self_attention.linear_proj.weight": (hidden, heads * d),
-            "mlp.linear_fc1.weight": (ffn * (2 if s.get("swiglu") else 1), hidden),
-            "mlp.linear_fc2.weight": (hidden, ffn)}
-    if s.get("add_bias_linear", True) or s.get("add_qkv_bias"):
-        want["self_attention.linear_qkv.bias"] = ((heads + 2 * groups) * d,)
-    if s.get("qk_layernorm"):
-        want["self_attention.q_layernorm.weight"] = want["self_attention.k_layernorm.weight"] \
-            = (d,)
-    expected = _expected_names(s)
+    mlp = {"mlp.linear_fc1.weight": (ffn * (2 if s.get("swiglu") else 1), hidden),
+           "mlp.linear_fc2.weight": (hidden, ffn)}
+    expected = _expected_names(s, foreign_mlp)
     unused = sorted(set(t) - expected)
     if unused:
         raise ConfigError(f"the checkpoint has tensors this model does not use: {unused[:8]} "
@@ -252,18 +380,31 @@ def _check_shapes(s: dict, t: dict) -> None:
     if missing:
         raise ConfigError(f"the checkpoint lacks tensors the model settings need: "
                           f"{missing[:8]}")
-    for i in range(s["num_layers"]):
+    depth = s.get("mtp_num_layers") or 0
+    want_mtp = {"eh_proj.weight": (hidden, 2 * hidden)}
+    for prefix in _layer_prefixes(s):
+        want = {**_attention_shapes(s), **({} if prefix in foreign_mlp else mlp)}
         for rest, shape in want.items():
-            name = f"decoder.layers.{i}.{rest}"
-            if name not in t:
-                raise ConfigError(f"the checkpoint has no {name!r}")
+            name = f"{prefix}.{rest}"
             if tuple(t[name].shape) != shape:
                 raise ConfigError(f"{name!r} has shape {tuple(t[name].shape)}; the model "
-                                  f"settings (heads {heads}, groups {groups}, kv channels {d}, "
-                                  f"ffn {ffn}, swiglu {bool(s.get('swiglu'))}) need {shape}")
+                                  f"settings ({_described(s)}) need {shape}")
+    for k in range(depth):
+        for rest, shape in want_mtp.items():
+            name = f"mtp.layers.{k}.{rest}"
+            if tuple(t[name].shape) != shape:
+                raise ConfigError(f"{name!r} has shape {tuple(t[name].shape)}; hidden size "
+                                  f"{hidden} needs {shape}")
 
 
-def _expected_names(s: dict) -> set:
+def _described(s: dict) -> str:
+    keys = ("num_attention_heads", "num_query_groups", "kv_channels", "ffn_hidden_size",
+            "swiglu", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+            "v_head_dim")
+    return ", ".join(f"{k} {s[k]}" for k in keys if s.get(k) is not None)
+
+
+def _expected_names(s: dict, foreign_mlp=frozenset()) -> set:
     norm = ("weight", "bias") if s.get("normalization", "LayerNorm") == "LayerNorm" else \
         ("weight",)
     linear = ("weight", "bias") if s.get("add_bias_linear", True) else ("weight",)
@@ -272,19 +413,32 @@ def _expected_names(s: dict) -> set:
         names.add(POSITIONS)
     if s.get("untie_embeddings_and_output_weights"):
         names.add(OUTPUT)
-    for i in range(s["num_layers"]):
-        layer = f"decoder.layers.{i}"
+    for layer in _layer_prefixes(s):
         names |= {f"{layer}.{n}.{k}" for n in ("input_layernorm", "pre_mlp_layernorm")
                   for k in norm}
-        names |= {f"{layer}.{n}.{k}" for n in ("self_attention.linear_qkv",
-                                               "self_attention.linear_proj",
-                                               "mlp.linear_fc1", "mlp.linear_fc2")
+        if layer not in foreign_mlp:
+            names |= {f"{layer}.mlp.{n}.{k}" for n in ("linear_fc1", "linear_fc2")
+                      for k in linear}
+        if s.get("multi_latent_attention"):  # no biases but on linear_proj (Megatron's)
+            for rest in _attention_shapes(s):
+                if rest.endswith("layernorm.weight"):
+                    names |= {f"{layer}.{rest[:-len('weight')]}{k}" for k in norm}
+                else:
+                    names.add(f"{layer}.{rest}")
+            if "bias" in linear:
+                names.add(f"{layer}.self_attention.linear_proj.bias")
+            continue
+        names |= {f"{layer}.self_attention.{n}.{k}" for n in ("linear_qkv", "linear_proj")
                   for k in linear}
         if s.get("add_qkv_bias"):  # Qwen2: bias on q, k, v only, fused like the weight
             names.add(f"{layer}.self_attention.linear_qkv.bias")
         if s.get("qk_layernorm"):  # Qwen3: a norm per head over its channels
             names |= {f"{layer}.self_attention.{n}.{k}" for n in ("q_layernorm", "k_layernorm")
                       for k in norm}
+    for k in range(s.get("mtp_num_layers") or 0):
+        names |= {f"mtp.layers.{k}.{n}.{w}" for n in ("enorm", "hnorm", "final_layernorm")
+                  for w in norm}
+        names.add(f"mtp.layers.{k}.eh_proj.weight")
     return names
 
 
@@ -304,12 +458,7 @@ def _feature_args(config) -> dict:
     """Megatron's feature args for a plugtron config: its attention and MLP options in
     Megatron's forms; ConfigError where Megatron-Core cannot compute the model."""
     m, o = config.model, attention_options(config)
-    if o.multi_latent_attention:
-        raise ConfigError("--multi-latent-attention cannot be exported to Megatron-Core yet: "
-                          "plugtron does not map MLA's projections to torch_dist (issue 27)")
-    if getattr(getattr(config, "mtp", None), "mtp_num_layers", None):
-        raise ConfigError("--mtp-num-layers cannot be exported to Megatron-Core yet: plugtron "
-                          "does not map the MTP layers to torch_dist (issue 27)")
+    mtp = getattr(config, "mtp", None)
     if openai_gelu(config):
         raise ConfigError("--openai-gelu cannot be exported to Megatron-Core: its GPTModel "
                           "computes exact GeLU whatever --openai-gelu says (only the removed "
@@ -319,6 +468,15 @@ def _feature_args(config) -> dict:
            "window_size": parse_window(o.window_size),
            "rotary_seq_len_interpolation_factor": o.rotary_seq_len_interpolation_factor,
            "use_rope_scaling": o.use_rope_scaling}
+    if o.multi_latent_attention:
+        out.update(_mla_args(o))
+    elif o.rope_type == "yarn":
+        raise ConfigError("--rope-type yarn without --multi-latent-attention cannot be exported "
+                          "to Megatron-Core yet (its GPTModel takes YaRN as "
+                          "--position-embedding-type yarn, which plugtron does not map)")
+    if getattr(mtp, "mtp_num_layers", None):
+        out.update(mtp_num_layers=mtp.mtp_num_layers,
+                   mtp_loss_scaling_factor=mtp.mtp_loss_scaling_factor)
     if o.use_rope_scaling:
         for name, value in MEGATRON_ROPE_CONSTANTS.items():
             if getattr(o, name) != value:
@@ -329,9 +487,74 @@ def _feature_args(config) -> dict:
     return out
 
 
-def export_megatron(config, tensors: dict, padded_vocab: int) -> tuple[argparse.Namespace, dict]:
-    """-> (Megatron ``args``, {Megatron key: tensor}): the keys both specs save (norms under
-    their TE names), layers stacked."""
+def refuse_uncompressed_queries(o) -> None:
+    """Megatron-Core 0.19 cannot compute plugtron's MLA without query compression: with
+    ``qk_layernorm`` (which the kv latent norm needs) its MLA puts a norm over the hidden state
+    before ``linear_q_proj`` (the TE spec's fused ``linear_q_proj.layer_norm_weight``;
+    transformer/mla_qk_norm_config.py), and without it there is no kv latent norm."""
+    if o.q_lora_rank is None:
+        raise ConfigError("--multi-latent-attention without --q-lora-rank cannot be exported to "
+                          "Megatron-Core 0.19: with the latent norms on (qk_layernorm, which "
+                          "plugtron's kv_layernorm needs) its MLA normalises the hidden state "
+                          "once more before linear_q_proj (linear_q_proj.layer_norm_weight), "
+                          "which plugtron's MLA does not; with them off it has no kv latent "
+                          "norm. Export a model with --q-lora-rank, or to Hugging Face "
+                          "(deepseek_v3)")
+
+
+def _mla_args(o) -> dict:
+    """Megatron's MLA args: the latent norms are its ``qk_layernorm``; rope_type always said
+    (Megatron's MLA takes YaRN when it is not)."""
+    refuse_uncompressed_queries(o)
+    if o.rope_type == "yarn":
+        for name, value in MLA_YARN_CONSTANTS.items():
+            if getattr(o, name) != value:
+                raise ConfigError(f"--{name.replace('_', '-')} {getattr(o, name)} cannot be "
+                                  f"exported to Megatron-Core, whose multi-latent attention "
+                                  f"fixes it at {value} (only --rotary-scaling-factor, --mscale "
+                                  f"and --mscale-all-dim are arguments there)")
+    # the latent norms' keys are the TE spec's (fused into the up-projections)
+    return {"multi_latent_attention": True, "qk_layernorm": True,
+            "transformer_impl": "transformer_engine",
+            # Megatron's fused MLA rope takes YaRN only (it refuses the config otherwise); a
+            # kernel choice, not the model's
+            "apply_rope_fusion": False,
+            "rope_type": o.rope_type or "rope", **{k: getattr(o, k) for k in MLA_ARGS}}
+
+
+def _linear_modules(rests) -> list[str]:
+    """The linear modules (Megatron saves an ``_extra_state`` for each) among layer tensor
+    names."""
+    return sorted({r[:-len(".weight")] for r in rests if r.endswith(".weight")
+                   and r.rsplit(".", 2)[-2].startswith(("linear_", "eh_proj"))})
+
+
+def _te_name(rest: str, present) -> str:
+    """plugtron's name under a layer -> the TE spec's, fused where the layer has the linear."""
+    for te, ours in _TE_NORMS.items():
+        if rest == ours and f"{te.rsplit('.', 1)[0]}.weight" in present:
+            return te
+    return rest
+
+
+def extra_state_objects(keys_and_shards) -> dict:
+    """``{object key: bytes}`` of the ``_extra_state`` objects Megatron's linear layers save
+    (``None`` each, a local-spec linear's; Megatron stores ``torch.save([data])``).
+    ``keys_and_shards``: (module key, offsets, shape) of each shard."""
+    none = io.BytesIO()
+    torch.save([None], none)
+    out = {}
+    for key, offsets, shape in keys_and_shards:
+        shard = f"shard_{'.'.join(map(str, offsets))}_{'.'.join(map(str, shape))}"
+        out[f"{key}._extra_state/{shard}"] = io.BytesIO(none.getvalue())
+    return out
+
+
+def export_megatron(config, tensors: dict, padded_vocab: int,
+                    stacked: bool | None = None) -> tuple[argparse.Namespace, dict]:
+    """-> (Megatron ``args``, {Megatron key: tensor or ``_extra_state`` object}): norms under
+    their TE names; decoder layers stacked when ``stacked`` (None: when every layer holds the
+    same tensors), else ``decoder.layers.{i}.*``; MTP layers one by one."""
     m = config.model
     groups = m.num_query_groups or m.num_attention_heads
     args = {name: getattr(m, name) for name in MODEL_ARGS}
@@ -346,36 +569,55 @@ def export_megatron(config, tensors: dict, padded_vocab: int) -> tuple[argparse.
     args.update(_feature_args(config))
     for name, plain in FEATURE_ARGS.items():
         args.setdefault(name, plain)
-    fused = {v: k for k, v in _TE_NORMS.items()}
-    out, per_layer = {}, {}
+    out, per_layer, mtp_layers = {}, {}, {}
     for name in tensors:  # names only: ``tensors`` may read each tensor when it is looked up
         match = _LAYER.match(name)
+        mtp = _MTP_LAYER.match(name)
         if match:
-            rest = fused.get(match.group(2), match.group(2))
-            per_layer.setdefault(rest, {})[int(match.group(1))] = name
+            per_layer.setdefault(int(match.group(1)), []).append(match.group(2))
+        elif mtp:
+            mtp_layers.setdefault(int(mtp.group(1)), []).append(mtp.group(3))
         else:
             out[name] = tensors[name]
-    for rest, by_layer in per_layer.items():
-        if sorted(by_layer) != list(range(m.num_layers)):
-            raise ConfigError(f"decoder.layers.*.{rest} is present for layers {sorted(by_layer)}"
-                              f", not for each of {m.num_layers}: cannot stack")
-        out[f"decoder.layers.{rest}"] = _stacked([by_layer[i] for i in range(m.num_layers)],
-                                                 tensors)
+    if sorted(per_layer) != list(range(m.num_layers)):
+        raise ConfigError(f"the checkpoint has decoder layers {sorted(per_layer)}, not each of "
+                          f"{m.num_layers}")
+    kinds = {tuple(sorted(rests)) for rests in per_layer.values()}
+    if stacked is None:
+        stacked = len(kinds) == 1
+    elif stacked and len(kinds) > 1:
+        raise ConfigError("the decoder layers hold different tensors: cannot stack them "
+                          "(Megatron saves such layers one by one)")
+    objects = []
+    if stacked:
+        rests = per_layer[0]
+        for rest in rests:
+            names = [f"decoder.layers.{i}.{rest}" for i in range(m.num_layers)]
+            out[f"decoder.layers.{_te_name(rest, rests)}"] = _stacked(names, tensors)
+        objects += [(f"decoder.layers.{module}", (i,), (m.num_layers,))
+                    for module in _linear_modules(rests) for i in range(m.num_layers)]
+    else:
+        for i, rests in sorted(per_layer.items()):
+            for rest in rests:
+                out[f"decoder.layers.{i}.{_te_name(rest, rests)}"] = \
+                    tensors[f"decoder.layers.{i}.{rest}"]
+            objects += [(f"decoder.layers.{i}.{module}", (0,), (1,))
+                        for module in _linear_modules(rests)]
+    for k, rests in sorted(mtp_layers.items()):
+        for rest in rests:
+            out[f"mtp.layers.{k}.transformer_layer.{_te_name(rest, rests)}"] = \
+                tensors[f"mtp.layers.{k}.mtp_model_layer.{rest}"]
+        objects += [(f"mtp.layers.{k}.transformer_layer.{module}", (0,), (1,))
+                    for module in _linear_modules(rests)]
+    objects += [(f"mtp.layers.{k}.eh_proj", (0,), (1,)) for k in sorted(mtp_layers)]
     for name in (EMBEDDING, OUTPUT):
         if name in out and out[name].shape[0] < padded_vocab:
             pad = out[name].new_zeros((padded_vocab - out[name].shape[0],
                                        *out[name].shape[1:]))
             out[name] = torch.cat([out[name], pad])
     # Megatron's linear layers checkpoint an ``_extra_state`` object each (None for the local
-    # spec's, fp8 metadata for TE's) and its loader requires them. Megatron stores each as
-    # torch.save of the list of its shards' data: here ``[None]`` per layer.
-    none = io.BytesIO()
-    torch.save([None], none)
-    for module in ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1",
-                   "mlp.linear_fc2"):
-        for i in range(m.num_layers):
-            key = f"decoder.layers.{module}._extra_state/shard_{i}_{m.num_layers}"
-            out[key] = io.BytesIO(none.getvalue())
+    # spec's, fp8 metadata for TE's) and its loader requires them.
+    out.update(extra_state_objects(objects))
     if f"{FINAL_NORM}.weight" not in out:
         raise ConfigError("the checkpoint has no final layer norm: not a GPT checkpoint")
     return argparse.Namespace(**args), out
