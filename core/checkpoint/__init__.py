@@ -55,7 +55,22 @@ def load_if_requested(run, model_only: bool = False) -> None:
                 print(f"no checkpoint in {path} yet: starting from scratch", flush=True)
         else:
             load_checkpoint(run, path, model_only=model_only)
+            if not same_as_save and not model_only:
+                _note_newer_in_save(run)
     checkpointer(run).start_iteration = run.state.iteration
+
+
+def _note_newer_in_save(run) -> None:
+    """As Megatron, ``--load`` is what resumes, even when ``--save`` (another directory) holds
+    a newer checkpoint; say so, since a restarted job would redo that work and save over it."""
+    save = run.config.checkpoint.save
+    if not save or run.world.rank != 0:
+        return
+    newer = [it for it, _ in layout.complete_checkpoints(save) if it > run.state.iteration]
+    if newer:
+        print(f"note: --save {save} holds iteration {max(newer)}, newer than the loaded "
+              f"{run.state.iteration}; as Megatron, --load {run.config.checkpoint.load} is what "
+              f"resumes (give --load {save} to continue from there)", flush=True)
 
 
 def after_step(run, iteration: int) -> None:

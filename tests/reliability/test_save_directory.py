@@ -192,6 +192,18 @@ def test_another_runs_newer_checkpoints_are_not_resumed(tmp_path, saved_run):
     assert _loaded(done.out) == "iter_0000003", done.out
 
 
+def test_load_resumes_even_when_save_holds_a_newer_checkpoint(tmp_path):
+    """Megatron's rule: --load is what resumes; --save (another directory) with a newer
+    checkpoint is said, not loaded."""
+    first, second = str(tmp_path / "first"), str(tmp_path / "second")
+    assert _train(first, 2).rc == 0  # first/iter_0000002
+    assert _train(second, 4, "--load", first).rc == 0  # second/iter_0000004
+    done = _train(second, 6, "--load", first)
+    assert done.rc == 0, done.out
+    assert _loaded(done.out) == "iter_0000002", done.out
+    assert f"note: --save {second} holds iteration 4, newer than the loaded 2" in done.out
+
+
 def _pretrain(save, iters, metrics):
     argv = [PYTHON, "-m", "tests.reliability.pretrain_driver", save, str(iters), metrics]
     return start_cli([], argv=argv, cwd=REPO)
