@@ -39,7 +39,7 @@ def import_hf(hf_dir, out_dir, model, dtype):
 
 
 def _print_flags(path, config):
-    from plugtron.core.config import flag_fields, section_flag_fields
+    from plugtron.core.config_flags import flag_fields, section_flag_fields
 
     # The model's flags, then those of plugin sections the converter set (e.g. --num-experts).
     fields = [f for f in flag_fields() if f.section == "model"]
@@ -81,7 +81,7 @@ def export_hf(checkpoint, out_dir, dtype, max_shard_size):
 def _model_flags(extra: tuple, model: str) -> dict:
     """``--flag value`` / ``--flag`` pairs after ``--`` (model flags for a checkpoint that saved
     no args): the core's model section and the options of ``model``'s layers."""
-    from plugtron.core.config import flag_fields
+    from plugtron.core.config_flags import flag_fields
     from plugtron.core.errors import ConfigError
     from plugtron.core.interchange.megatron import model_option_sections
     from plugtron.core.plugins.options import config_from_flags

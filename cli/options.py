@@ -10,10 +10,9 @@ distribution.
 from __future__ import annotations
 
 import click
-from plugtron.core.config import (
-    SECTIONS,
+from plugtron.core.config import SECTIONS, TrainConfig
+from plugtron.core.config_flags import (
     FlagField,
-    TrainConfig,
     apply_values,
     flag_fields,
     load_config_file,

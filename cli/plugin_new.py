@@ -18,7 +18,8 @@ from importlib import resources
 from string import Template
 
 import click
-from plugtron.core.config import SECTIONS, TrainConfig, flag_fields
+from plugtron.core.config import SECTIONS, TrainConfig
+from plugtron.core.config_flags import flag_fields
 from plugtron.core.plugins import registry
 
 from .errors import UserError

@@ -138,7 +138,8 @@ def test_a_list_setting_takes_several_values_after_one_flag():
 def test_a_list_setting_with_choices_checks_each_value():
     from dataclasses import dataclass
 
-    from plugtron.core.config import TrainConfig, apply_values, opt
+    from plugtron.core.config import TrainConfig, opt
+    from plugtron.core.config_flags import apply_values
     from plugtron.core.errors import ConfigError
 
     @dataclass

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pathlib
 
-from plugtron.core.config import SECTIONS, section_flag_fields
+from plugtron.core.config import SECTIONS
+from plugtron.core.config_flags import section_flag_fields
 from plugtron.core.plugins.options import collect_sections
 
 from tests.utils import tiny_config

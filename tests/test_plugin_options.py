@@ -259,7 +259,8 @@ def test_a_plugin_field_named_like_a_core_field_does_not_capture_bare_keys(tmp_p
     import dataclasses
 
     from plugtron.api import opt
-    from plugtron.core.config import TrainConfig, apply_values, load_config_file
+    from plugtron.core.config import TrainConfig
+    from plugtron.core.config_flags import apply_values, load_config_file
     from plugtron.core.errors import ConfigError
 
     @dataclasses.dataclass

@@ -20,7 +20,7 @@ import shutil
 from plugtron.core.checkpoint import layout
 from plugtron.core.checkpoint.reader import CheckpointReader
 from plugtron.core.checkpoint.state import plugtron_version
-from plugtron.core.config import flag_fields
+from plugtron.core.config_flags import flag_fields
 from plugtron.core.errors import ConfigError
 from plugtron.core.interchange.hf import import_hf
 from plugtron.core.plugins.options import config_from_dict

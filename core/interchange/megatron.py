@@ -18,7 +18,8 @@ from plugtron.core.checkpoint import state, writer
 from plugtron.core.checkpoint.loader import malformed
 from plugtron.core.checkpoint.pieces import Box
 from plugtron.core.checkpoint.reader import CheckpointReader
-from plugtron.core.config import TrainConfig, flag_fields, padded_vocab_size
+from plugtron.core.config import TrainConfig, padded_vocab_size
+from plugtron.core.config_flags import flag_fields
 from plugtron.core.errors import CheckpointError, ConfigError
 from plugtron.core.interchange.converters import (
     converter_for_config,

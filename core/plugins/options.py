@@ -13,15 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from plugtron.core.config import (
-    SECTIONS,
-    ConfigSection,
-    ExtensibleSection,
-    TrainConfig,
-    apply_values,
-    flag_fields,
-    section_flag_fields,
-)
+from plugtron.core.config import SECTIONS, ConfigSection, ExtensibleSection, TrainConfig
+from plugtron.core.config_flags import apply_values, flag_fields, section_flag_fields
 from plugtron.core.errors import PlugtronError
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.objects import PluginObject, call_declared, run_plugin_objects, warn_once

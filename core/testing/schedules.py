@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from plugtron.core.config import section_flag_fields
+from plugtron.core.config_flags import section_flag_fields
 from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.parallel.context import LOOPED
 from plugtron.core.pipeline.plan import check_schedule

@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.checkpoint import CheckpointReader, checkpointer, load_checkpoint
-from plugtron.core.config import apply_values
+from plugtron.core.config_flags import apply_values
 from plugtron.core.errors import CheckpointError
 from plugtron.core.interchange.torch_dist import read_torch_dist
 from plugtron.core.parallel.distributed import single_process

@@ -35,7 +35,7 @@ import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 from plugtron.core.checkpoint import CheckpointReader, load_checkpoint
-from plugtron.core.config import apply_values
+from plugtron.core.config_flags import apply_values
 from plugtron.core.interchange.torch_dist import read_torch_dist
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.plugins.options import config_from_dict
