@@ -5,7 +5,8 @@
 # CPU-only machines. With two GPUs or more it also runs the zero-bubble schedules at pp 2 over
 # NCCL (1f1b, zb-h1, zbv, each with the local and the te backend: the te linears compute their
 # weight gradients at I, the local ones defer them) and compares their losses, and fsdp2 against
-# ddp at dp 2 (tokens/s and losses).
+# ddp at dp 2 (tokens/s and losses), and benchmarks/nodes_smoke.py over NCCL: two launchers as
+# two nodes (one GPU each) and an elastic restart after a SIGKILLed rank.
 # Usage: benchmarks/gpu_smoke.sh [ITERS]
 set -euo pipefail
 
@@ -103,6 +104,8 @@ for wrapper in ("ddp", "fsdp2"):
     print(f"{wrapper:5s}: {rate:10.0f} tokens/s, final loss {losses[-1]:.4f}, "
           f"max relative loss difference to ddp {drift:.2e}")
 PY
+  echo "== two nodes and an elastic restart over NCCL"
+  python benchmarks/nodes_smoke.py "$ITERS"
 else
-  echo "(one GPU: the pp 2 zero-bubble and the dp 2 fsdp2 runs need two)"
+  echo "(one GPU: the pp 2 zero-bubble, dp 2 fsdp2, two-node and elastic runs need two)"
 fi
