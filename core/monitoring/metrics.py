@@ -47,6 +47,13 @@ class MetricsLogger:
             line = json.dumps({**_finite(record), "run_id": self.run_id}, allow_nan=False)
             self.file.write(line + "\n")
 
+    def started(self, iteration: int, restart: int) -> None:
+        """Where a resumed or elastically restarted run started: one line in the metrics file
+        (``{"resumed_from_iteration": N, "elastic_restart": K}``), so a reader sees where the
+        iterations after N were done again. A fresh first start writes nothing."""
+        if iteration or restart:
+            self.write({"resumed_from_iteration": iteration, "elastic_restart": restart})
+
     def train_step(self, record: dict) -> None:
         if not self.enabled:
             return

@@ -201,11 +201,17 @@ def restart_store(world_size: int, timeout: datetime.timedelta):
     usual store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    attempt = elastic_restart_count()
     store = torch.distributed.TCPStore(
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
         is_master=False, timeout=timeout)
     return torch.distributed.PrefixStore(f"plugtron/attempt_{attempt}", store)
+
+
+def elastic_restart_count() -> int:
+    """How many times torch elastic has restarted this worker group (0: the first attempt,
+    or not under torch elastic)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
 def shutdown(barrier: bool = False) -> None:

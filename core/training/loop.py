@@ -22,7 +22,7 @@ from plugtron.core.monitoring.straggler import StragglerLog
 from plugtron.core.parallel import comm, shared_params
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.context_parallel import check_built_layers, local_microbatches
-from plugtron.core.parallel.distributed import WorldInfo, init_distributed
+from plugtron.core.parallel.distributed import WorldInfo, elastic_restart_count, init_distributed
 from plugtron.core.parallel.random import seed_everything
 from plugtron.core.pipeline.executor import ensure_forward_backward
 from plugtron.core.pipeline.p2p import P2PCommunicator
@@ -472,6 +472,7 @@ def _train_and_report(run: Run) -> dict:
     config = run.config
     metrics = MetricsLogger(config, run.world.rank, run.state.iteration,
                             main_loss=metric_name(run.info.main_loss))
+    metrics.started(run.state.iteration, elastic_restart_count())
     try:
         summary = train(run, metrics)
         t = config.training

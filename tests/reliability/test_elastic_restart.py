@@ -7,6 +7,7 @@ uninterrupted run's losses and final checkpoint, bit for bit."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -75,6 +76,9 @@ def test_a_killed_rank_restarts_and_resumes_bitwise(tmp_path, whole, launcher):
             os.killpg(proc.pid, signal.SIGKILL)
     assert done.rc == 0 and not done.timed_out, done.out
     assert "loaded checkpoint" in done.out  # the second attempt resumed
+    starts = [r for r in map(json.loads, open(metrics)) if "elastic_restart" in r]
+    assert len(starts) == 1 and starts[0]["elastic_restart"] == 1, starts  # where it restarted
+    assert 2 <= starts[0]["resumed_from_iteration"] < ITERS, starts
     whole_save, want = whole
     got = losses_of(metrics)  # both attempts append; the resumed one rewrites iterations
     assert sorted(got) == sorted(want)
