@@ -71,20 +71,29 @@ class WeightGradStore:
         return len(self.pending)
 
     def run(self) -> None:
-        """Compute the stored weight gradients and accumulate them through autograd (one
-        engine call; several contributions to one weight are summed first, in the order the
-        combined backward would meet them)."""
-        by_param: dict[int, list] = {}
-        for weight, compute in self.pending:
+        """Compute the stored weight gradients and accumulate them through autograd. Several
+        contributions to one weight are summed first, in the order the combined backward would
+        meet them, and handed to autograd together, as its engine does for a leaf; each
+        weight's gradient goes to autograd as soon as its last contribution is computed, and
+        each closure (with the activations it holds) is dropped once run, so a W holds at most
+        one weight's gradient beyond what it frees, not the whole chunk's."""
+        pending, self.pending, self._params = self.pending, [], set()
+        last = {id(weight): i for i, (weight, _) in enumerate(pending)}
+        partial: dict[int, torch.Tensor] = {}
+        for i in range(len(pending)):
+            weight, compute = pending[i]
+            pending[i] = None  # type: ignore[call-overload]  # frees what the closure held
             with torch.no_grad():  # as inside autograd's backward, where the closure was made
                 grad = compute()
-            entry = by_param.setdefault(id(weight), [weight, None])
-            entry[1] = grad if entry[1] is None else entry[1] + grad
-        self.pending, self._params = [], set()
-        if by_param:
-            weights = [w for w, _ in by_param.values()]
-            grads = [g for _, g in by_param.values()]
-            torch.autograd.backward(weights, grad_tensors=grads)
+            del compute
+            key = id(weight)
+            if key in partial:
+                grad = partial.pop(key) + grad
+            if last[key] == i:
+                torch.autograd.backward([weight], grad_tensors=[grad])
+            else:
+                partial[key] = grad
+            del grad
 
 
 @contextlib.contextmanager
