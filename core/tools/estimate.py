@@ -13,8 +13,9 @@ holds at its peak. Optimizer plugins say how many fp32 values they keep per para
 Counted per rank: parameters (model dtype), gradient buffers (fp32 under
 ``--accumulate-allreduce-grads-in-fp32`` with bf16/fp16, else the model dtype), optimizer state
 (plus an fp32 master copy under bf16/fp16), activations in flight, the rebuilt activations of a
-recomputed group, and a backward workspace (:data:`WORKSPACE_FRACTION`, measured on CPU,
-docs/performance.md). Not counted: the
+recomputed group, backward's live transient (:data:`BACKWARD_TRANSIENT_FRACTION`) and, on CPU,
+the heap's slack (:data:`CPU_HEAP_SLACK_FRACTION`), both measured on CPU
+(docs/performance.md). Not counted: the
 runtime itself (CUDA context, torch's own libraries), data loader buffers, communication buffers.
 """
 
@@ -59,13 +60,18 @@ from plugtron.core.training.validate import apply_schedule_placement
 
 GIB = 2**30
 
-#: Backward's transient and the heap's slack: gradients of the activations of the microbatch
-#: being run backward, autograd's temporaries, and freed activation memory the allocator keeps
-#: resident (glibc on CPU), as a share of tp x the largest microbatch-chunk's activations (about
-#: the microbatch's activations before the tp split: the transient did not shrink with tp).
-#: Measured on CPU (tests/test_memory_estimate.py, default model, several runs): 0.44-0.56 at
-#: 1 rank and dp 2, 0.39-0.61 at tp 2. Not measured on GPUs.
-WORKSPACE_FRACTION = 0.5
+#: Backward's live transient: gradients of the activations of the microbatch being run
+#: backward and autograd's temporaries, as a share of tp x the largest microbatch-chunk's
+#: activations (about the microbatch's activations before the tp split: the transient did not
+#: shrink with tp). Measured as live tensor bytes (torch.profiler's memory events) on CPU over
+#: every pipeline schedule: 0.06-0.2 (benchmarks/bench_pipeline_schedules.py). It is what a
+#: GPU's allocator counts as allocated; not measured on GPUs.
+BACKWARD_TRANSIENT_FRACTION = 0.15
+#: On CPU only, in the same unit: freed activation memory glibc keeps resident, which the
+#: resident set shows (a CPU run is limited by it) and live tensors do not. With the transient,
+#: measured 0.44-0.56 at 1 rank and dp 2, 0.39-0.61 at tp 2 (tests/test_memory_estimate.py,
+#: default model, several runs).
+CPU_HEAP_SLACK_FRACTION = 0.35
 
 
 @dataclass
@@ -85,13 +91,15 @@ class RankEstimate:
     in_flight: int  # microbatch-chunks held at the peak
     activation_bytes: int  # held at the peak
     recompute_bytes: int
-    workspace_bytes: int
+    workspace_bytes: int  # backward's live transient and the pipeline's receive buffers
     distributed_optimizer: bool
     #: The run's optimizer state as its data-parallel wrapper counts it (hook
     #: ``data_parallel_memory``): one of the two columns above under ddp.
     optimizer_selected: int = 0
     #: Parameters and gradients a sharding wrapper gathers for compute at the peak.
     gathered_bytes: int = 0
+    #: CPU only: freed memory the heap keeps resident (:data:`CPU_HEAP_SLACK_FRACTION`).
+    heap_slack_bytes: int = 0
 
     @property
     def state_bytes(self) -> int:
@@ -100,7 +108,12 @@ class RankEstimate:
     @property
     def total(self) -> int:
         return (self.state_bytes + self.activation_bytes + self.recompute_bytes
-                + self.workspace_bytes)
+                + self.workspace_bytes + self.heap_slack_bytes)
+
+    @property
+    def transient_bytes(self) -> int:
+        """Recompute, backward workspace and (CPU) heap slack: what the tables print as one."""
+        return self.recompute_bytes + self.workspace_bytes + self.heap_slack_bytes
 
 
 @dataclass
@@ -320,8 +333,9 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
             optimizer_bytes_distributed=-(-optimizer // (dp * cp)),
             activations_per_microbatch=stored, in_flight=in_flight, activation_bytes=held,
             recompute_bytes=max(c.recompute_peak for c in per_chunk),
-            workspace_bytes=(int(WORKSPACE_FRACTION * tp * max(stored))
+            workspace_bytes=(int(BACKWARD_TRANSIENT_FRACTION * tp * max(stored))
                              + buffers[pp_rank] * message),
+            heap_slack_bytes=0 if cuda else int(CPU_HEAP_SLACK_FRACTION * tp * max(stored)),
             distributed_optimizer=distributed))
     return result
 
@@ -354,7 +368,7 @@ def check_fits(estimate: MemoryEstimate, ranks_on_node: int, cuda: bool | None =
         f"{worst.param_bytes / GIB:,.2f} GiB parameters, {worst.grad_bytes / GIB:,.2f} GiB "
         f"gradients, {worst.optimizer_selected / GIB:,.2f} GiB optimizer state, "
         f"{worst.activation_bytes / GIB:,.2f} GiB activations ({worst.in_flight} "
-        f"microbatch-chunks in flight), {(worst.recompute_bytes + worst.workspace_bytes) / GIB:,.2f}"
+        f"microbatch-chunks in flight), {worst.transient_bytes / GIB:,.2f}"
         f" GiB recompute and backward workspace; a rank has {have / GIB:,.2f} GiB ({where}). "
         f"Reduce --micro-batch-size, --seq-length, --hidden-size or --num-layers, use "
         f"--recompute-granularity, --sequence-parallel, --use-distributed-optimizer or more "
@@ -386,7 +400,7 @@ def format_table(estimate: MemoryEstimate) -> str:
                      _mib(r.gathered_bytes),
                      "/".join(_mib(a) for a in r.activations_per_microbatch),
                      str(r.in_flight), _mib(r.activation_bytes),
-                     _mib(r.recompute_bytes + r.workspace_bytes), _mib(r.total)))
+                     _mib(r.transient_bytes), _mib(r.total)))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
@@ -402,4 +416,4 @@ def header_line(estimate: MemoryEstimate) -> str:
             + (f" + gathered {_mib(r.gathered_bytes)}" if r.gathered_bytes else "")
             + f" + activations {_mib(r.activation_bytes)} "
             f"({r.in_flight} in flight) + recompute/workspace "
-            f"{_mib(r.recompute_bytes + r.workspace_bytes)}")
+            f"{_mib(r.transient_bytes)}")
