@@ -8,7 +8,9 @@ holds at least ``bucket_size`` elements. Each bucket is reduced with one collect
 
 Sharded mode (for the distributed optimizer): every bucket is padded so that the data-parallel
 ranks own equal contiguous shards of it, regardless of parameter boundaries; the reduction is a
-reduce-scatter (each rank gets the sum only for its shard), and the parameters live in a flat
+reduce-scatter (each rank gets the sum only for its shard; on gloo an in-place all-reduce,
+and its all-gather one over the shards with -0.0 elsewhere,
+``comm.prefers_all_reduce``), and the parameters live in a flat
 buffer too (``param.data`` is a view), so that an all-gather of the shards refreshes them.
 A parameter shared between stages (``shared_group``, see core/parallel/shared_params.py) gets a bucket of its own then, so that the first and
 last pipeline stage shard it identically and can sum its (reduced) shard afterwards.
@@ -120,6 +122,10 @@ class Bucket:
         group = self.buffer.group
         if not self.buffer.sharded:
             self._grad_work = all_reduce_async(self.grad, group)
+        elif comm.group_size(group) > 1 and comm.prefers_all_reduce(group):
+            # The whole bucket summed in place: this rank's shard is then its slice, and the
+            # other slices (which the optimizer never reads) hold sums too.
+            self._grad_work = all_reduce_async(self.grad, group)
         elif comm.group_size(group) > 1:
             self._shard_out = torch.empty(self.shard_size, dtype=self.grad.dtype,
                                           device=self.grad.device)
@@ -145,6 +151,14 @@ class Bucket:
         if self.param_data is None or comm.group_size(self.buffer.group) == 1:
             return
         lo, hi = self.shard_range()
+        if comm.prefers_all_reduce(self.buffer.group):
+            # Every rank's shard summed with -0.0 from the others: x + -0.0 is x bit for bit
+            # (+0.0 and NaN included), in any order.
+            whole = self.buffer.param_data
+            whole[self.start:lo].fill_(-0.0)
+            whole[hi:self.end].fill_(-0.0)
+            self._gather_work = all_reduce_async(self.param_data, self.buffer.group)
+            return
         local = self.buffer.param_data[lo:hi].clone()
         self._gather_work = all_gather_async(self.param_data, local, self.buffer.group)
 
