@@ -24,6 +24,13 @@ def test_tensor_sequence_and_pipeline_parallel_match_one_process(pool):
                                          {"pp": 2, "vp": 2}], pool=pool)
 
 
+def test_every_context_parallel_path_matches_one_process(pool):
+    """The shifted tokens, labels and mask cross the cp ranks' chunks (depth 2 reaches two
+    places into the next chunk); each mtp_k loss is the whole microbatch's."""
+    assert_layouts_match(FLAGS, layouts=[{"cp": 2}, {"cp": 2, "cp-comm-type": "allgather"},
+                                         {"cp": 2, "cp-comm-type": "a2a"}], pool=pool)
+
+
 def test_untied_embeddings_under_pipeline_parallel(pool):
     flags = {**FLAGS, "untie-embeddings-and-output-weights": True}
     assert_layouts_match(flags, layouts=[{"pp": 2}, {"pp": 2, "schedule": "zbv"}], pool=pool)
