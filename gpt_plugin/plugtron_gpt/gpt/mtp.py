@@ -42,8 +42,9 @@ from plugtron.api import (
     normal_init,
     opt,
     substitute_symbols,
+    sum_over_context_parallel,
 )
-from plugtron_gpt.gpt.mtp_shift import ShiftedInputs, count_over_cp, sum_over_cp
+from plugtron_gpt.gpt.mtp_shift import ShiftedInputs, count_over_cp
 from plugtron_gpt.layers.activations import norm_bytes
 
 
@@ -153,7 +154,7 @@ class MultiTokenPrediction(torch.nn.Module):
             h = layer(h, embed(tokens, position_ids), rotary)
             losses = token_losses(h, labels).float()
             # The mean over the whole microbatch, each cp rank holding its share of the sum.
-            total = sum_over_cp((losses * mask).sum(), self.cp_group)
+            total = sum_over_context_parallel((losses * mask).sum(), self.cp_group)
             mean = total / count_over_cp(mask, self.cp_group).clamp(min=1)
             # Reported unscaled (Megatron's mtp_k loss); the objective gets scale x mean.
             term = self.scale * mean + (1 - self.scale) * mean.detach()

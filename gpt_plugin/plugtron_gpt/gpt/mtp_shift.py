@@ -1,5 +1,6 @@
-"""Multi-token prediction's inputs shifted over the whole sequence, and its loss sums over the
-context-parallel ranks: what lets ``--mtp-num-layers`` run under ``--cp > 1`` as on one process.
+"""Multi-token prediction's inputs shifted over the whole sequence, and its token counts over
+the context-parallel ranks: what lets ``--mtp-num-layers`` run under ``--cp > 1`` as on one
+process (the loss sums use ``sum_over_context_parallel``).
 
 Depth k reads the tokens, labels and loss mask k places ahead (Megatron's ``roll_tensor``
 applied k times: the vacated last places zero). Under cp a rank holds chunks r and 2cp-1-r of
@@ -18,11 +19,9 @@ import torch.nn.functional as F
 from plugtron.api import (
     all_gather_tensor,
     all_reduce,
-    copy_to_tensor_parallel_region,
     group_rank,
     group_size,
     local_positions,
-    reduce_from_tensor_parallel_region,
 )
 
 
@@ -50,15 +49,6 @@ class ShiftedInputs:
         """The tensors shifted left ``k`` places, at this rank's positions."""
         shifted = self.whole[..., self.mine + k]
         return [x.to(dtype) for x, dtype in zip(shifted, self.dtypes)]
-
-
-def sum_over_cp(local: torch.Tensor, cp_group) -> torch.Tensor:
-    """The cp group's sum of ``local`` (each rank's share of one microbatch's sum), whose
-    backward gives each rank's share the gradient summed over cp: every cp rank adds the term
-    weighted by its own token count, and the whole microbatch's term is weighted by their
-    sum (one process's weight)."""
-    return reduce_from_tensor_parallel_region(copy_to_tensor_parallel_region(local, cp_group),
-                                              cp_group)
 
 
 def count_over_cp(mask: torch.Tensor, cp_group) -> torch.Tensor:
