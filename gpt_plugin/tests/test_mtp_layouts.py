@@ -1,8 +1,10 @@
 """Multi-token prediction (issue 27) trains like one process: tp 2, tp 2 with sequence parallelism,
 pp 2 (the MTP layers on the last stage, the word embeddings there the tied output layer, or a
-copy shared with the first stage when untied), pp 2 x vp 2, zbv's V-shape placement; and an MoE model whose MTP layer is
-an MoE layer under ep 2. Losses (lm loss, every mtp_k loss, the balancing loss) and grad norms
-within relative 1e-5, fp32. One pool of 2 ranks for the module."""
+copy shared with the first stage when untied), pp 2 x vp 2, zbv's V-shape placement, cp 2 over
+each --cp-comm-type (the shift crosses the cp ranks' chunks); and an MoE model whose MTP layer
+is an MoE layer under ep 2, tp 2 + sp and cp 2. Losses (lm loss, every mtp_k loss, the
+balancing loss) and grad norms within relative 1e-5, fp32. One pool of 2 ranks for the
+module."""
 
 from __future__ import annotations
 
@@ -42,13 +44,24 @@ def test_v_shape_placement_puts_the_mtp_layers_on_rank_0(pool):
     assert_layouts_match(FLAGS, layouts=[{"pp": 2, "schedule": "zbv"}], pool=pool)
 
 
+DEEPSEEK = {**FLAGS, "mtp-num-layers": 1, "num-experts": 4, "moe-router-topk": 2,
+            "moe-layer-freq": "([0]*2+[1]*2)", "moe-aux-loss-coeff": 0.01,
+            "multi-latent-attention": True, "q-lora-rank": 12, "kv-lora-rank": 8,
+            "qk-head-dim": 6, "qk-pos-emb-head-dim": 4, "v-head-dim": 5}
+
+
 def test_deepseek_shaped_model_with_an_moe_mtp_layer_under_ep(pool):
-    flags = {**FLAGS, "mtp-num-layers": 1, "num-experts": 4, "moe-router-topk": 2,
-             "moe-layer-freq": "([0]*2+[1]*2)", "moe-aux-loss-coeff": 0.01,
-             "multi-latent-attention": True, "q-lora-rank": 12, "kv-lora-rank": 8,
-             "qk-head-dim": 6, "qk-pos-emb-head-dim": 4, "v-head-dim": 5}
-    assert_layouts_match(flags, layouts=[{"expert-model-parallel-size": 2, "dp": 2},
-                                         {"tp": 2, "sequence-parallel": True}], pool=pool)
+    assert_layouts_match(DEEPSEEK, layouts=[{"expert-model-parallel-size": 2, "dp": 2},
+                                            {"tp": 2, "sequence-parallel": True}], pool=pool)
+
+
+def test_deepseek_shaped_model_under_cp(pool):
+    """MLA, MoE (the MTP layer too) and MTP under cp 2: the ring and all-gather with MLA's
+    padded values, and a2a with the experts split over the cp ranks."""
+    assert_layouts_match(DEEPSEEK, layouts=[
+        {"cp": 2}, {"cp": 2, "cp-comm-type": "allgather"},
+        {"cp": 2, "cp-comm-type": "a2a", "expert-model-parallel-size": 2,
+         "moe-token-dispatcher-type": "alltoall"}], pool=pool)
 
 
 def test_checkpoint_saved_at_pp_2_resumes_on_one_process_and_back(pool):
