@@ -33,6 +33,15 @@ def test_every_context_parallel_path_matches_one_process(pool):
                                          {"cp": 2, "cp-comm-type": "a2a"}], pool=pool)
 
 
+def test_masked_tokens_split_unevenly_over_cp(pool):
+    """--eod-mask-loss masks the documents' ends, so the cp ranks hold different numbers of
+    counted tokens (add_loss weights each by its own): each depth's mean is still the whole
+    microbatch's, and its gradient one process's (a per-rank mean would move the grad norm by
+    ~1e-3)."""
+    flags = {**FLAGS, "eod-mask-loss": True, "seq-length": 32, "mtp-loss-scaling-factor": 1.0}
+    assert_layouts_match(flags, layouts=[{"cp": 2}], pool=pool)
+
+
 def test_untied_embeddings_under_pipeline_parallel(pool):
     flags = {**FLAGS, "untie-embeddings-and-output-weights": True}
     assert_layouts_match(flags, layouts=[{"pp": 2}, {"pp": 2, "schedule": "zbv"}], pool=pool)
