@@ -2,8 +2,8 @@
 every sequence, the balancing statistics (aux_loss, seq_aux_loss, global_aux_loss) are summed
 over cp, and each rank's share of a loss term is added over cp with its gradient; z-loss is the
 mean over the whole microbatch. cp 2 alone and cp 2 x ep 2 (experts split over the cp ranks)
-with each dispatcher. fp32, relative 1e-5 on losses (every balancing loss) and grad norms. One
-pool of 2 ranks for the module."""
+with each dispatcher; the GPT model's E and the Hybrid model's. fp32, relative 1e-5 on losses
+(every balancing loss) and grad norms. One pool of 2 ranks for the module."""
 
 from __future__ import annotations
 
@@ -34,6 +34,11 @@ def check(flags: dict, pool, keys=KEYS) -> None:
 
 def test_aux_loss_and_z_loss_under_cp(pool):
     check(MOE, pool)
+
+
+def test_the_hybrid_models_moe_layers_under_cp(pool):
+    """E by symbol in a Hybrid pattern (attention and MoE only: Mamba refuses cp)."""
+    check(merge_flags(MOE, {"model": "hybrid", "hybrid-layer-pattern": "*E*E"}), pool)
 
 
 def test_seq_and_global_aux_losses_with_a_shared_expert_under_cp(pool):
