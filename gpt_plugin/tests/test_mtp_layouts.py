@@ -37,8 +37,11 @@ def test_masked_tokens_split_unevenly_over_cp(pool):
     """--eod-mask-loss masks the documents' ends, so the cp ranks hold different numbers of
     counted tokens (add_loss weights each by its own): each depth's mean is still the whole
     microbatch's, and its gradient one process's (a per-rank mean would move the grad norm by
-    ~1e-3)."""
-    flags = {**FLAGS, "eod-mask-loss": True, "seq-length": 32, "mtp-loss-scaling-factor": 1.0}
+    ~1e-3). With --reset-position-ids (packed documents' positions; their attention masks are
+    refused under cp) the depths' rotary positions are the unshifted tokens', as on one
+    process."""
+    flags = {**FLAGS, "eod-mask-loss": True, "reset-position-ids": True, "seq-length": 32,
+             "mtp-loss-scaling-factor": 1.0}
     assert_layouts_match(flags, layouts=[{"cp": 2}], pool=pool)
 
 
