@@ -25,6 +25,8 @@ HEAVIEST_FIRST = (
     "tests/distributed/test_context_parallel_training.py",
     "tests/reliability/test_preflight.py",
     "tests/distributed/test_pipeline.py",
+    "moe_plugin/tests/test_deepseek_8_ranks.py",
+    "gpt_plugin/tests/test_mtp_layouts.py",
     "tests/checkpoint/test_reshard.py",
     "tests/reliability/test_hostile_checkpoints.py",
     "gpt_plugin/tests/test_hybrid_layouts.py",
@@ -33,7 +35,7 @@ HEAVIEST_FIRST = (
     "tests/test_memory_estimate.py",
     "tests/reliability/test_slurm.py",
     "gpt_plugin/tests/test_mla_layouts.py",
-    "gpt_plugin/tests/test_mtp_layouts.py",
+    "moe_plugin/tests/test_moe_context_parallel.py",
     "tests/test_rerun.py",
 )
 

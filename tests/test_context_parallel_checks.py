@@ -127,13 +127,10 @@ def test_the_cli_refuses_cp_with_a_mamba_layer():
     assert "context parallelism is not supported with Mamba" in out
 
 
-def test_the_cli_refuses_cp_with_moe_layers_of_the_gpt_model():
-    # E takes the place of - only once --num-experts is set: the check must see what is built.
-    out = _refused("--num-experts", "4", "--cp", "2", "--seq-length", "16")
-    assert "layer type 'E'" in out and "does not support context parallelism" in out
-
-
-def test_the_cli_refuses_cp_with_moe_layers_of_the_hybrid_model():
-    out = _refused("--model", "hybrid", "--hybrid-layer-pattern", "*E", "--num-experts", "4",
-                   "--cp", "2", "--seq-length", "16")
-    assert "layer type 'E'" in out and "does not support context parallelism" in out
+def test_moe_layers_run_under_cp_in_both_models():
+    """E declares cp support: its router sums the balancing statistics over cp (trained against
+    one process in moe_plugin/tests/test_moe_context_parallel.py). The check sees what is
+    built: E in place of - once --num-experts is set, and E in a Hybrid pattern."""
+    validate(tiny_config(cp=2, seq_length=16, num_experts=4), 2)
+    validate(tiny_config(model="hybrid", hybrid_layer_pattern="*E", cp=2, seq_length=16,
+                         num_experts=4), 2)

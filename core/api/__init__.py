@@ -56,6 +56,7 @@ from plugtron.core.parallel.context_parallel import (
     check_context_parallel_layers,
     local_positions,
     split_context_parallel_batch,
+    sum_over_context_parallel,
 )
 from plugtron.core.parallel.cp_attention import (
     all_gather_attention,
@@ -160,7 +161,7 @@ __all__ = [
     # context parallelism
     "context_parallel_attention", "ring_attention", "all_gather_attention",
     "all_to_all_attention", "split_context_parallel_batch", "local_positions",
-    "check_context_parallel_layers",
+    "check_context_parallel_layers", "sum_over_context_parallel",
     # collectives
     "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "broadcast", "group_size",
     "group_rank", "all_to_all", "all_to_all_counts",

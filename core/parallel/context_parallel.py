@@ -22,6 +22,10 @@ from collections.abc import Iterable, Iterator
 import torch
 from plugtron.core.blocks.layer_stack import ComposedLayer
 from plugtron.core.errors import ConfigError
+from plugtron.core.parallel.tensor_parallel import (
+    copy_to_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+)
 
 #: Attribute a model plugin, layer backend or layer type sets to True to run under ``--cp > 1``.
 SUPPORT_ATTRIBUTE = "supports_context_parallel"
@@ -69,6 +73,16 @@ def split_context_parallel_batch(batch: dict, seq_length: int, cp_rank: int, cp_
             value = split_tensor(value, dim, cp_rank, cp_size)
         out[key] = value
     return out
+
+
+def sum_over_context_parallel(local: torch.Tensor, cp_group) -> torch.Tensor:
+    """A loss term of the whole microbatch from this cp rank's share of it (its sum over the
+    rank's tokens): forward, the sum over cp; backward, each share gets the gradient summed
+    over cp. Every cp rank adds the term to its objective weighted by its own token count
+    (``add_loss``); summed back, each share is weighted by the whole microbatch's count, as on
+    one process, whatever the split of the counted tokens. The identity without cp."""
+    return reduce_from_tensor_parallel_region(copy_to_tensor_parallel_region(local, cp_group),
+                                              cp_group)
 
 
 def local_microbatches(iterator: Iterable[dict], parallel, seq_length: int) -> Iterator[dict]:

@@ -65,6 +65,8 @@ class MoELayer(torch.nn.Module):
     #: The parts --recompute-granularity selective may recompute (--recompute-modules).
     recompute_modules = ("moe", "moe_act", "shared_experts", "layernorm")
     supports_kv_cache = True  # per token: nothing to keep between generation steps
+    # Per token, but for the router's balancing statistics, which it sums over cp.
+    supports_context_parallel = True
 
     def __init__(self, config, backend, parallel, layer_number: int, seed: int):
         super().__init__()

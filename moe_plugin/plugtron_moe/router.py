@@ -2,14 +2,25 @@
 
 The router's weight ``[experts, hidden]`` is replicated on every rank. Under sequence
 parallelism each tp rank routes its own tokens, so the weight is marked ``sequence_parallel``
-(its gradient is summed over tp) and the balancing statistics are summed over tp, as
-Megatron's ``tp_cp_group`` reductions do.
+(its gradient is summed over tp) and the balancing statistics are summed over tp; under context
+parallelism each cp rank routes its chunks of every sequence, so they are summed over cp as
+well (Megatron's ``tp_cp_group`` reductions). Each rank's loss term is its tokens' share of the
+whole microbatch's; the shares are added over cp with their gradients
+(``sum_over_context_parallel``: every cp rank weights the term by its own token count) and
+reported whole over tp.
 """
 
 from __future__ import annotations
 
 import torch
-from plugtron.api import all_reduce, group_size, is_recomputing, linear, normal_init
+from plugtron.api import (
+    all_reduce,
+    group_size,
+    is_recomputing,
+    linear,
+    normal_init,
+    sum_over_context_parallel,
+)
 
 from . import routing
 from .options import load_balancing, uses_sinkhorn
@@ -42,6 +53,9 @@ class TopKRouter(torch.nn.Module):
         # tp x dp (x cp) sum of tokens per expert, for global_aux_loss (as Megatron's
         # tp_dp_cp group); under tp without SP every tp rank sees the same tokens.
         self.token_groups = [self.tp_group, parallel.dp_cp_group]
+        # aux_loss and seq_aux_loss count the microbatch's tokens: tp (under sp) x cp.
+        self.cp_group = parallel.cp_group
+        self.microbatch_groups = [self.tp_group, self.cp_group]
         if self.sequence_parallel:
             self.weight.sequence_parallel = True
         self.register_buffer("expert_bias", torch.zeros(o.num_experts, dtype=torch.float32)
@@ -85,8 +99,9 @@ class TopKRouter(torch.nn.Module):
         logits = self.gating(self.jitter(x))
         aux = []
         if o.moe_z_loss_coeff is not None and self.training and torch.is_grad_enabled():
-            local = routing.z_loss(logits, o.moe_z_loss_coeff / group_size(self.tp_group))
-            aux.append(("z_loss", _reported_whole(local, self.tp_group)))
+            ranks = group_size(self.tp_group) * group_size(self.cp_group)  # equal shares
+            local = routing.z_loss(logits, o.moe_z_loss_coeff / ranks)
+            aux.append(("z_loss", self._whole(local)))
         if self.sinkhorn:
             probs, routing_map = routing.sinkhorn_routing(logits, self.topk, self.training)
         else:
@@ -119,7 +134,7 @@ class TopKRouter(torch.nn.Module):
         scores and their top-k map, times ``coeff``."""
         if kind == "seq_aux_loss":
             return self._seq_aux_loss(aux_map, scores, coeff)
-        groups = [self.tp_group] if kind == "aux_loss" else self.token_groups
+        groups = self.microbatch_groups if kind == "aux_loss" else self.token_groups
         counts = aux_map.sum(dim=0).float()
         total = float(num_tokens)
         for group in groups:
@@ -138,10 +153,16 @@ class TopKRouter(torch.nn.Module):
         local = routing.switch_load_balancing_loss(scores, counts, total, self.topk,
                                                    self.num_experts, coeff)
         if kind == "global_aux_loss":
-            # Each rank's term covers its own tokens of the global batch; times dp it is an
-            # estimate of the whole, whose dp mean (the core's normalisation) is the whole.
-            local = local * group_size(self.token_groups[-1])
-        return _reported_whole(local, self.tp_group)
+            # Each dp rank's term covers its own tokens of the global batch (its cp ranks'
+            # shares added); times dp it is an estimate of the whole, whose dp mean (the
+            # core's normalisation) is the whole.
+            local = local * (group_size(self.token_groups[-1]) // group_size(self.cp_group))
+        return self._whole(local)
+
+    def _whole(self, local: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a loss term -> the microbatch's term: summed over cp with its
+        gradient, reported whole over tp."""
+        return _reported_whole(sum_over_context_parallel(local, self.cp_group), self.tp_group)
 
     def _seq_aux_loss(self, aux_map, scores, coeff) -> torch.Tensor:
         """Per sequence, then averaged: the batch is folded into the expert dimension."""
@@ -149,10 +170,12 @@ class TopKRouter(torch.nn.Module):
         per_seq_map = aux_map.reshape(batch, seq, -1).transpose(0, 1).reshape(seq, -1)
         per_seq_scores = scores.reshape(batch, seq, -1).transpose(0, 1).reshape(seq, -1)
         counts = per_seq_map.sum(dim=0).float()
-        all_reduce(counts, self.tp_group)
-        total = float(seq * group_size(self.tp_group))
+        total = float(seq)
+        for group in self.microbatch_groups:  # each sequence's tokens: tp (sp) x cp ranks
+            all_reduce(counts, group)
+            total *= group_size(group)
         local = routing.switch_load_balancing_loss(per_seq_scores, counts, total, self.topk,
                                                    self.num_experts, coeff) / batch
-        return _reported_whole(local, self.tp_group)
+        return self._whole(local)
 
     _seq_shape = (1, 1)  # (sequence length, batch) of the current input; set by the layer

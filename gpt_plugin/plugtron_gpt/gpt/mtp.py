@@ -16,6 +16,11 @@ symbol like every other. Each ``loss_k`` enters the objective as
 by the microbatch's loss tokens like the main loss (Megatron's per-token mode), and is reported
 unscaled as ``mtp_k loss`` (Megatron's name).
 
+Under context parallelism the shift is over the whole sequence (the places k ahead of a cp
+rank's chunks are on another rank: ``mtp_shift.ShiftedInputs``) and ``loss_k`` is the whole
+microbatch's masked mean (sum and count added over the cp ranks); the hidden states are not
+shifted, so each depth's attention is the model's own cp attention (any ``--cp-comm-type``).
+
 Parameters: ``mtp.layers.{k-1}.{enorm,hnorm,eh_proj,final_layernorm}.*`` and
 ``mtp.layers.{k-1}.mtp_model_layer.*`` (Megatron-Core 0.19). On a last pipeline stage without the
 embedding, the word embeddings are a copy shared with the first stage (``mtp_embedding``, or
@@ -37,7 +42,9 @@ from plugtron.api import (
     normal_init,
     opt,
     substitute_symbols,
+    sum_over_context_parallel,
 )
+from plugtron_gpt.gpt.mtp_shift import ShiftedInputs, count_over_cp
 from plugtron_gpt.layers.activations import norm_bytes
 
 
@@ -78,9 +85,6 @@ def validate_mtp(config) -> None:
     if o.mtp_loss_scaling_factor < 0:
         raise ConfigError(f"--mtp-loss-scaling-factor must be at least 0, got "
                           f"{o.mtp_loss_scaling_factor}")
-    if config.parallel.context_parallel_size > 1:
-        raise ConfigError("--mtp-num-layers with --context-parallel-size > 1 is not supported: "
-                          "the shifted tokens cross the cp ranks' sequence chunks; use cp 1")
     if config.model.position_embedding_type != "rope":
         raise ConfigError("--mtp-num-layers needs --position-embedding-type rope: the learned "
                           "position table lives on the first pipeline stage only")
@@ -88,7 +92,8 @@ def validate_mtp(config) -> None:
 
 def roll_left(t: torch.Tensor) -> torch.Tensor:
     """``t`` ``[b, s]`` shifted one place to the left along the sequence, the last place 0
-    (Megatron's ``roll_tensor(shifts=-1)`` without cp)."""
+    (Megatron's ``roll_tensor(shifts=-1)`` on one process; :class:`ShiftedInputs` is the
+    shift the model runs, under cp too)."""
     return F.pad(t[:, 1:], (0, 1))
 
 
@@ -134,6 +139,7 @@ class MultiTokenPrediction(torch.nn.Module):
             [MultiTokenPredictionLayer(config, backend, parallel, depth, seed, symbols)
              for depth in range(o.mtp_num_layers)])
         self.scale = o.mtp_loss_scaling_factor / o.mtp_num_layers
+        self.cp_group = parallel.cp_group  # the shift and the losses span the whole sequence
 
     def forward(self, hidden, tokens, position_ids, labels, loss_mask, rotary, embed,
                 token_losses):
@@ -141,14 +147,15 @@ class MultiTokenPrediction(torch.nn.Module):
         (``add_loss``); ``embed(tokens, position_ids)`` and ``token_losses(hidden, labels)``
         are the model's embedding and output layer with its cross entropy."""
         out, h = hidden, hidden
-        mask = loss_mask.float()
+        shifted = ShiftedInputs([tokens, position_ids, labels, loss_mask.float()],
+                                len(self.layers), self.cp_group)
         for k, layer in enumerate(self.layers, start=1):
-            tokens, position_ids = roll_left(tokens), roll_left(position_ids)
-            labels, mask = roll_left(labels), roll_left(mask)
+            tokens, position_ids, labels, mask = shifted.at(k)
             h = layer(h, embed(tokens, position_ids), rotary)
             losses = token_losses(h, labels).float()
-            count = mask.sum()
-            mean = (losses * mask).sum() / count.clamp(min=1)
+            # The mean over the whole microbatch, each cp rank holding its share of the sum.
+            total = sum_over_context_parallel((losses * mask).sum(), self.cp_group)
+            mean = total / count_over_cp(mask, self.cp_group).clamp(min=1)
             # Reported unscaled (Megatron's mtp_k loss); the objective gets scale x mean.
             term = self.scale * mean + (1 - self.scale) * mean.detach()
             out = add_loss(out, f"mtp_{k} loss", term)
