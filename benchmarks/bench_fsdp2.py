@@ -141,11 +141,13 @@ def _train(rank, world_size, flags: dict, iters: int, memory: bool = False) -> d
             "peak_over_start": peak - before, "live_peak": live_start + live_peak}
 
 
-def _estimate(flags: dict, world: int) -> int:
+def _estimate(flags: dict, world: int) -> tuple[int, int]:
+    """(without the CPU heap's slack: against live tensors; the CPU total: against RSS)."""
     from plugtron.core.plugins.options import config_from_flags
     from plugtron.core.tools.estimate import estimate_memory
 
-    return estimate_memory(config_from_flags(flags, "benchmark"), world, cuda=False).peak.total
+    peak = estimate_memory(config_from_flags(flags, "benchmark"), world, cuda=False).peak
+    return peak.total - peak.heap_slack_bytes, peak.total
 
 
 def measure(rounds: int, iters: int) -> dict:
@@ -171,7 +173,7 @@ def measure(rounds: int, iters: int) -> dict:
                 "state": max(r["state_bytes"] for r in ranks),
                 "peak": max(r["peak_over_start"] for r in ranks),
                 "live": max(r["live_peak"] for r in ranks),
-                "estimate": _estimate({**MEMORY_MODEL, **flags}, dp)}
+                "estimates": _estimate({**MEMORY_MODEL, **flags}, dp)}
     out["memory"] = memory
     out["load_after"] = os.getloadavg()[0]
     return out
@@ -206,7 +208,8 @@ tensors during the last iteration (torch.profiler's memory events over what live
 parameters, optimizer state, ddp's gradient buffers), which is what the estimate counts. "peak
 RSS": the resident-set high-water mark of the iterations before that one over the resident set
 before setup (not the build: every rank builds the whole fp32 model, {build:.0f} MiB here,
-before fsdp2 keeps its shard). "estimate": `plugtron estimate`'s total for the rank.
+before fsdp2 keeps its shard). "estimate": `plugtron estimate`'s total for the rank, against the
+live peak without the CPU heap's slack, against the RSS with it.
 
 | wrapper | dp | state MiB | x dp 1 | live peak MiB | peak RSS MiB | estimate MiB | estimate / live | estimate / RSS |
 |---|---|---|---|---|---|---|---|---|
@@ -226,8 +229,8 @@ def report(results: dict, rounds: int, iters: int, command: str) -> str:
     for (name, dp), m in results["memory"].items():
         rows.append(f"| {name} | {dp} | {m['state'] * mib:.1f} | {m['state'] / whole:.3f} | "
                     f"{m['live'] * mib:.1f} | {m['peak'] * mib:.1f} | "
-                    f"{m['estimate'] * mib:.1f} | {m['estimate'] / m['live']:.2f} | "
-                    f"{m['estimate'] / m['peak']:.2f} |")
+                    f"{m['estimates'][0] * mib:.1f} | {m['estimates'][0] / m['live']:.2f} | "
+                    f"{m['estimates'][1] / m['peak']:.2f} |")
     params = whole / 16 / 1e6  # fp32 params + grads + two Adam moments: 16 bytes each
     return TEMPLATE.format(
         date=datetime.date.today().isoformat(), command=command, first=WARMUP + 1,

@@ -42,6 +42,25 @@ except ImportError:  # a torch without FSDP2: refused before launch (plugtron_va
     fully_shard = None
 
 
+class AllReduceScatter:
+    """A reduce-scatter done as an in-place all-reduce of FSDP's scratch input plus a copy of
+    this rank's slice. On gloo its all-reduce is more than twice as fast as its reduce-scatter
+    (3.7 against 8.3 ms for 3.2 MB at 2 ranks on this machine's 2 cores), which made fsdp2's
+    per-microbatch reductions its largest cost on CPU. The sums are the same numbers.
+
+    Given to ``FSDPModule.set_custom_reduce_scatter``, which calls ``allocate`` and the object
+    (torch's ``ReduceScatter`` interface, not importable from a public module)."""
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        torch.distributed.all_reduce(input_tensor, op=op, group=group)
+        rank = torch.distributed.get_rank(group)
+        output_tensor.copy_(input_tensor.view(-1, output_tensor.numel())[rank])
+        return None
+
+
 def _is_expert(param) -> bool:
     return not getattr(param, "allreduce", True)
 
@@ -147,12 +166,17 @@ class FSDP2Chunk(torch.nn.Module):
                   and not all(_is_expert(q) for q in u.parameters())]
         for layer, following in zip(layers, layers[1:]):
             layer.set_modules_to_forward_prefetch([following])
+        # NCCL's reduce-scatter is the fast one; gloo's is not (AllReduceScatter).
+        slow_reduce_scatter = (hasattr(FSDPModule, "set_custom_reduce_scatter") and
+                               torch.distributed.get_backend(parallel.dp_cp_group) == "gloo")
         for m in self.fsdp_modules:
             # SUM, not mean (the core divides by the token count); gloo has no pre-scaled sum.
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
             # MoE ranks may leave an expert without tokens: reduce zeros, keep ranks in step.
             m.set_reduce_scatter_unused_params(True, recurse=False)
+            if slow_reduce_scatter:
+                m.set_custom_reduce_scatter(AllReduceScatter())
         self.grad_shard_groups = ((parallel.dp_cp_group,), (parallel.edp_group,))
 
     # ------------------------------------------------------------------ the module API
