@@ -11,12 +11,13 @@ and returns ``[b, s, heads * d]``. The maths is plain torch, so a model built on
 
 Delayed weight gradients, as TE (2.3 on) has them: ``Linear(..., delay_wgrad_compute=True)``
 builds ``wgrad_store`` switched on (else off, with no queue) and marks its parameters
-``skip_backward_post_hook``. A forward captures the store only while it is on; that call's
-backward, if the store is still on then, queues ``[input, grad_output]`` and the weight-gradient
-GEMM (``put``) and returns no weight gradient, nor a gradient for a bias added in the GEMM, else
-it computes both at once. ``pop()`` (only while on) runs the oldest entry: ``((wgrad, bgrad),
-tensors)``, ``bgrad`` None without a GEMM bias; an empty queue raises. ``module(delay_wgrad=False)``
-is a TE before 2.3: its ``Linear`` has neither the argument nor the store.
+``skip_backward_post_hook``. A forward captures the store only while it is on (TE 2.16 on;
+``module(delay_wgrad="always")``: always, as TE 2.4 to 2.15); that call's backward, if the store
+is on then, queues ``[input, grad_output]`` and the weight-gradient GEMM (``put``) and returns no
+weight gradient, nor a gradient for a bias added in the GEMM, else it computes both at once.
+``pop()`` (only while on) runs the oldest entry: ``((wgrad, bgrad), tensors)``, ``bgrad`` None
+without a GEMM bias; an empty queue raises. ``module(delay_wgrad=False)`` is a TE before 2.3:
+its ``Linear`` has neither the argument nor the store.
 """
 
 from __future__ import annotations
@@ -114,6 +115,16 @@ class Linear(torch.nn.Module):
         return (out, self.bias) if self.return_bias else out
 
 
+class LinearCapturingTheStoreAlways(Linear):
+    """``Linear`` of TE 2.4 to 2.15: every forward captures the store, whether on or not; only
+    its state when the backward runs decides."""
+
+    def forward(self, inp):
+        out = _Linear.apply(inp, self.weight, self.bias if self.apply_bias else None,
+                            self.wgrad_store)
+        return (out, self.bias) if self.return_bias else out
+
+
 class LinearBeforeDelayedWgrad(Linear):
     """``Linear`` of a TE before 2.3: no ``delay_wgrad_compute``, no ``wgrad_store``."""
 
@@ -155,17 +166,23 @@ class DotProductAttention(torch.nn.Module):
         return out.transpose(1, 2).reshape(b, s, -1)
 
 
-def module(delay_wgrad: bool = True) -> types.ModuleType:
-    """The stand-in ``transformer_engine.pytorch``; ``delay_wgrad=False``: one before TE 2.3."""
+#: ``delay_wgrad`` of :func:`module` -> its ``Linear``
+LINEARS = {True: Linear, "always": LinearCapturingTheStoreAlways,
+           False: LinearBeforeDelayedWgrad}
+
+
+def module(delay_wgrad: bool | str = True) -> types.ModuleType:
+    """The stand-in ``transformer_engine.pytorch``; ``delay_wgrad``: ``True`` the newest TE's
+    delayed wgrad, ``"always"`` TE 2.4 to 2.15's, ``False`` a TE before 2.3 (none)."""
     fake = types.ModuleType("fake_transformer_engine.pytorch")
-    fake.Linear = Linear if delay_wgrad else LinearBeforeDelayedWgrad
+    fake.Linear = LINEARS[delay_wgrad]
     fake.LayerNorm, fake.RMSNorm = LayerNorm, RMSNorm
     fake.DotProductAttention = DotProductAttention
     return fake
 
 
 @contextlib.contextmanager
-def installed(delay_wgrad: bool = True):
+def installed(delay_wgrad: bool | str = True):
     """While active, ``--layer-backend te`` builds on this stand-in (on CPU)."""
     with mock.patch("plugtron.plugins.layer_backends.te.import_transformer_engine",
                     return_value=module(delay_wgrad)):

@@ -34,6 +34,12 @@ def _init(shape):
     return torch.randn(shape)
 
 
+@pytest.fixture(params=[True, "always"], ids=["newest-te", "te-2.4-to-2.15"])
+def delay(request):
+    """Both ways TE's forward captures its store: only while it is on, or always."""
+    return request.param
+
+
 def _layer(kind, delay_wgrad=True):
     """A te linear with a bias: ``column`` adds it in TE's GEMM, ``row`` after (TE returns it),
     ``nobias`` has none."""
@@ -90,9 +96,9 @@ def _data(microbatches=3, device="cpu"):
 
 
 @pytest.mark.parametrize("kind", ["column", "row", "nobias"])
-def test_te_linears_defer_to_w_and_equal_the_combined_backward_bitwise(kind):
+def test_te_linears_defer_to_w_and_equal_the_combined_backward_bitwise(kind, delay):
     xs, grads = _data()
-    module = _layer(kind)
+    module = _layer(kind, delay)
     assert type(module).weight_grads_at_input is None
     assert wgrad.weight_grads_at_input([module]) == {}
     want_inputs, want = _run(module, xs, grads, split=False)
@@ -108,8 +114,8 @@ def test_te_linears_defer_to_w_and_equal_the_combined_backward_bitwise(kind):
     assert not module.wgrad_store.delay_wgrad_compute()  # off again outside split microbatches
 
 
-def test_after_i_the_weight_and_gemm_bias_have_nothing_and_w_adds_it():
-    module = _layer("column")
+def test_after_i_the_weight_and_gemm_bias_have_nothing_and_w_adds_it(delay):
+    module = _layer("column", delay)
     seen = []
     module.weight.register_post_accumulate_grad_hook(
         lambda p: seen.append((wgrad.weight_grad_deferred(p),
@@ -133,8 +139,8 @@ def test_after_i_the_weight_and_gemm_bias_have_nothing_and_w_adds_it():
     assert module.wgrad_store.context.qsize() == 0
 
 
-def test_combined_backwards_queue_nothing():
-    module = _layer("column")
+def test_combined_backwards_queue_nothing(delay):
+    module = _layer("column", delay)
     x = torch.randn(2, 5, 8, requires_grad=True)
     _out(module, x).sum().backward()  # no split: TE computes the weight gradient itself
     assert module.weight.grad is not None and module.wgrad_store.context.qsize() == 0
@@ -143,9 +149,9 @@ def test_combined_backwards_queue_nothing():
     assert module._plugtron_wgrad.issued == 0
 
 
-def test_a_split_forward_whose_backward_does_not_collect_gets_its_gradients_at_once():
+def test_a_split_forward_whose_backward_does_not_collect_gets_its_gradients_at_once(delay):
     xs, grads = _data(1)
-    module = _layer("column")
+    module = _layer("column", delay)
     _, want = _run(module, xs, grads, split=False)
     module.zero_grad(set_to_none=True)
     x = xs[0].clone().requires_grad_()
@@ -157,24 +163,24 @@ def test_a_split_forward_whose_backward_does_not_collect_gets_its_gradients_at_o
     assert module.wgrad_store.context.qsize() == 0 and not module._plugtron_wgrad.tickets
 
 
-def test_ws_out_of_i_order_are_refused_with_a_clear_error():
+def test_ws_out_of_i_order_are_refused_with_a_clear_error(delay):
     xs, grads = _data(2)
-    module = _layer("column")
+    module = _layer("column", delay)
     with pytest.raises(RuntimeError, match="first in, first out.*not the oldest"):
         _run(module, xs, grads, split=True, order=[1, 0])
 
 
 @pytest.mark.parametrize("after", ["gelu", "nothing"])
-def test_recomputed_forward_inside_i_defers_the_same_gradients(after):
+def test_recomputed_forward_inside_i_defers_the_same_gradients(after, delay):
     # The recompute runs inside I: before the layer's backward window opens (``gelu``: its
     # saved input is unpacked first) or inside it (``nothing``: TE's own saved tensors are the
     # first). The store must come back as it was, and only the first forward's GEMM is queued.
     act = torch.nn.functional.gelu if after == "gelu" else (lambda t: t)
     xs, grads = _data(2)
-    want = _layer("column")
+    want = _layer("column", delay)
     for x, grad in zip(xs, grads):
         act(_out(want, x)).backward(grad)
-    module = _layer("column")
+    module = _layer("column", delay)
     stores = []
     for x, grad in zip(xs, grads):
         x = x.clone().requires_grad_()

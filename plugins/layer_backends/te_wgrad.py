@@ -12,10 +12,11 @@ the ``W`` passes the gradient to autograd like every deferred weight of the loca
 data-parallel wrapper; plugtron's do not read it: the ``W`` runs their hooks through autograd.)
 
 When the store is on. It is off by default. It is on for the forward of a microbatch whose
-backward is split (newer TE only queues for a forward that ran with the store on) and again for
-that call's own backward (every release checks the store when its backward runs); two identity
-autograd functions around the TE call open and close that backward window. Any other forward,
-and any other backward, computes its weight gradient at once, as before.
+backward is split (TE 2.16 on queues only for a forward that ran with the store on) and again
+for that call's own backward (every release checks the store when its backward runs; 2.3 to
+2.15 only then); two identity autograd functions around the TE call open and close that
+backward window. Any other forward, and any other backward, computes its weight gradient at
+once, as before.
 
 Order. TE's queue is first in, first out per module, so a ``W`` must pop its own entry: each
 queued entry gets a ticket, and a ``W`` whose ticket is not at the head raises (plugtron's

@@ -83,6 +83,12 @@ def test_te_split_schedules_match_1f1b_with_deferred_te_weight_gradients(pool, s
         assert counts["queued"] > 0 and counts["popped"] == counts["queued"]
 
 
+def test_te_zb_h1_matches_1f1b_on_a_te_whose_forward_always_captures_its_store(pool):
+    # TE 2.4 to 2.15: only the store's state when the backward runs decides
+    for counts in _assert_matches_1f1b(pool, "zb-h1", delay_wgrad="always"):
+        assert counts["queued"] > 0 and counts["popped"] == counts["queued"]
+
+
 def test_te_zb_h1_matches_1f1b_under_tp_2_and_sequence_parallel(pool):
     # TE's GEMMs on plugtron's gathered / scattered activations; the queued GEMM needs no
     # collective at W (its input was gathered at forward)
