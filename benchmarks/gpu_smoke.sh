@@ -3,10 +3,11 @@
 # `--layer-backend te` and, for comparison, `--layer-backend local`; prints tokens/s of each.
 # Needs CUDA and transformer-engine (pip install 'transformer-engine[pytorch]'). Not runnable on
 # CPU-only machines. With two GPUs or more it also runs the zero-bubble schedules at pp 2 over
-# NCCL (1f1b, zb-h1, zbv, each with the local and the te backend: the te linears compute their
-# weight gradients at I, the local ones defer them) and compares their losses, and fsdp2 against
-# ddp at dp 2 (tokens/s and losses), and benchmarks/nodes_smoke.py over NCCL: two launchers as
-# two nodes (one GPU each) and an elastic restart after a SIGKILLed rank.
+# NCCL (1f1b, zb-h1, zbv, each with the local and the te backend: the te linears defer their
+# weight gradients to W through transformer-engine's delayed wgrad where the installed TE has
+# it, else compute them at I and the run's note says so) and compares their losses, and fsdp2
+# against ddp at dp 2 (tokens/s and losses), and benchmarks/nodes_smoke.py over NCCL: two
+# launchers as two nodes (one GPU each) and an elastic restart after a SIGKILLed rank.
 # Usage: benchmarks/gpu_smoke.sh [ITERS]
 set -euo pipefail
 

@@ -42,6 +42,8 @@ from plugtron.api import (
     shard_of,
 )
 
+from .te_wgrad import DelayedWeightGrads, cannot_delay_reason
+
 #: plugtron's --cp-comm-type values in TE's spelling
 _TE_CP_COMM_TYPES = {"p2p": "p2p", "allgather": "all_gather", "a2a": "a2a"}
 
@@ -96,27 +98,34 @@ def _te_module_classes(te):
     module's parameters are TE's own ``weight`` and ``bias`` with no extra level in the name:
     ``linear_qkv.weight`` under ``te`` as under ``local``.
     """
+    delay_unavailable = cannot_delay_reason(te)  # None: this TE can delay its weight gradients
 
     class TensorParallelTELinear(te.Linear):
         """A local ``te.Linear`` over this rank's shard, between plugtron's collectives.
 
         A row-parallel bias must be added after the reduction over tp, so TE returns it
-        (``return_bias``) instead of fusing it into the GEMM; it stays TE's ``bias``."""
+        (``return_bias``) instead of fusing it into the GEMM; it stays TE's ``bias``.
 
-        # transformer-engine's own delayed wgrad (delay_wgrad_compute, then backward_dw)
-        # accumulates outside autograd, so the data-parallel hooks would not see it; until that
-        # is wired and run on a GPU, a split backward computes these weight gradients at I.
-        weight_grads_at_input = "transformer-engine computes its weight gradients in backward"
+        Under a split backward its weight gradients (and a bias fused into the GEMM) wait for
+        ``W`` through TE's own delayed wgrad (te_wgrad.py); a TE without it declares that they
+        come at ``I``."""
+
+        weight_grads_at_input = delay_unavailable
 
         def __init__(self, input_size, output_size, *, bias, init_method, settings):
             parallel = settings.parallel
             tp, rank = parallel.tp_size, parallel.tp_rank
             column = settings.column
+            return_bias = bias and (settings.skip_bias_add or not column)
+            delay = {} if delay_unavailable else {"delay_wgrad_compute": True}
             super().__init__(input_size if column else input_size // tp,
                              output_size // tp if column else output_size, bias=bias,
                              init_method=lambda weight: None, parallel_mode=None,
-                             return_bias=bias and (settings.skip_bias_add or not column))
+                             return_bias=return_bias, **delay)
             self._plugtron_tp = settings
+            self._plugtron_gemm_bias = bias and not return_bias  # TE fuses it into the GEMM
+            self._plugtron_wgrad = (None if delay_unavailable else DelayedWeightGrads(
+                self.wgrad_store, type(self).__name__))
             dim, chunks = (0, settings.partition_chunks) if column else (1, 1)
             _load_shard(self.weight, init_method((output_size, input_size)), dim, rank, tp,
                         chunks)
@@ -137,7 +146,9 @@ def _te_module_classes(te):
                      if settings.sequence_parallel else copy_to_tensor_parallel_region(x, group))
             elif not settings.input_is_parallel:
                 x = scatter_to_tensor_parallel_region(x, group)
-            out = super().forward(x)
+            delayed = self._plugtron_wgrad
+            out = (super().forward(x) if delayed is None else delayed.run(
+                super().forward, x, self.weight, self.bias if self._plugtron_gemm_bias else None))
             out, bias = out if self.return_bias else (out, None)
             if settings.column:
                 if settings.gather_output:
