@@ -67,14 +67,17 @@ def _print_flags(path, config):
 @click.option("--max-shard-size", default="50GB", show_default=True,
               help="Largest safetensors shard (e.g. 5GB, 500MB, 2GiB); more than one shard "
                    "writes model.safetensors.index.json.")
+@click.option("--drop", "drop", multiple=True, metavar="PART",
+              help="Leave out an optional part the model's converter offers (e.g. mtp: the "
+                   "multi-token prediction layers); repeatable.")
 @user_errors
-def export_hf(checkpoint, out_dir, dtype, max_shard_size):
+def export_hf(checkpoint, out_dir, dtype, max_shard_size, drop):
     """Write the model of CHECKPOINT (any layout; a directory of them: the newest) as a Hugging
     Face directory OUT_DIR: config.json and generation_config.json (with bos/eos/pad ids),
     the tokenizer files when the checkpoint names a tokenizer, safetensors shards."""
     from plugtron.core.interchange.hf_export import export_hf as run_export
 
-    click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype), max_shard_size)}")
+    click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype), max_shard_size, drop)}")
 
 
 
@@ -136,11 +139,14 @@ def import_megatron(megatron_dir, out_dir, model_flags, model, dtype):
 @click.argument("checkpoint", type=click.Path(exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path())
 @click.option("--dtype", type=click.Choice(DTYPES), help="Cast the weights (default: keep).")
+@click.option("--drop", "drop", multiple=True, metavar="PART",
+              help="Leave out an optional part the model's converter offers (e.g. mtp: the "
+                   "multi-token prediction layers); repeatable.")
 @user_errors
-def export_megatron(checkpoint, out_dir, dtype):
+def export_megatron(checkpoint, out_dir, dtype, drop):
     """Write the model of CHECKPOINT as a Megatron-Core torch_dist save directory OUT_DIR
     (local layer spec names, layers stacked; load it with --ckpt-format torch_dist
     --no-load-optim --no-load-rng)."""
     from plugtron.core.interchange.megatron import export_megatron as run_export
 
-    click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype))}")
+    click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype), drop)}")

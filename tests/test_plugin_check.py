@@ -87,6 +87,15 @@ class LayerWithOddNames:
 
 class LayerWithoutActivationBytes:
     """Works, but plugtron estimate cannot count what it keeps: a warning."""
+
+
+class ConverterOffersWithoutDropping:
+    droppable_parts = {"mtp": "the multi-token prediction layers"}
+
+
+class ConverterOffersAndDrops(ConverterOffersWithoutDropping):
+    def drop_part(self, config, part):
+        pass
 '''
 
 ENTRY_POINTS = {
@@ -102,6 +111,8 @@ ENTRY_POINTS = {
     "plugtron.layers": {"fake-layer": "fake_check:LayerWithOddNames",
                         "fake-no-bytes": "fake_check:LayerWithoutActivationBytes",
                         "fake-broken-layer": "fake_check_broken:Layer"},
+    "plugtron.converters": {"fake-no-drop": "fake_check:ConverterOffersWithoutDropping",
+                            "fake-drops": "fake_check:ConverterOffersAndDrops"},
 }
 
 
@@ -186,6 +197,12 @@ def test_a_layer_type_without_activation_bytes_is_a_warning(fakes):
     listed = invoke(["plugins", "list", "--check"]).output
     assert "fake-no-bytes        fake-checks 2.0  ok" in listed
     assert "        warning: layer 'fake-no-bytes'" in listed
+
+
+def test_a_converter_that_offers_parts_must_drop_them(fakes):
+    assert problems("fake-drops") == []
+    [line] = problems("fake-no-drop")
+    assert "hook 'drop_part': not defined: droppable_parts offers mtp" in line
 
 
 def test_a_name_two_distributions_register(fakes):

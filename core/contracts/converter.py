@@ -99,3 +99,14 @@ class ConverterExtras(Protocol):
                         padded_vocab: int) -> tuple[argparse.Namespace, dict]:
         """-> (the ``args`` Megatron saves, ``{torch_dist key: tensor}``)."""
         ...
+
+    #: Parts of the model an export may leave out when asked (``plugtron convert export-hf
+    #: / export-megatron --drop PART``), ``{part: what it is}``: e.g. the GPT converters'
+    #: ``"mtp"``, the multi-token prediction layers, which inference engines do not run.
+    droppable_parts: dict[str, str]
+
+    def drop_part(self, config: TrainConfig, part: str) -> None:
+        """Change the checkpoint's run ``config`` so that the model it describes lacks
+        ``part`` (one of ``droppable_parts``); the export then asks for none of its tensors
+        and its config says the part is absent."""
+        ...

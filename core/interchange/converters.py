@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from plugtron.core.config import TrainConfig
 from plugtron.core.contracts.converter import Converter
+from plugtron.core.errors import ConfigError
 from plugtron.core.plugins import registry
 
 
@@ -56,6 +57,19 @@ def converter_for_megatron(model: str, args: dict | None, given: dict) -> Conver
                 claims(args, given):
             return registry.instantiate(cls)
     return load_converter(model)
+
+
+def drop_parts(converter, config: TrainConfig, parts) -> None:
+    """Leave ``parts`` out of an export (``--drop``): each must be one the converter offers
+    (``droppable_parts``); its ``drop_part`` changes ``config`` accordingly."""
+    offered = getattr(converter, "droppable_parts", None) or {}
+    for part in parts:
+        if part not in offered or not callable(getattr(converter, "drop_part", None)):
+            can = (", ".join(f"{name} ({what})" for name, what in offered.items())
+                   or "nothing")
+            raise ConfigError(f"--drop {part!r}: the converter of this model "
+                              f"({type(converter).__name__}) can leave out {can}")
+        converter.drop_part(config, part)
 
 
 def run_export(converter, config: TrainConfig, tensors: Mapping) -> tuple[dict, dict]:

@@ -25,7 +25,7 @@ import torch
 from plugtron.core.checkpoint.loader import malformed
 from plugtron.core.checkpoint.reader import CheckpointReader
 from plugtron.core.errors import ConfigError
-from plugtron.core.interchange.converters import converter_for_config, run_export
+from plugtron.core.interchange.converters import converter_for_config, drop_parts, run_export
 from plugtron.core.interchange.hf_write import DEFAULT_MAX_SHARD_SIZE, parse_size, write_weights
 from plugtron.core.plugins.options import config_from_dict
 from plugtron.core.plugins.tokenizers import build_tokenizer
@@ -89,13 +89,14 @@ def _write_json(out_dir: str, name: str, data: dict) -> None:
 
 
 def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None,
-              max_shard_size=None) -> str:
+              max_shard_size=None, drop=()) -> str:
     shard_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)  # checked first
     reader = CheckpointReader(path)
     with malformed(reader, "config"):
         config = config_from_dict(reader.config)
     tokenizer = _tokenizer(config)
     converter = converter_for_config(config)
+    drop_parts(converter, config, drop)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir!r} exists and is not empty; choose a new directory")
     low_precision = config.training.bf16 or config.training.fp16

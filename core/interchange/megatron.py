@@ -24,6 +24,7 @@ from plugtron.core.errors import CheckpointError, ConfigError
 from plugtron.core.interchange.converters import (
     converter_for_config,
     converter_for_megatron,
+    drop_parts,
     load_converter,
 )
 from plugtron.core.interchange.hf_export import CheckpointTensors
@@ -162,7 +163,7 @@ def checkpoint_tensors(path: str):
     return config, lazy, reader
 
 
-def export_megatron(path: str, out_dir: str, dtype: torch.dtype | None = None) -> str:
+def export_megatron(path: str, out_dir: str, dtype: torch.dtype | None = None, drop=()) -> str:
     """Write the model of plugtron checkpoint ``path`` as a Megatron-Core torch_dist save
     directory ``out_dir`` (``latest_checkpointed_iteration.txt`` + ``iter_XXXXXXX``). The
     converter gets the tensors lazily (read and cast on lookup) and builds the saved state one
@@ -170,6 +171,7 @@ def export_megatron(path: str, out_dir: str, dtype: torch.dtype | None = None) -
     writes), not two."""
     config, tensors, reader = checkpoint_tensors(path)
     converter = converter_for_config(config)
+    drop_parts(converter, config, drop)
     if not hasattr(converter, "export_megatron"):
         raise ConfigError(f"the converter of model {config.plugins.model!r} cannot export to "
                           f"Megatron (no export_megatron method)")

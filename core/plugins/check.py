@@ -172,6 +172,8 @@ def check_plugin(info: registry.PluginInfo) -> list[Problem]:
                                     f"{type(cause).__name__}: {cause}")]
     if info.role == "layer":
         return check_layer_type(info, obj)
+    if info.role == "converter":
+        return check_converter(info, obj)
     if info.role not in HOOK_ROLES:
         return []
     return check_hooks(info, obj)
@@ -187,6 +189,23 @@ def check_layer_type(info: registry.PluginInfo, obj) -> list[Problem]:
                     "activation_bytes(shape) -> int (docs/plugins/layers.md) and hold it to "
                     "autograd with plugtron.testing.assert_activation_bytes_match",
                     warning=True)]
+
+
+def check_converter(info: registry.PluginInfo, obj) -> list[Problem]:
+    """A converter's optional parts (``--drop PART`` on export): ``droppable_parts`` must say
+    what each is, and ``drop_part`` must be there to leave it out."""
+    parts = getattr(obj, "droppable_parts", None)
+    if parts is None:
+        return []
+    if not isinstance(parts, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                              for k, v in parts.items()):
+        return [Problem(info, "droppable_parts", "must be a dict {part: what it is} of strings "
+                        "(docs/interchange.md#export)")]
+    if not callable(getattr(obj, "drop_part", None)):
+        return [Problem(info, "drop_part", f"not defined: droppable_parts offers "
+                        f"{', '.join(parts)}, but export --drop needs drop_part(config, part) "
+                        f"to leave one out (docs/interchange.md#export)")]
+    return []
 
 
 def installed_plugins(names: Collection[str] = ()) -> list[registry.PluginInfo]:

@@ -318,9 +318,16 @@ def _object_key(module: str, offsets, shape) -> str:
 
 
 class MegatronMoE:
-    """The Megatron-Core members of plugtron-moe's converters (mixed into each)."""
+    """Members shared by plugtron-moe's converters (mixed into each): Megatron-Core's, and the
+    parts an export may leave out (``--drop mtp``: the MTP layers, as the GPT converter)."""
 
     model = "gpt"
+    droppable_parts = {"mtp": "the multi-token prediction layers"}
+
+    def drop_part(self, config, part: str) -> None:
+        mtp = getattr(config, "mtp", None)
+        if part == "mtp" and mtp is not None:
+            mtp.mtp_num_layers = None
 
     @classmethod
     def claims_megatron(cls, args: dict | None, given: dict) -> bool:

@@ -10,7 +10,8 @@ prediction layers present (written as DeepSeek stores them, ``model.layers.{L + 
 * export after import gives back every tensor of the files bit for bit, and importing the export
   gives back the same checkpoint;
 * a model made by plugtron (MLA + MoE + MTP + YaRN) exports as deepseek_v3 that transformers
-  runs to the same logits; ``--load HF_DIR`` trains one directly (MTP loss reported);
+  runs to the same logits, and without its MTP layer under ``--drop mtp``; ``--load HF_DIR``
+  trains one directly (MTP loss reported);
 * config fields plugtron would compute differently, or does not know, exit 2 naming them.
 """
 
@@ -238,6 +239,23 @@ def test_plugtron_model_exports_as_deepseek_v3(tmp_path):
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0), (ours - theirs).abs().max()
     convert("import-hf", hf_dir, again)
     assert_same_checkpoint_tensors(saved, again, VOCAB)
+
+    # --drop mtp: the same model without its MTP layer, as inference engines want it.
+    dropped = str(tmp_path / "dropped")
+    convert("export-hf", saved, dropped, "--drop", "mtp")
+    with open(os.path.join(dropped, "config.json")) as f:
+        assert json.load(f)["num_nextn_predict_layers"] == 0
+    names = set()
+    for path in glob.glob(os.path.join(dropped, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            names |= set(f.keys())
+    assert names and not any(n.startswith("model.layers.3.") for n in names)
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(dropped).eval()
+    with torch.no_grad():
+        assert torch.equal(model(batch).logits.float(), theirs)
+    refused = convert("export-hf", saved, str(tmp_path / "no"), "--drop", "vision",
+                      exit_code=2)
+    assert "--drop 'vision'" in refused.output and "mtp (the multi-token" in refused.output
 
 
 @pytest.fixture(scope="module")

@@ -116,6 +116,13 @@ def test_export_megatron_then_import_keeps_every_tensor(case, tmp_path, monkeypa
                 } <= keys
         assert "decoder.layers.2.mlp.experts.experts.linear_fc1._extra_state/shard_3_4" in \
             ckpt.objects
+        # --drop mtp: the same model without its MTP layer
+        result = runner.invoke(cli, ["convert", "export-megatron", str(tmp_path / "save"),
+                                     str(tmp_path / "no-mtp"), "--drop", "mtp"])
+        assert result.exit_code == 0, result.output
+        dropped = read_torch_dist(str(tmp_path / "no-mtp"))
+        assert not dropped.common["args"].mtp_num_layers
+        assert set(dropped.tensors) == {k for k in keys if not k.startswith("mtp.")}
     if stacked:
         assert "decoder.layers.self_attention.linear_q_proj.weight" in keys
         assert args.q_lora_rank is None and args.moe_layer_freq == 1

@@ -22,6 +22,7 @@ import torch
 from plugtron.api import ConfigError, TrainConfig
 from plugtron_gpt.gpt.hf_families import FAMILIES, family_config, family_flags, family_of
 from plugtron_gpt.gpt.megatron_convert import export_megatron, import_megatron
+from plugtron_gpt.gpt.mtp import DROPPABLE, drop_mtp
 from plugtron_gpt.gpt.param_names import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS
 from plugtron_gpt.layers.attention_options import attention_options, parse_window, rope_scaling
 from plugtron_gpt.layers.mlp import openai_gelu, squared_relu
@@ -309,10 +310,14 @@ def hf_layout_of(config) -> str:
 
 class GPTConverter:
     vocab_tensors = (EMBEDDING, OUTPUT)
+    droppable_parts = DROPPABLE
     #: Buffers some files still hold that carry no weights (GPT-2's causal mask, old Llama
     #: files' rotary frequencies): the strict import accepts them unread.
     ignored_hf_tensors = (r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias",
                           r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+    def drop_part(self, config, part: str) -> None:
+        drop_mtp(config, part)
 
     def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
         kind = hf_config.get("model_type")

@@ -71,6 +71,7 @@ from plugtron_gpt.layers.mlp import openai_gelu, squared_relu
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.(transformer_layer|mtp_model_layer)\.(.+)$")
+_MTP_DEPTH = re.compile(r"^mtp\.layers\.(\d+)\.")  # any tensor of MTP depth k
 #: Megatron TE-spec name (under a layer) -> plugtron's (local-spec) name. On export a TE name
 #: ``X.layer_norm_*`` is written only where the layer has the linear ``X``.
 _TE_NORMS = {"self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
@@ -458,9 +459,14 @@ def export_megatron(config, tensors: dict, padded_vocab: int,
     for name, plain in FEATURE_ARGS.items():
         args.setdefault(name, plain)
     out, per_layer, mtp_layers = {}, {}, {}
+    # The config's MTP depth, not the checkpoint's: ``--drop mtp`` leaves those layers out.
+    depth = getattr(getattr(config, "mtp", None), "mtp_num_layers", None) or 0
     for name in tensors:  # names only: ``tensors`` may read each tensor when it is looked up
         match = _LAYER.match(name)
         mtp = _MTP_LAYER.match(name)
+        dropped = _MTP_DEPTH.match(name)
+        if dropped and int(dropped.group(1)) >= depth:
+            continue
         if match:
             per_layer.setdefault(int(match.group(1)), []).append(match.group(2))
         elif mtp:

@@ -70,6 +70,17 @@ def mtp_options(config) -> MTPOptions:
     return options if isinstance(options, MTPOptions) else MTPOptions()
 
 
+#: What the GPT converters offer to leave out of an export (``--drop mtp``).
+DROPPABLE = {"mtp": "the multi-token prediction layers"}
+
+
+def drop_mtp(config, part: str) -> None:
+    """``--drop mtp`` on export: the model without its MTP layers (the converters then ask for
+    none of their tensors, and the exported config has no MTP depth)."""
+    if part == "mtp" and isinstance(getattr(config, "mtp", None), MTPOptions):
+        config.mtp.mtp_num_layers = None
+
+
 def mtp_depth(config) -> int:
     return mtp_options(config).mtp_num_layers or 0
 
