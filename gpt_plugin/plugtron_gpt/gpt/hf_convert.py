@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 from plugtron.api import ConfigError, TrainConfig
+from plugtron_gpt.gpt import hf_families
 from plugtron_gpt.gpt.hf_families import FAMILIES, family_config, family_flags, family_of
 from plugtron_gpt.gpt.megatron_convert import export_megatron, import_megatron
 from plugtron_gpt.gpt.mtp import DROPPABLE, drop_mtp
@@ -318,6 +319,18 @@ class GPTConverter:
 
     def drop_part(self, config, part: str) -> None:
         drop_mtp(config, part)
+
+    # Shared with the converters of models that extend gpt (plugtron-moe's, which reach them
+    # through the registry): one reading of HF's rotary settings, one writing of them.
+    @staticmethod
+    def hf_rope_flags(hf_config: dict, mla: bool = False) -> dict:
+        """config.json's rotary settings -> plugtron flags (YaRN's, under MLA too)."""
+        return hf_families.rope_flags(hf_config, mla)
+
+    @staticmethod
+    def hf_rope_config(config) -> dict:
+        """A run config's ``rope_theta`` and ``rope_parameters`` for config.json."""
+        return hf_families.rope_config(config)
 
     def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
         kind = hf_config.get("model_type")

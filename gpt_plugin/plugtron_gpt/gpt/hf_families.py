@@ -39,8 +39,10 @@ def _need(d: dict, key: str, where: str):
 # --------------------------------------------------------------------------- import
 
 
-def rope_flags(c: dict) -> dict:
-    """``rotary-base`` and the scaling flags of ``c``'s rotary settings."""
+def rope_flags(c: dict, mla: bool = False) -> dict:
+    """``rotary-base`` and the scaling flags of ``c``'s rotary settings (``mla``: for
+    multi-latent attention, where ``--mscale-all-dim`` also sets the softmax correction).
+    Shared with the converters of models that extend gpt (``GPTConverter.hf_rope_flags``)."""
     params = dict(c.get("rope_scaling") or {})
     params.update(c.get("rope_parameters") or {})  # transformers 5's name wins
     kind = params.get("rope_type") or params.get("type") or "default"
@@ -70,19 +72,21 @@ def rope_flags(c: dict) -> dict:
                       "rope-scaling-original-max-position-embeddings": int(original)})
         return flags
     if kind == "yarn":
-        return flags | yarn_flags(params, c)
+        return flags | yarn_flags(params, c, mla)
     raise ConfigError(f"rope type {kind!r} is not supported by plugtron: it converts 'default', "
                       f"'linear', 'llama3' and 'yarn' rotary scaling exactly; {kind!r} would "
                       f"compute different angles")
 
 
-def yarn_flags(params: dict, c: dict) -> dict:
+def yarn_flags(params: dict, c: dict, mla: bool = False) -> dict:
     """``--rope-type yarn`` and its options, computing what transformers computes: ``factor``
     required; ``original_max_position_embeddings`` from the top level, else the rope
     parameters, else ``max_position_embeddings``; cos and sin scaled by ``attention_factor``
     where given, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` only when both
     are set, else ``mscale(factor)`` (a config whose value --mscale / --mscale-all-dim cannot
-    give is refused); ``beta_fast`` / ``beta_slow`` 32 / 1 and ``truncate`` true by default."""
+    give is refused); ``beta_fast`` / ``beta_slow`` 32 / 1 and ``truncate`` true by default.
+    Under MLA ``mscale_all_dim`` is kept whatever the rest: it also scales the softmax (as
+    DeepSeek's ``mscale_all_dim`` does in transformers)."""
     factor = params.get("factor")
     if factor is None:
         raise ConfigError("config.json rope_parameters (yarn) has no 'factor'")
@@ -94,18 +98,23 @@ def yarn_flags(params: dict, c: dict) -> dict:
         raise ConfigError("config.json rope_parameters (yarn) has no "
                           "'original_max_position_embeddings'")
     mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    both = bool(mscale and all_dim)
     given = params.get("attention_factor")
     # Without attention_factor transformers ignores mscale unless mscale_all_dim is set too;
     # with it (plugtron's export writes one then), the file's values are taken as they are.
-    if given is not None or (mscale and all_dim):
-        ours = (float(1.0 if mscale is None else mscale), float(all_dim or 0.0))
-    else:
-        ours = (1.0, 0.0)
+    literal = given is not None or both
+    ours = (float(1.0 if mscale is None else mscale) if literal else 1.0,
+            float(all_dim or 0.0) if literal or mla else 0.0)
     computed = yarn_mscale(factor, ours[0]) / yarn_mscale(factor, ours[1])
-    theirs = float(given) if given is not None else computed
+    theirs = float(given) if given is not None else computed if both else yarn_mscale(factor)
     if not math.isclose(theirs, computed, rel_tol=1e-12):
-        raise ConfigError(f"rope_parameters (yarn) attention_factor {given} is not what "
-                          f"plugtron's --mscale / --mscale-all-dim give ({computed})")
+        raise ConfigError(
+            f"rope_parameters (yarn): transformers scales cos and sin by {theirs} (factor "
+            f"{factor}, mscale {mscale}, mscale_all_dim {all_dim}, attention_factor {given}), "
+            f"but plugtron's --mscale / --mscale-all-dim give {computed}"
+            + (" (with multi-latent attention --mscale-all-dim also sets the softmax "
+               "correction, so it must be mscale_all_dim)" if mla and all_dim else "")
+            + "; no flag value gives both")
     return {"rope-type": "yarn", "rotary-scaling-factor": factor,
             "yarn-original-max-position-embeddings": int(original),
             "mscale": ours[0], "mscale-all-dim": ours[1],
@@ -193,10 +202,10 @@ def family_of(config) -> str:
     return "llama"
 
 
-def family_config(config, family: str) -> dict:
-    """The family-specific config.json fields of ``config``."""
-    m, o = config.model, attention_options(config)
-    theta = float(m.rotary_base)
+def rope_config(config) -> dict:
+    """``rope_theta`` and ``rope_parameters`` of a run config for config.json (shared with the
+    converters of models that extend gpt: ``GPTConverter.hf_rope_config``)."""
+    theta = float(config.model.rotary_base)
     rope = {"rope_theta": theta, "rope_type": "default"}
     scaling = rope_scaling(config)
     if scaling is not None:
@@ -206,8 +215,14 @@ def family_config(config, family: str) -> dict:
                 and yarn_attention_factor(scaling) != yarn_mscale(scaling["factor"])):
             # transformers would infer mscale(factor) from these: state plugtron's value
             rope["attention_factor"] = yarn_attention_factor(scaling)
+    return {"rope_theta": theta, "rope_parameters": rope}
+
+
+def family_config(config, family: str) -> dict:
+    """The family-specific config.json fields of ``config``."""
+    m, o = config.model, attention_options(config)
     out = {"architectures": [ARCHITECTURES[family]], "model_type": family,
-           "rope_theta": theta, "rope_parameters": rope}
+           **rope_config(config)}
     window = parse_window(o.window_size)
     size = window[0] + 1 if window is not None else None
     if family == "llama":
