@@ -18,6 +18,7 @@ import os
 import statistics
 import sys
 
+from probes import StepTimes
 from results import write_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,22 +38,13 @@ WARMUP = 2
 def _train(rank, world_size, overrides: dict, iters: int) -> dict:
     """In each pool rank: a short run; its median step time and optimizer-state bytes."""
     import torch
-    from plugtron.api import hookimpl
     from plugtron.core.monitoring.metrics import MetricsLogger
     from plugtron.core.plugins.options import config_from_flags
     from plugtron.core.training.loop import setup, train
 
-    class Recorder:
-        def __init__(self):
-            self.times = []
-
-        @hookimpl
-        def plugtron_step_end(self, iteration, metrics):
-            self.times.append(metrics["step_time_s"])
-
     torch.set_num_threads(1)
     config = config_from_flags({**MODEL, **overrides, "train-iters": iters}, "benchmark")
-    recorder = Recorder()
+    recorder = StepTimes()
     run = setup(config, extra_plugins=[recorder])
     train(run, MetricsLogger(config, rank=1))
     timed = recorder.times[WARMUP:] or recorder.times

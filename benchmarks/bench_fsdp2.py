@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 
+from probes import StepTimes, live_peak_bytes
 from results import write_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,22 +72,14 @@ def _rss_bytes() -> int:
 def _train(rank, world_size, flags: dict, iters: int, memory: bool = False) -> dict:
     """In each pool rank: a short run; its step times, state bytes and resident-set peak."""
     import torch
-    from plugtron.api import hookimpl, local_tensor
+    from plugtron.api import local_tensor
     from plugtron.core.monitoring.metrics import MetricsLogger
     from plugtron.core.plugins.options import config_from_flags
     from plugtron.core.training.loop import setup, train
 
-    class Recorder:
-        def __init__(self):
-            self.times = []
-
-        @hookimpl
-        def plugtron_step_end(self, iteration, metrics):
-            self.times.append(metrics["step_time_s"])
-
     torch.set_num_threads(1)
     config = config_from_flags({**flags, "train-iters": iters}, "benchmark")
-    recorder = Recorder()
+    recorder = StepTimes()
     before = _rss_bytes()
     run = setup(config, extra_plugins=[recorder])
     grads = []
@@ -127,12 +120,7 @@ def _train(rank, world_size, flags: dict, iters: int, memory: bool = False) -> d
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                     profile_memory=True) as prof:
             train(run, MetricsLogger(config, rank=1))
-        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]")
-        live = live_peak = 0
-        for _, nbytes in events:
-            live += nbytes
-            live_peak = max(live_peak, live)
+        live_peak = live_peak_bytes(prof)
     params = sum(local_tensor(p).numel() * p.element_size()
                  for chunk in run.model_chunks for p in chunk.parameters())
     timed = recorder.times[WARMUP:] or recorder.times

@@ -25,6 +25,7 @@ import sys
 import time
 
 import torch
+from probes import live_peak_bytes
 from results import write_section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,12 +142,7 @@ def _live_peak(rank, world_size, flags: dict) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
                                 profile_memory=True) as prof:
         train(run, MetricsLogger(config, rank=1))
-    live = peak = 0
-    for _, nbytes in sorted((e.start_ns(), e.nbytes())
-                            for e in prof.profiler.kineto_results.events()
-                            if e.name() == "[memory]"):
-        live += nbytes
-        peak = max(peak, live)
+    peak = live_peak_bytes(prof)
     # Live tensors against the estimate without the CPU heap's slack (what a GPU's allocator
     # would count); the resident set against the whole estimate.
     return {"live_peak": start + peak, "rss_peak": rss_peak,

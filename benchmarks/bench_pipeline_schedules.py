@@ -31,6 +31,7 @@ import statistics
 import sys
 
 import torch
+from probes import live_peak_bytes
 from results import write_section
 
 SCHEDULES = ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "interleaved-zero-bubble", "zbv",
@@ -87,13 +88,7 @@ def _memory(run, micro) -> tuple[int, int]:
                                 profile_memory=True) as prof:
         _step(run, micro)
     rss = _kib("VmHWM") * 1024 - rss0
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
-    live = peak = 0
-    for _, nbytes in events:
-        live += nbytes
-        peak = max(peak, live)
-    return peak, rss
+    return live_peak_bytes(prof), rss
 
 
 def rank_main(rank, world_size, rounds):
