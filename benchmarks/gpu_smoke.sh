@@ -13,6 +13,7 @@ set -euo pipefail
 
 ITERS="${1:-20}"
 WORK="$(mktemp -d)"
+HERE="$(cd "$(dirname "$0")" && pwd)"
 trap 'rm -rf "$WORK"' EXIT
 
 MODEL=(--data mock --vocab-size 32000 --num-layers 4 --hidden-size 1024
@@ -28,22 +29,8 @@ for backend in te local; do
     --metrics-file "$WORK/$backend.jsonl"
 done
 
-python - "$WORK" <<'PY'
-import json, pathlib, sys
-
-TOKENS_PER_ITER = 16 * 1024  # global batch x sequence length, as above
-work = pathlib.Path(sys.argv[1])
-rates = {}
-for backend in ("te", "local"):
-    records = [json.loads(line) for line in (work / f"{backend}.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "step_time_s" in r]
-    # Leave out the first quarter of the steps (kernel selection, allocator warm-up).
-    timed = steps[len(steps) // 4:] or steps
-    rates[backend] = TOKENS_PER_ITER * len(timed) / sum(r["step_time_s"] for r in timed)
-    print(f"{backend:5s}: {rates[backend]:10.0f} tokens/s "
-          f"(final loss {steps[-1]['lm_loss']:.4f})")
-print(f"te / local: {rates['te'] / rates['local']:.2f}x")
-PY
+# 16 x 1024 tokens per iteration: global batch x sequence length, as above.
+python "$HERE/metrics_rates.py" $((16 * 1024)) "$WORK/te.jsonl" "$WORK/local.jsonl"
 
 GPUS="$(python -c 'import torch; print(torch.cuda.device_count())')"
 if [ "$GPUS" -ge 2 ]; then
@@ -58,25 +45,9 @@ if [ "$GPUS" -ge 2 ]; then
         --metrics-file "$WORK/pp-$schedule-$backend.jsonl"
     done
   done
-  python - "$WORK" <<'PY'
-import json, pathlib, sys
-
-work = pathlib.Path(sys.argv[1])
-TOKENS_PER_ITER = 16 * 1024
-for backend in ("local", "te"):
-    base = None
-    for schedule in ("1f1b", "zb-h1", "zbv"):
-        records = [json.loads(line) for line in
-                   (work / f"pp-{schedule}-{backend}.jsonl").read_text().splitlines()]
-        steps = [r for r in records if "step_time_s" in r]
-        timed = steps[len(steps) // 4:] or steps
-        rate = TOKENS_PER_ITER * len(timed) / sum(r["step_time_s"] for r in timed)
-        losses = [r["lm_loss"] for r in steps]
-        base = base or losses
-        drift = max(abs(a - b) / abs(b) for a, b in zip(losses, base))
-        print(f"{backend:5s} {schedule:6s}: {rate:10.0f} tokens/s, final loss {losses[-1]:.4f}, "
-              f"max relative loss difference to 1f1b {drift:.2e}")
-PY
+  for backend in local te; do
+    python "$HERE/metrics_rates.py" $((16 * 1024)) "$WORK"/pp-{1f1b,zb-h1,zbv}-"$backend".jsonl
+  done
   # fsdp2 against ddp over NCCL: the same code path as on gloo, the devices' own collectives.
   DP=(--data mock --vocab-size 32000 --num-layers 8 --hidden-size 1024
       --num-attention-heads 16 --seq-length 1024 --micro-batch-size 2 --global-batch-size 16
@@ -87,26 +58,9 @@ PY
     plugtron train "${DP[@]}" --data-parallel "$wrapper" \
       --metrics-file "$WORK/dp-$wrapper.jsonl"
   done
-  python - "$WORK" <<'PY'
-import json, pathlib, sys
-
-work = pathlib.Path(sys.argv[1])
-TOKENS_PER_ITER = 16 * 1024
-base = None
-for wrapper in ("ddp", "fsdp2"):
-    records = [json.loads(line) for line in
-               (work / f"dp-{wrapper}.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "step_time_s" in r]
-    timed = steps[len(steps) // 4:] or steps
-    rate = TOKENS_PER_ITER * len(timed) / sum(r["step_time_s"] for r in timed)
-    losses = [r["lm_loss"] for r in steps]
-    base = base or losses
-    drift = max(abs(a - b) / abs(b) for a, b in zip(losses, base))
-    print(f"{wrapper:5s}: {rate:10.0f} tokens/s, final loss {losses[-1]:.4f}, "
-          f"max relative loss difference to ddp {drift:.2e}")
-PY
+  python "$HERE/metrics_rates.py" $((16 * 1024)) "$WORK"/dp-{ddp,fsdp2}.jsonl
   echo "== two nodes and an elastic restart over NCCL"
-  python benchmarks/nodes_smoke.py "$ITERS"
+  python "$HERE/nodes_smoke.py" "$ITERS"
 else
   echo "(one GPU: the pp 2 zero-bubble, dp 2 fsdp2, two-node and elastic runs need two)"
 fi

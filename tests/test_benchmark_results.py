@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 
 _SPEC = importlib.util.spec_from_file_location(
@@ -26,3 +27,18 @@ def test_every_section_of_the_results_file_is_there_once():
     text = (pathlib.Path(__file__).parents[1] / "benchmarks" / "RESULTS.md").read_text()
     titles = [results._title(line) for line in text.splitlines() if line.startswith("## ")]
     assert len(titles) == len(set(titles)), sorted(t for t in titles if titles.count(t) > 1)
+
+
+def test_metrics_rates_compares_runs_with_the_first(tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "metrics_rates", pathlib.Path(__file__).parents[1] / "benchmarks" / "metrics_rates.py")
+    rates = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rates)
+    for name, step, losses in (("a", 0.5, [4.0, 3.0, 2.0, 1.0]), ("b", 0.25, [4.0, 3.0, 2.0, 1.1])):
+        records = [{"iteration": i + 1, "lm_loss": x, "step_time_s": step}
+                   for i, x in enumerate(losses)] + [{"summary": True}]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(map(json.dumps, records)))
+    lines = rates.report(100, [str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")])
+    assert lines[0].startswith("a           :        200 tokens/s (1.00x a)")
+    assert "400 tokens/s (2.00x a), final loss 1.1000" in lines[1]
+    assert lines[1].endswith("difference to a 1.00e-01")
