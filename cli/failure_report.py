@@ -17,7 +17,7 @@ from plugtron.core.monitoring import run_status
 _OUR_FRAME = re.compile(r'File "[^"]*/(core|plugins|cli|plugtron_gpt)/([^"]+)", line (\d+), in (\w+)')
 
 
-def _how(exitcode: int | None) -> str:
+def how_it_ended(exitcode: int | None) -> str:
     if exitcode is None:
         return "did not exit"
     if exitcode < 0:
@@ -56,12 +56,12 @@ def report(status_dir: str, nproc: int, exitcodes: dict[int, int]) -> str:
                      f"during '{phases[first]}'; rank(s) {', '.join(map(str, late)) or 'none'} "
                      f"did not arrive")
         for r in late:
-            lines.append(f"  rank {r}: last phase '{phases[r]}', {_how(exitcodes.get(r))} "
+            lines.append(f"  rank {r}: last phase '{phases[r]}', {how_it_ended(exitcodes.get(r))} "
                          f"(stopped or hung; the launcher ended it)")
         return "\n".join(lines)
     if killed:
         for r in killed:
-            lines.append(f"rank {r} {_how(exitcodes.get(r))} during '{phases[r]}'")
+            lines.append(f"rank {r} {how_it_ended(exitcodes.get(r))} during '{phases[r]}'")
         others = [r for r in range(nproc) if r not in killed and errors[r]]
         if others:
             lines.append(f"rank(s) {', '.join(map(str, others))} then failed waiting for it "
@@ -71,4 +71,4 @@ def report(status_dir: str, nproc: int, exitcodes: dict[int, int]) -> str:
     if failed:  # a genuine error: the first rank's full traceback, once
         r = failed[0]
         return f"rank {r} failed during '{phases[r]}':\n{errors[r].rstrip()}"
-    return "a rank failed: " + ", ".join(f"rank {r} {_how(c)}" for r, c in exitcodes.items())
+    return "a rank failed: " + ", ".join(f"rank {r} {how_it_ended(c)}" for r, c in exitcodes.items())

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from plugtron.core.errors import PlugtronError
 from plugtron.core.monitoring import run_status
 
+from .failure_report import how_it_ended
 from .rank_reaper import RankReaper, children
 
 ERROR_FILE_ENV = "PLUGTRON_ERROR_FILE"
@@ -183,16 +184,22 @@ def launch_local_ranks(config_json: str, nproc: int, command: str = "train",
                               f"latest checkpoint (an etcd rendezvous through torchrun "
                               f"survives the loss of any node)") from None
         except ChildFailedError as exc:
-            if os.path.exists(error_file):
+            late = _died_after_finishing(status_dir, nproc, exc)
+            if late:  # every rank had finished (and saved): the run succeeded
+                print(f"plugtron: note: {late}, after every rank had finished its work and "
+                      f"the final checkpoint (if any) was committed; the run succeeded",
+                      file=sys.stderr, flush=True)
+            elif os.path.exists(error_file):
                 with open(error_file) as f:
                     raise PlugtronError(f.read().strip()) from None
-            codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-            if signals.received is not None and all(c in (0, -signal.SIGTERM, -signal.SIGKILL)
-                                                    for c in codes.values()):
-                raise JobStopped(f"stopped by {signal.Signals(signals.received).name} before "
-                                 f"the ranks could finish a step; nothing saved",
-                                 128 + signals.received) from None
-            raise RankFailure(report(status_dir, nproc, codes)) from None
+            else:
+                codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
+                if signals.received is not None and all(
+                        c in (0, -signal.SIGTERM, -signal.SIGKILL) for c in codes.values()):
+                    raise JobStopped(f"stopped by {signal.Signals(signals.received).name} "
+                                     f"before the ranks could finish a step; nothing saved",
+                                     128 + signals.received) from None
+                raise RankFailure(report(status_dir, nproc, codes)) from None
         finally:
             os.environ.pop(ERROR_FILE_ENV, None)
             os.environ.pop(run_status.STATUS_DIR_ENV, None)
@@ -200,6 +207,22 @@ def launch_local_ranks(config_json: str, nproc: int, command: str = "train",
         if stop.startswith("stopped "):
             _, code, message = stop.split(" ", 2)
             raise JobStopped(message, int(code))
+
+
+def _died_after_finishing(status_dir: str, nproc: int, exc) -> str | None:
+    """When every local rank recorded a final phase (``done``, or ``stopped`` after its
+    checkpoint) before one of them died, what died and how; None otherwise. The work and the
+    saves are complete then: only the process's exit failed."""
+    phases = [name for name in os.listdir(status_dir) if name.endswith(".phase")]
+    if len(phases) < nproc:
+        return None
+    for name in phases:
+        with open(os.path.join(status_dir, name)) as f:
+            phase = f.read().strip()
+        if phase != "done" and not phase.startswith("stopped "):
+            return None
+    return "; ".join(f"rank {rank} {how_it_ended(failure.exitcode)} while exiting"
+                     for rank, failure in sorted(exc.failures.items()))
 
 
 class RankFailure(Exception):

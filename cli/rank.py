@@ -6,10 +6,13 @@ import json
 import os
 import sys
 import traceback
+from typing import NoReturn
+
+import torch
 
 from plugtron.core.errors import PlugtronError
 from plugtron.core.monitoring import run_status
-from plugtron.core.parallel.distributed import init_distributed, shutdown, timeout_seconds
+from plugtron.core.parallel.distributed import init_distributed, timeout_seconds
 from plugtron.core.training import preemption
 
 from .launch import report_user_error
@@ -39,7 +42,30 @@ def _generate(config):
 COMMANDS = {"train": _train, "evaluate": _evaluate, "generate": _generate}
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> NoReturn:
+    """Run the command, then leave at once with its exit code (see :func:`leave`)."""
+    leave(_run(argv))
+
+
+def leave(code: int) -> NoReturn:
+    """End this rank without the interpreter's teardown.
+
+    Everything the run owed is done by now (the final checkpoint committed, metrics and logs
+    closed); what is left is torch's and gloo's C++ state and the interpreter's threads. Tearing
+    those down raced with the peers' own exits: a thread destroyed while joinable, or a daemon
+    thread unwound out of torch at finalisation, aborted a finished rank intermittently
+    ("terminate called without an active exception", killed by SIGABRT during 'done'; 2 fresh
+    CI runs in 2 on a loaded 2-core machine). ``os._exit`` runs no destructor, so a finished
+    rank's exit cannot race; the kernel closes its sockets after the data already sent."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _run(argv: list[str]) -> int:
     tie_to_parent()
     preemption.install()
     run_status.set_phase("setup")
@@ -58,29 +84,33 @@ def main(argv: list[str]) -> int:
         # No goodbye barrier: other ranks may be stuck waiting for this one; the launcher
         # stops them.
         report_user_error(str(exc))
-        shutdown()
         return 2
     except Exception:  # noqa: BLE001 - reported once, by the launcher, with the root cause
         run_status.write_error(traceback.format_exc())
         if not under_launcher:
             traceback.print_exc()
-        sys.stderr.flush()
-        # Skip interpreter teardown: gloo torn down while peers are gone can abort noisily.
-        os._exit(1)
+        return 1
     if preemption.stopped is not None:
         message, code = preemption.final_message(config), preemption.stopped[1]
         run_status.set_phase(f"stopped {code} {message}")
         if int(os.environ.get("RANK", 0)) == 0 and not under_launcher:
             print(message, flush=True)
-        shutdown(barrier=True)
+        _wait_for_peers()
         return 0 if under_launcher else code  # plugtron's launcher reports it and exits so
     run_status.set_phase("done")
-    # Leave the process group together before exit: gloo torn down at interpreter exit while
-    # a peer is still connected intermittently aborts ("terminate called without an active
-    # exception"); destroying the group without the barrier first still did, 2 runs in 12.
-    shutdown(barrier=True)
+    _wait_for_peers()
     return 0
 
 
+def _wait_for_peers() -> None:
+    """Leave together: no rank closes its connections while a peer may still be receiving
+    from it. The process group is not destroyed; :func:`leave` ends the process instead."""
+    if torch.distributed.is_initialized():
+        try:
+            torch.distributed.barrier()
+        except Exception:  # noqa: BLE001 - this rank's work is done; a peer that died after
+            pass  # its own is the launcher's to judge (every rank's phase says 'done')
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main(sys.argv[1:])

@@ -214,8 +214,3 @@ def elastic_restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
 
 
-def shutdown(barrier: bool = False) -> None:
-    if torch.distributed.is_initialized():
-        if barrier:
-            torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
