@@ -164,6 +164,10 @@ def check_hooks(info: registry.PluginInfo, obj) -> list[Problem]:
 
 def check_plugin(info: registry.PluginInfo) -> list[Problem]:
     """Import one plugin and, for pluggy roles, check its hooks."""
+    missing = registry.unmet_requirements(info)
+    if missing:
+        return [Problem(info, None, f"its distribution needs {', '.join(missing)}, which is "
+                                    f"not installed")]
     try:
         obj = registry.load_entry_point(info)
     except PluginError as exc:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata as metadata
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,9 +246,41 @@ def load(role: str, name: str):
     return load_entry_point(matches[0])
 
 
+def unmet_requirements(info: PluginInfo) -> list[str]:
+    """The distributions that ``info``'s distribution requires (its ``Requires-Dist`` without
+    an ``extra`` marker) and that are not installed: a plugin that works only beside another
+    distribution says so in its metadata, and is reported here instead of failing later."""
+    return list(_unmet(info.distribution, info.version, _current().state))
+
+
+@functools.lru_cache(maxsize=64)
+def _unmet(distribution: str, version: str, state: tuple) -> tuple[str, ...]:
+    try:
+        dist = metadata.distribution(distribution)
+    except metadata.PackageNotFoundError:
+        return ()
+    missing = []
+    for requirement in dist.requires or []:
+        spec, _, marker = requirement.partition(";")
+        if "extra" in marker:
+            continue
+        name = re.split(r"[\s\[<>=!~(]", spec.strip(), maxsplit=1)[0]
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            missing.append(spec.strip())
+    return tuple(missing)
+
+
 def load_entry_point(info: PluginInfo):
     """Import the entry point that listing found; a failure names the plugin, its distribution
-    and version, and the exception that the import raised."""
+    and version, and the exception that the import raised. A distribution whose requirements
+    are not installed is refused first, naming them."""
+    missing = unmet_requirements(info)
+    if missing:
+        raise PluginError(f"{info.role} {info.name!r} from {info.origin} needs "
+                          f"{', '.join(missing)}, which is not installed: "
+                          f"pip install {' '.join(m.split()[0] for m in missing)}")
     try:
         obj = info.entry_point.load()
     except Exception as exc:  # whatever a plugin's import raises must not become a traceback
