@@ -9,7 +9,6 @@ import traceback
 from typing import NoReturn
 
 import torch
-
 from plugtron.core.errors import PlugtronError
 from plugtron.core.monitoring import run_status
 from plugtron.core.parallel.distributed import init_distributed, timeout_seconds
