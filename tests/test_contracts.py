@@ -66,7 +66,7 @@ def test_hook_model_provider():
 def test_hook_forward_step():
     config, run = _built()
     iterator = iter([{k: v.unsqueeze(0) for k, v in run.datasets[0][0].items()}])
-    output, closure = run.pm.hook.forward_step(data_iterator=iterator, model=run.model_chunks[0])
+    output, closure = run.forward_step_func(iterator, run.model_chunks[0])  # bound to loss_func
     assert output.shape == (1, config.model.seq_length)  # per-token losses on the last stage
     loss_sum, num_tokens, report = closure(output)
     assert num_tokens.item() == config.model.seq_length

@@ -30,7 +30,13 @@ from plugtron.core.contracts.data_parallel import DataParallelChunk, DataParalle
 from plugtron.core.contracts.hookspecs import hookimpl
 from plugtron.core.contracts.layer_backend import LayerBackend
 from plugtron.core.contracts.layers import load_layer_types, substitute_symbols
+from plugtron.core.contracts.loss import LossClosure, loss_closure
 from plugtron.core.contracts.model_info import ModelInfo, model_info_for
+from plugtron.core.contracts.versions import (
+    CONTRACT_VERSION,
+    PlugtronDeprecationWarning,
+    require_contract,
+)
 from plugtron.core.contracts.weight_grads import (
     WeightGradStore,
     defer_weight_grad,
@@ -134,13 +140,15 @@ from plugtron.core.training.step_info import check_finite
 __all__ = [
     # plugins, their roles and options, errors
     "hookimpl", "ConfigSection", "opt", "TrainConfig", "selected_drivers", "PluginRole",
-    "load_plugin", "saved_config",
+    "load_plugin", "saved_config", "CONTRACT_VERSION", "require_contract",
+    "PlugtronDeprecationWarning",
     "PlugtronError", "ConfigError", "PluginError", "CheckpointError",
     # building a model: its description, layer types, composition, init, losses, parameters
     "ModelInfo", "model_info_for", "LayerBackend", "load_layer_types", "substitute_symbols",
     "ComposedLayer", "chunk_layers", "stage_layer_counts",
     "virtual_stage", "stage_owner", "LOOPED", "V_SHAPE",
     "InitMethod", "normal_init", "scaled_normal_init", "check_finite", "add_loss",
+    "loss_closure", "LossClosure",
     "share_parameter", "ParallelContext",
     "ForwardContext", "forward_context", "current_forward_context", "use_forward_context",
     "recompute", "recompute_module", "run_layers", "is_recomputing",

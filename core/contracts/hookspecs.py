@@ -136,9 +136,11 @@ def forward_step(data_iterator: Iterator[dict] | None, model: torch.nn.Module
         stage stays on the same microbatch.
     :param model: the chunk (as wrapped for data parallelism).
     :returns: ``(output_tensor, loss_closure)``. ``output_tensor`` is the activation for the next
-        stage, or on the last stage the per-token loss or logits. ``loss_closure(output_tensor)``
-        returns what ``loss_func`` returns; the schedule calls it on the last stage only (this is
-        Megatron's ``partial(loss_func, loss_mask)``).
+        stage, or on the last stage the per-token loss or logits. ``loss_closure`` is
+        ``plugtron.api.loss_closure(loss_mask)``: the core binds it to the run's ``loss_func``
+        hook (wrappers included) and the schedule calls ``loss_closure(output_tensor)`` on the
+        last stage only (Megatron's ``partial(loss_func, loss_mask)``; a plain closure still
+        works in contract 3, with a deprecation, but bypasses the hook).
 
     Called by the schedule, once per microbatch and chunk, on every pipeline stage.
     """
@@ -156,7 +158,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> LossResul
         and data-parallel ranks.
 
     Must check the local loss for NaN/Inf before any reduction across ranks and name the
-    iteration and rank in the error. Called on the last pipeline stage only.
+    iteration and rank in the error. Called by the core, through the loss closure that
+    ``forward_step`` returned, once per microbatch on the last pipeline stage only.
     """
 
 

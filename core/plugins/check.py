@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from plugtron.core.contracts import hookspecs
+from plugtron.core.contracts import hookspecs, versions
 from plugtron.core.errors import PluginError
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.selection import DRIVER_ROLES
@@ -174,6 +174,12 @@ def check_plugin(info: registry.PluginInfo) -> list[Problem]:
         cause = exc.__cause__ or exc
         return [Problem(info, None, f"failed to import ({info.value}): "
                                     f"{type(cause).__name__}: {cause}")]
+    deprecations = [Problem(info, None, f"deprecated: {message}", warning=True)
+                    for message in versions.uses_in(info.value.split(":")[0])]
+    return deprecations + _check_loaded(info, obj)
+
+
+def _check_loaded(info: registry.PluginInfo, obj) -> list[Problem]:
     if info.role == "layer":
         return check_layer_type(info, obj)
     if info.role == "converter":

@@ -12,6 +12,7 @@ from plugtron.core.checkpoint import dir_lock
 from plugtron.core.config import TrainConfig, num_microbatches, padded_vocab_size
 from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.contracts.data_parallel import DataParallelChunk
+from plugtron.core.contracts.loss import bind_loss_closure
 from plugtron.core.contracts.model_info import ModelInfo, metric_name
 from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.monitoring import run_status
@@ -69,7 +70,10 @@ class Run:
         return num_microbatches(self.config, self.parallel.dp_size)
 
     def forward_step_func(self, data_iterator, model):
-        return self.pm.hook.forward_step(data_iterator=data_iterator, model=model)
+        """The run's ``forward_step`` hook, its loss closure bound to the run's ``loss_func``
+        hook (so that every wrapper of either runs)."""
+        output, closure = self.pm.hook.forward_step(data_iterator=data_iterator, model=model)
+        return output, bind_loss_closure(closure, self.pm.hook.loss_func)
 
 
 def build_parallel(config: TrainConfig, world: WorldInfo) -> ParallelContext:
@@ -332,7 +336,7 @@ def train_step(run: Run, iterators) -> tuple[dict, object]:
     rerun = run.rerun
     if rerun is None or not rerun.enabled:
         reports, added = forward_backward(run, iterators)
-        result = run.optimizer.step()
+        result = optimizer_step(run)
         return reduce_reports(reports, run.parallel, added, run.report_keys), result
     # --rerun-mode validate_results: the result is checked before the optimizer step, and a
     # suspicious step runs once more on the same microbatches from the same RNG state.
@@ -347,7 +351,19 @@ def train_step(run: Run, iterators) -> tuple[dict, object]:
         rerun.end_step()
     if rerun.error is not None:  # reported with the step's record, then the run stops
         return losses, StepResult(False, math.nan, None)
-    return losses, run.optimizer.step()
+    return losses, optimizer_step(run)
+
+
+def optimizer_step(run: Run) -> StepResult:
+    """The optimizer's step; when it changed the parameters, every chunk's
+    ``start_param_sync()`` (the data-parallel wrapper brings the new values to the ranks that
+    compute with them: ``ddp``'s gather of sharded buffers, ``fsdp2``'s reshard, a third
+    party's averaging), whatever the optimizer."""
+    result = run.optimizer.step()
+    if result.stepped:
+        for chunk in run.model_chunks:
+            chunk.start_param_sync()
+    return result
 
 
 def evaluate_all(run: Run) -> dict[str, float] | None:

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+from plugtron.core.contracts.versions import deprecated
 from plugtron.core.errors import PluginError
 from plugtron.core.parallel.sharding import full_tensor, local_tensors, shard_like
 from plugtron.core.plugins import registry
@@ -126,6 +127,33 @@ def param_groups_for(model_chunks, weight_decay: float) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+#: contract 2's names of the main-parameter protocol -> contract 3's
+RENAMED_PROTOCOL = {"_prepare_main_grads": "prepare_main_grads",
+                    "_publish_main_params": "publish_main_params",
+                    "_main_param_bytes": "main_param_bytes"}
+
+
+def _alias(method, old: str):
+    def renamed(self, *args, **kwargs):
+        return method(self, *args, **kwargs)
+
+    renamed.alias_of = old  # type: ignore[attr-defined]
+    return renamed
+
+
+def _call_renamed(self, new: str):
+    """An old name called (``super()._prepare_main_grads()``): the nearest real implementation
+    of the new name, skipping the aliases made for subclasses that still use the old one."""
+    old = next(o for o, n in RENAMED_PROTOCOL.items() if n == new)
+    deprecated(f"{type(self).__module__}: {old} is called {new} in contract 3 (the old name "
+               f"works until contract 4)", type(self).__module__, stacklevel=4)
+    for klass in type(self).__mro__:
+        method = klass.__dict__.get(new)
+        if method is not None and not hasattr(method, "alias_of"):
+            return method(self)
+    raise NotImplementedError(new)
+
+
 class MixedPrecisionOptimizer(Optimizer):
     """Megatron's step over fp32 main parameters held in ``self.inner`` (a torch optimizer).
 
@@ -150,6 +178,28 @@ class MixedPrecisionOptimizer(Optimizer):
     The step itself (fp16 unscale and skip, the global norm, clipping, ``inner.step()``) is this
     class's and is not overridden.
     """
+
+    def __init_subclass__(cls, **kwargs):
+        """Contract 2's private names (before 2026-12-03) still work for one contract version:
+        a subclass that overrides ``_prepare_main_grads`` gets it as ``prepare_main_grads``,
+        with a deprecation naming the new name."""
+        super().__init_subclass__(**kwargs)
+        for old, new in RENAMED_PROTOCOL.items():
+            if old in cls.__dict__ and new not in cls.__dict__:
+                method = cls.__dict__[old]
+                setattr(cls, new, _alias(method, old))
+                deprecated(f"{cls.__module__}.{cls.__qualname__} overrides {old}, which contract "
+                           f"3 calls {new}: rename it (the old name works until contract 4; "
+                           f"docs/migration.md)", cls.__module__, stacklevel=4)
+
+    def _prepare_main_grads(self):
+        return _call_renamed(self, "prepare_main_grads")
+
+    def _publish_main_params(self):
+        return _call_renamed(self, "publish_main_params")
+
+    def _main_param_bytes(self):
+        return _call_renamed(self, "main_param_bytes")
 
     def __init__(self, config, parallel):
         self.config = config

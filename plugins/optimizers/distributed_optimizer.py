@@ -82,8 +82,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if copies:
             with torch.no_grad():  # one fused copy (with the cast) over every shard
                 torch._foreach_copy_([s for s, _ in copies], [m for _, m in copies])
-        for chunk in self.model_chunks:
-            chunk.start_param_sync()
+        # the core then calls every chunk's start_param_sync(), which all-gathers the shards
 
     def reload_model_params(self) -> None:
         copies = self._copied_pairs()

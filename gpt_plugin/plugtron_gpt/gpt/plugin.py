@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from plugtron.api import (
     ModelInfo,
@@ -11,6 +9,7 @@ from plugtron.api import (
     check_finite,
     hookimpl,
     load_layer_types,
+    loss_closure,
 )
 from plugtron_gpt.gpt.model import GPTModel, gpt_layer_symbols
 from plugtron_gpt.gpt.mtp import SECTION as MTP_SECTION
@@ -76,7 +75,7 @@ class GPTPlugin:
         loss_mask = batch["loss_mask"].to(device)
         output = model(tokens, position_ids, labels=labels, document_ids=document_ids,
                        loss_mask=loss_mask)
-        return output, partial(loss_func, loss_mask)
+        return output, loss_closure(loss_mask)
 
     @hookimpl
     def loss_func(self, loss_mask, output_tensor):
