@@ -25,8 +25,9 @@ def convert():
 @convert.command("import-hf")
 @click.argument("hf_dir", type=click.Path(exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path())
-@click.option("--model", default="gpt", show_default=True,
-              help="Model plugin whose converter reads it (plugtron.converters).")
+@click.option("--model", default=None,
+              help="Model plugin whose converter reads it, when several installed converters "
+                   "read config.json's model_type (default: the one that declares it).")
 @click.option("--dtype", type=click.Choice(DTYPES), help="Cast the weights (default: keep).")
 @user_errors
 def import_hf(hf_dir, out_dir, model, dtype):
@@ -34,25 +35,28 @@ def import_hf(hf_dir, out_dir, model, dtype):
     print the model flags to train or evaluate it with (--load OUT_DIR)."""
     from plugtron.core.interchange.hf import import_hf as run_import
 
-    path, config = run_import(hf_dir, out_dir, model, _dtype(dtype))
-    _print_flags(path, config)
+    path, config, flags = run_import(hf_dir, out_dir, model, _dtype(dtype))
+    _print_flags(path, config, flags)
 
 
-def _print_flags(path, config):
+def _print_flags(path, config, fixed: dict | None = None):
+    """``--model NAME`` and every flag the import fixed (from the converter, whether or not it
+    equals a default), then the others whose value is not the default."""
     from plugtron.core.config_flags import flag_fields, section_flag_fields
 
     # The model's flags, then those of plugin sections the converter set (e.g. --num-experts).
     fields = [f for f in flag_fields() if f.section == "model"]
     for name, cls in config.plugin_sections.items():
         fields += section_flag_fields(name, cls)
-    parts = []
+    fixed_names = {str(k).lstrip("-") for k in fixed or {}}
+    parts = [f"--model {config.plugins.model}"]
     for flag in fields:
         value = getattr(getattr(config, flag.section), flag.name)
-        if value == flag.default:
+        if value == flag.default and flag.flag.lstrip("-") not in fixed_names:
             continue
         if flag.is_flag:
             parts.append(flag.flag if value else (flag.negative or ""))
-        else:
+        elif value is not None:
             parts.append(f"{flag.flag} {value}")
     click.echo(f"wrote {path}")
     click.echo("model flags: " + " ".join(p for p in parts if p))

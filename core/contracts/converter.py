@@ -59,9 +59,10 @@ class ConverterExtras(Protocol):
     #: buffers), accepted unread by the strict import.
     ignored_hf_tensors: tuple[str, ...]
 
-    #: For converters that another plugin ships for a model it extends (plugtron-moe's Mixtral
-    #: for the ``gpt`` model): the HF ``model_type``\\ s it reads; ``import_hf`` prefers it over
-    #: the ``--model`` plugin's converter for those.
+    #: The HF ``model_type``\\ s it reads: ``plugtron convert import-hf`` picks the installed
+    #: converter that declares config.json's ``model_type`` (and with it the model plugin,
+    #: ``model``); ``--model`` only chooses between two that declare the same one. A converter
+    #: without it is reached only by ``--model``, and ``plugins check`` warns.
     model_types: tuple[str, ...]
 
     #: The model plugin an imported checkpoint runs with (default: the converter's name).

@@ -17,22 +17,49 @@ def load_converter(model: str) -> Converter:
 
 
 def _installed_converters() -> list:
+    return [cls for _, cls in _installed_converter_infos()]
+
+
+def _installed_converter_infos() -> list:
+    """(PluginInfo, class) of every converter that loads; a broken one (or one whose
+    distribution's requirements are missing) must not break the others."""
     out = []
     for info in registry.available("converter"):
         try:
-            out.append(registry.load("converter", info.name))
-        except Exception:  # noqa: BLE001 - a broken converter must not break the others
+            out.append((info, registry.load("converter", info.name)))
+        except Exception:  # noqa: BLE001 - reported by `plugtron plugins list --check`
             continue
     return out
 
 
-def converter_for_hf(model: str, hf_config: dict) -> Converter:
-    """An installed converter that declares this HF ``model_type``, else ``model``'s."""
+def converter_for_hf(model: str | None, hf_config: dict) -> tuple[Converter, str]:
+    """The installed converter that declares config.json's ``model_type``, and the model
+    plugin it imports for; ``model`` (the ``--model`` flag) only chooses among several that do,
+    or names the converter to use when the file has no ``model_type``. A type no converter
+    declares is refused, listing every installed converter with the types it reads."""
     kind = hf_config.get("model_type")
-    for cls in _installed_converters():
-        if kind in getattr(cls, "model_types", ()):
-            return registry.instantiate(cls)
-    return load_converter(model)
+    infos = _installed_converter_infos()
+    readers = [(info, cls) for info, cls in infos if kind in getattr(cls, "model_types", ())]
+    if model is not None:
+        mine = [(i, c) for i, c in readers if _model_of(i, c) == model]
+        if mine:
+            return registry.instantiate(mine[0][1]), model
+        if kind is None or not readers:
+            return load_converter(model), model  # its own message for a type it cannot read
+    if readers:
+        info, cls = readers[0]
+        return registry.instantiate(cls), _model_of(info, cls)
+    listing = "; ".join(f"{info.name} ({info.origin}): "
+                        f"{', '.join(getattr(cls, 'model_types', ())) or '(by --model only)'}"
+                        for info, cls in infos)
+    raise ConfigError(f"config.json's model_type {kind!r} is read by no installed converter; "
+                      f"installed converters and the types they read: {listing or 'none'} "
+                      f"(a converter of another distribution may read it: pip install it)")
+
+
+def _model_of(info, cls) -> str:
+    """The model plugin a converter imports for (``model``, default its own name)."""
+    return getattr(cls, "model", None) or info.name
 
 
 def converter_for_config(config: TrainConfig) -> Converter:

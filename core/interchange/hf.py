@@ -113,12 +113,13 @@ def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, pad])
 
 
-def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
-              dtype: torch.dtype | None = None) -> tuple[str, TrainConfig]:
+def import_hf(hf_dir: str, out_dir: str, model: str | None = None,
+              dtype: torch.dtype | None = None) -> tuple[str, TrainConfig, dict]:
     """Convert a Hugging Face model directory into a weights-only plugtron checkpoint at
-    ``out_dir`` (iteration 0, no optimizer state). Returns (path, the run config it implies)."""
+    ``out_dir`` (iteration 0, no optimizer state). Returns (path, the run config it implies,
+    the converter's ``{flag: value}``)."""
     hf_config, hf_tensors = read_hf_dir(hf_dir)
-    converter = converter_for_hf(model, hf_config)
+    converter, model = converter_for_hf(model, hf_config)
     where = os.path.join(hf_dir, "config.json")
     source = hf_strict.SourceTensors(hf_tensors)
     try:
@@ -129,7 +130,6 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
                               f"({type(exc).__name__}: {exc})") from None
     hf_strict.check_reads(source, converter, flags, hf_dir)
     flags = {**special_token_flags(hf_dir, hf_config), **flags}
-    model = getattr(converter, "model", model)
     # With the options of the plugins the run selects (an MoE converter sets --num-experts).
     try:
         config = config_from_flags({**flags, "model": model}, "the settings it implies")
@@ -166,4 +166,4 @@ def import_hf(hf_dir: str, out_dir: str, model: str = "gpt",
     chosen = {"model": model, "converter": model}
     metadata["plugins"] = {role: metadata["plugins"].get(role) or _plugin_info("converter", name)
                            for role, name in chosen.items()}
-    return writer.write_single(out_dir, entries, metadata), config
+    return writer.write_single(out_dir, entries, metadata), config, flags

@@ -34,7 +34,9 @@ def make_hf(kind: str, directory: str):
 def test_import_matches_transformers_and_exports_back(kind, tmp_path):
     hf_dir, ckpt, back = (str(tmp_path / n) for n in ("hf", "ckpt", "back"))
     model = make_hf(kind, hf_dir)
-    convert("import-hf", "--model", "hybrid", hf_dir, ckpt)
+    # the converter is found by config.json's model_type: no --model hybrid
+    result = convert("import-hf", hf_dir, ckpt)
+    assert "--model hybrid" in result.output or "hybrid" in result.output
 
     batch = tokens(VOCAB, (2, SEQ))
     ours = logits_of(ckpt, batch, VOCAB)
@@ -53,3 +55,20 @@ def test_moe_layers_are_refused(tmp_path):
 
     with pytest.raises(ConfigError, match="only M, \\* and - layers convert"):
         nemotron_h_pattern({"hybrid_override_pattern": "ME*"})
+
+
+def test_an_unknown_model_type_lists_every_installed_converter(tmp_path):
+    import json
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"model_type": "rwkv7", "vocab_size": 8}))
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(hf / "model.safetensors"))
+    result = convert("import-hf", str(hf), str(tmp_path / "out"), exit_code=2)
+    assert "model_type 'rwkv7' is read by no installed converter" in result.output
+    for reader in ("gpt (plugtron-gpt", "llama", "hybrid (plugtron-gpt", "nemotron_h",
+                   "mixtral (plugtron-moe", "deepseek_v3"):
+        assert reader in result.output
+    assert not (tmp_path / "out").exists()

@@ -310,6 +310,8 @@ def hf_layout_of(config) -> str:
 
 
 class GPTConverter:
+    #: what ``plugtron convert import-hf`` finds this converter by (config.json's model_type)
+    model_types = (*FAMILIES, "gpt2")
     vocab_tensors = (EMBEDDING, OUTPUT)
     droppable_parts = DROPPABLE
     #: Buffers some files still hold that carry no weights (GPT-2's causal mask, old Llama

@@ -212,6 +212,8 @@ def hybrid_to_hf(m, config) -> dict:
 
 
 class HybridConverter:
+    #: what ``plugtron convert import-hf`` finds this converter by (config.json's model_type)
+    model_types = ("mamba2", "nemotron_h")
     vocab_tensors = (EMBEDDING, OUTPUT)
 
     def import_hf(self, hf_config: dict, tensors: dict) -> tuple[dict, dict]:
