@@ -22,6 +22,7 @@ from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.training.validate import apply_schedule_placement
 
 from .errors import user_errors
+from .options import config_options
 
 
 def parse_costs(text: str | None) -> tuple[float, float, float]:
@@ -39,19 +40,22 @@ def parse_costs(text: str | None) -> tuple[float, float, float]:
 
 def describe_schedule(name: str, pp: int, vp: int | None, microbatches: int,
                       group_size: int | None = None,
-                      costs: tuple[float, float, float] = (1.0, 1.0, 1.0)) -> tuple[dict, list]:
+                      costs: tuple[float, float, float] = (1.0, 1.0, 1.0),
+                      config: TrainConfig | None = None) -> tuple[dict, list]:
     """The report ``schedule show`` prints, and the simulated timeline (per-rank slots).
     ``costs``: forward, input-gradient and weight-gradient time; a combined ``B`` costs
-    ``I + W``."""
+    ``I + W``. ``config``: the run's config (a schedule's own options, a config file); by
+    default one with ``name``, ``pp``, ``vp`` and ``group_size`` and every option's default."""
+    if config is None:
+        config = TrainConfig()
+        config.plugins.schedule = name
+        config.parallel.pipeline_model_parallel_size = pp
+        config.parallel.virtual_pipeline_model_parallel_size = vp
+        config.parallel.microbatch_group_size_per_vp_stage = group_size
+        with_plugin_sections(config)  # a plugin schedule reads its own options (defaults)
     validate_sizes(pp, pp=pp, vp=vp)
     if microbatches < 1:
         raise ConfigError(f"--microbatches must be at least 1, got {microbatches}")
-    config = TrainConfig()
-    config.plugins.schedule = name
-    config.parallel.pipeline_model_parallel_size = pp
-    config.parallel.virtual_pipeline_model_parallel_size = vp
-    config.parallel.microbatch_group_size_per_vp_stage = group_size
-    with_plugin_sections(config)  # a plugin schedule reads its own options (defaults here)
     resolved = resolve_schedule(config)
     schedule = registry.instantiate(registry.load("schedule", resolved))
     placement = apply_schedule_placement(config, schedule)
@@ -129,39 +133,66 @@ def format_timeline(slots) -> str:
     return "\n".join(lines)
 
 
-@click.group()
+class ScheduleGroup(click.Group):
+    """``schedule show`` takes the run's flags (``--config``, a schedule's own options), so it
+    is built for the arguments it is called with, like ``train``."""
+
+    def get_command(self, ctx, cmd_name):
+        if cmd_name == "show":
+            return make_show_command(getattr(ctx, "_plugtron_args", []))
+        return super().get_command(ctx, cmd_name)
+
+    def list_commands(self, ctx):
+        return sorted({*super().list_commands(ctx), "show"})
+
+    def resolve_command(self, ctx, args):
+        ctx._plugtron_args = list(args[1:])
+        return super().resolve_command(ctx, args)
+
+
+@click.group(cls=ScheduleGroup)
 def schedule():
     """Pipeline schedules."""
 
 
-@schedule.command("show")
-@click.option("--schedule", "name", default="auto", show_default=True,
-              help="Schedule entry point (plugtron.schedules), or auto from pp and vp.")
-@click.option("--pipeline-model-parallel-size", "--pp", "pp", type=int, required=True)
-@click.option("--virtual-pipeline-model-parallel-size", "--vp", "vp", type=int, default=None)
-@click.option("--microbatches", "-m", type=int, required=True,
-              help="Microbatches per step on one data-parallel rank.")
-@click.option("--microbatch-group-size-per-vp-stage", "group_size", type=int, default=None,
-              help="Interleaving group size (default pp).")
-@click.option("--costs", default=None, metavar="F,I,W",
-              help="Simulated time of a forward, an input-gradient I and a weight-gradient W "
-                   "(a combined backward B costs I + W). Default 1,1,1.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None,
-              help="Write the timeline as a PNG.")
-@click.option("--timeline", is_flag=True,
-              help="Also print the timeline as text, one column per time unit (chunk 0 upper "
-                   "case, chunk 1 lower case, .. idle).")
-@user_errors
-def show(name, pp, vp, microbatches, group_size, costs, as_json, plot, timeline):
-    """Print each rank's ordered actions, the bubble fraction and peak stored activations."""
-    report, slots = describe_schedule(name, pp, vp, microbatches, group_size,
-                                      parse_costs(costs))
-    picture = format_timeline(slots) if timeline and not as_json else None
-    if plot:
-        from .schedule_plot import timeline_png
+def make_show_command(args: list[str]) -> click.Command:
+    """``schedule show`` with the options of the plugins ``args`` select (the schedule's own,
+    read from flags or ``--config`` as ``train`` reads them)."""
+    from .train import RunOptions
 
-        timeline_png(slots, plot)
-    click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
-    if picture:
-        click.echo(picture)
+    run = RunOptions(args)
+
+    @run.command(
+        click.option("--microbatches", "-m", type=int, required=True,
+                     help="Microbatches per step on one data-parallel rank."),
+        click.option("--costs", default=None, metavar="F,I,W",
+                     help="Simulated time of a forward, an input-gradient I and a "
+                          "weight-gradient W (a combined backward B costs I + W). Default "
+                          "1,1,1."),
+        click.option("--json", "as_json", is_flag=True, help="Machine-readable output."),
+        click.option("--plot", type=click.Path(dir_okay=False), default=None,
+                     help="Write the timeline as a PNG."),
+        click.option("--timeline", is_flag=True,
+                     help="Also print the timeline as text, one column per time unit (chunk 0 "
+                          "upper case, chunk 1 lower case, .. idle)."),
+        config_options(run.declared), user_errors)
+    def show(config_file, preset, microbatches, costs, as_json, plot, timeline, **params):
+        """Print each rank's ordered actions, the bubble fraction and peak stored activations
+        of the schedule these flags select (--schedule, --pp, --vp and the schedule's own
+        options, from flags or --config)."""
+        config = run.config(params, config_file, preset)
+        p = config.parallel
+        report, slots = describe_schedule(
+            config.plugins.schedule, p.pipeline_model_parallel_size,
+            p.virtual_pipeline_model_parallel_size, microbatches,
+            p.microbatch_group_size_per_vp_stage, parse_costs(costs), config=config)
+        picture = format_timeline(slots) if timeline and not as_json else None
+        if plot:
+            from .schedule_plot import timeline_png
+
+            timeline_png(slots, plot)
+        click.echo(json.dumps(report, indent=1) if as_json else format_report(report))
+        if picture:
+            click.echo(picture)
+
+    return show

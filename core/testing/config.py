@@ -73,3 +73,26 @@ def make_config(flags: dict) -> TrainConfig:
     values = {k: v for k, v in merge_flags(DEFAULT_FLAGS, flags).items() if k != "dp"}
     # The selected plugins' own options (their config sections) are accepted too.
     return config_from_flags(values, "plugtron.testing")
+
+
+#: The flag that selects a plugin of each role.
+SELECTING = {"model": "model", "schedule": "schedule", "optimizer": "optimizer",
+             "data_parallel": "data-parallel", "dataset": "data", "layer_backend": "layer-backend"}
+
+
+def own_flags(flags: dict, role: str, name: str) -> set[str]:
+    """The keys of ``flags`` that are options of the ``role`` plugin ``name`` (its config
+    sections), in canonical spelling: a reference run that does not select that plugin must
+    not be given them."""
+    from plugtron.core.config_flags import section_flag_fields  # noqa: PLC0415 - the kit's config helpers stay light to import
+    from plugtron.core.plugins.options import collect_sections  # noqa: PLC0415 - as above
+
+    config = make_config(merge_flags(flags, {SELECTING[role]: name}))
+    spellings = set()
+    for declared in collect_sections(config):
+        if (declared.plugin.role, declared.plugin.name) != (role, name):
+            continue
+        for f in section_flag_fields(declared.section.name, declared.section.cls):
+            spellings |= {canonical(s) for s in (f.flag, *f.aliases, f.negative) if s}
+            spellings.add(canonical(f.name))
+    return {k for k in merge_flags(flags) if k in spellings}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .compare import assert_copies_match, assert_params_close, assert_records_close
-from .config import merge_flags, world_size_of
+from .config import merge_flags, own_flags, world_size_of
 from .pool import DistributedPool
 from .runs import pool_for, refuse_before_launch, train_run
 
@@ -17,7 +17,8 @@ def assert_wrapper_dp_equivalent(wrapper: str, flags: dict | None = None,
     norms and parameters.
 
     ``wrapper`` is the entry-point name (group ``plugtron.data_parallel``); ``flags`` adds
-    model and wrapper options over the kit's tiny defaults (e.g. ``{"bf16": True}``);
+    model and wrapper options over the kit's tiny defaults (e.g. ``{"bf16": True}``; the
+    wrapper's own options, those of its config sections, go to the wrapper's run only);
     ``layout`` the other parallel sizes (``{"tp": 2}``, ``{"pp": 2}``,
     ``{"expert-model-parallel-size": 2}``; the reference runs without them). Both runs train
     ``iters`` iterations on the same global batch, so a reduction that averages instead of
@@ -29,8 +30,11 @@ def assert_wrapper_dp_equivalent(wrapper: str, flags: dict | None = None,
     masters are compared with the reference's rounded weights). ``pool`` must hold the run's
     ranks (``layout`` sizes x ``dp``); without one, a pool is started for the call.
     """
-    base = merge_flags(flags or {}, {"train-iters": iters})
-    got_flags = merge_flags(base, layout or {}, {"data-parallel": wrapper, "dp": dp})
+    given = merge_flags(flags or {}, {"train-iters": iters})
+    # the wrapper's own options go to its run only: the reference does not select it
+    mine = own_flags(given, "data_parallel", wrapper)
+    base = {k: v for k, v in given.items() if k not in mine}
+    got_flags = merge_flags(given, layout or {}, {"data-parallel": wrapper, "dp": dp})
     world = world_size_of(got_flags)
     refuse_before_launch((base, 1), (got_flags, world))
     with pool_for(world, pool) as p:
