@@ -5,8 +5,7 @@ the wrapper), and reports the largest difference it saw."""
 from __future__ import annotations
 
 import pytest
-from plugtron.testing import assert_wrapper_dp_equivalent
-from plugtron.testing import compare
+from plugtron.testing import assert_wrapper_dp_equivalent, compare
 
 from tests.fake_plugins import install_fake_distribution, remove_path
 
