@@ -250,9 +250,14 @@ def build_config(params: dict, config_file: str | None, preset: str | None,
     if preset:
         presets = model_presets(config) if presets is None else presets
         if preset not in presets:
-            raise ConfigError(f"--preset {preset!r} is not a preset of model "
-                              f"{config.plugins.model!r}; its presets: "
-                              f"{', '.join(sorted(presets)) or 'none'}")
+            from plugtron.core.plugins import registry
+
+            # the model the flags select (they apply after the preset); one that does not
+            # load is the real error
+            model = params.get(_param_name("plugins", "model")) or config.plugins.model
+            registry.load("model", model)
+            raise ConfigError(f"--preset {preset!r} is not a preset of model {model!r}; its "
+                              f"presets: {', '.join(sorted(presets)) or 'none'}")
         apply_values(config, presets[preset], f"preset {preset!r}")
     if config_file:
         apply_values(config, load_config_file(config_file), f"config file {config_file!r}")

@@ -27,6 +27,8 @@ def invoke(args):
     (["--schedule", "zigzag"], "unknown schedule 'zigzag'; available: 1f1b (plugtron"),
     (["--optimizer", "lion"], "unknown optimizer 'lion'"),
     (["--model", "bert"], "unknown model 'bert'; available: gpt (plugtron-gpt"),
+    (["--model", "gtp"], "unknown model 'gtp' (did you mean 'gpt'?); available: gpt"),
+    (["--schedule", "1fb1"], "unknown schedule '1fb1' (did you mean '1f1b'?)"),
     (["--bf16", "--fp16"], "--bf16 and --fp16 are exclusive"),
     (["--ddp-bucket-size", "0"], "--ddp-bucket-size must be at least 1"),
     (["--vp", "2"], "--vp needs --pp > 1"),
@@ -40,6 +42,7 @@ def test_bad_input_exits_2_with_a_message(args, message):
     assert result.exit_code == 2, result.output
     assert message in result.output
     assert "Traceback" not in result.output
+    assert result.output.count("available:") <= 1  # the choices once, not in a warning too
 
 
 def test_train_runs_and_writes_metrics(tmp_path):

@@ -63,7 +63,8 @@ def run_plugin_objects(config, strict_drivers: bool = False) -> list[PluginObjec
         except PluginError as exc:
             if strict_drivers:
                 raise
-            warn_once(f"skipping the options of {role} {name!r}: {exc}")
+            if not isinstance(exc, registry.UnknownPluginError):  # the run's own check says it
+                warn_once(f"skipping the options of {role} {name!r}: {exc}")
             continue
         if role != "layer_backend":
             obj = registry.instantiate(obj)

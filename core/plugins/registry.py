@@ -16,6 +16,7 @@ rewritten ``entry_points.txt`` changes one of them, so listing and loading still
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib.metadata as metadata
 import os
@@ -223,6 +224,16 @@ def available(role: str) -> list[PluginInfo]:
     return list(installed.infos[role])
 
 
+class UnknownPluginError(PluginError):
+    """No installed plugin of the role has that name (the message lists those that do)."""
+
+
+def did_you_mean(name: str, names: list[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the nearest of ``names``, or ``""``."""
+    match = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
 def describe_available(role: str) -> str:
     infos = available(role)
     if not infos:
@@ -239,7 +250,9 @@ def load(role: str, name: str):
     """
     matches = [info for info in available(role) if info.name == name]
     if not matches:
-        raise PluginError(f"unknown {role} {name!r}; {describe_available(role)}")
+        raise UnknownPluginError(f"unknown {role} {name!r}"
+                                 f"{did_you_mean(name, [i.name for i in available(role)])}; "
+                                 f"{describe_available(role)}")
     if len(matches) > 1:
         raise PluginError(f"{role} {name!r} is registered by more than one distribution: "
                           + ", ".join(m.origin for m in matches) + "; uninstall all but one")
