@@ -423,6 +423,17 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+def derive_padded_vocab_size(config: TrainConfig, tp: int) -> int:
+    """The one place ``config.model.padded_vocab_size`` is derived (for a run or a build at
+    tensor-parallel size ``tp``): Megatron's padding of ``vocab_size``."""
+    m = config.model
+    if m.vocab_size is None:
+        raise ConfigError(f"data {config.plugins.data!r} does not fix the vocabulary: give "
+                          f"--vocab-size")
+    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    return m.padded_vocab_size
+
+
 def num_microbatches(config: TrainConfig, dp_size: int) -> int:
     t = config.training
     return t.global_batch_size // (t.micro_batch_size * dp_size)

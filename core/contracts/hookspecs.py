@@ -58,6 +58,7 @@ OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
     "pipeline_placement": "schedule",
     "optimizer_takes_dtensor_params": "optimizer",
     "data_parallel_memory": "data_parallel",
+    "dataset_vocab_size": "dataset",
 }
 
 #: Hooks that exactly one selected driver implements, with the registry role that provides it.
@@ -97,6 +98,21 @@ def dataset_provider(config: TrainConfig, split_sizes: tuple[int, int, int],
     Called once per run on every rank, after process groups are ready and before the model is
     built. A provider may set ``config.model.vocab_size`` when its tokenizer fixes it; the core
     pads the vocabulary afterwards.
+    """
+
+
+@hookspec(firstresult=True)
+def dataset_vocab_size(config: TrainConfig) -> int | None:
+    """Say the vocabulary the dataset's tokens come from, before any data is read.
+
+    :param config: the run's ``TrainConfig``.
+    :returns: the vocabulary size (its tokenizer's: ``--tokenizer-type`` or the dataset's
+        default; a synthetic dataset's own), or ``None`` when only reading the data tells.
+
+    Optional; implemented by the dataset driver. Called before launch, without process groups,
+    by ``plugtron estimate`` and train's memory check (the padded vocabulary sizes the
+    embedding and the output layer); the run itself takes the vocabulary ``dataset_provider``
+    fixes.
     """
 
 

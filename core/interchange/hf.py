@@ -17,7 +17,7 @@ from plugtron.core.checkpoint import state, writer
 from plugtron.core.checkpoint.pieces import Box
 from plugtron.core.checkpoint.safe_files import check_plain_name, read_small, regular_file_size
 from plugtron.core.checkpoint.st_header import read_header
-from plugtron.core.config import TrainConfig, padded_vocab_size
+from plugtron.core.config import TrainConfig, derive_padded_vocab_size
 from plugtron.core.errors import CheckpointError, ConfigError
 from plugtron.core.interchange import hf_strict
 from plugtron.core.interchange.converters import converter_for_hf
@@ -139,7 +139,7 @@ def import_hf(hf_dir: str, out_dir: str, model: str | None = None,
     if not isinstance(m.vocab_size, int) or m.vocab_size < 1:
         raise CheckpointError(f"{where}: field vocab_size must be a positive integer, got "
                               f"{m.vocab_size!r}")
-    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    derive_padded_vocab_size(config, 1)
     expected = hf_strict.expected_shapes(config, converter.vocab_tensors, flags, where)
     exported = hf_strict.exported_shapes(converter, config, expected,
                                          next(iter(hf_tensors.values())).dtype)

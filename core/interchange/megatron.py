@@ -18,7 +18,7 @@ from plugtron.core.checkpoint import state, writer
 from plugtron.core.checkpoint.loader import malformed
 from plugtron.core.checkpoint.pieces import Box
 from plugtron.core.checkpoint.reader import CheckpointReader
-from plugtron.core.config import TrainConfig, padded_vocab_size
+from plugtron.core.config import TrainConfig, derive_padded_vocab_size
 from plugtron.core.config_flags import flag_fields
 from plugtron.core.errors import CheckpointError, ConfigError
 from plugtron.core.interchange.converters import (
@@ -87,7 +87,7 @@ def import_megatron(src: str, out_dir: str, model: str = "gpt", given: dict | No
     if rows is not None and m.vocab_size > rows:
         raise CheckpointError(f"vocab_size {m.vocab_size} exceeds the {rows} rows of the "
                               f"saved word embeddings")
-    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    derive_padded_vocab_size(config, 1)
     entries = []
     for name in sorted(out):
         tensor = out.pop(name)  # handed over one at a time: the model is held once
@@ -177,8 +177,7 @@ def export_megatron(path: str, out_dir: str, dtype: torch.dtype | None = None, d
                           f"Megatron (no export_megatron method)")
     if dtype is not None:
         tensors = _Cast(tensors, dtype)
-    m = config.model
-    padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+    padded = derive_padded_vocab_size(config, 1)
     args, out = converter.export_megatron(config, tensors, padded)
     iteration = int(reader.metadata.get("iteration") or 0)
     args.iteration = iteration

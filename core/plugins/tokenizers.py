@@ -39,9 +39,14 @@ def tokenizer_for(config, default: str | None = None):
                           f"{registry.describe_available('tokenizer')}")
     tokenizer = build_tokenizer(name, data.tokenizer_model, model.vocab_size)
     if model.vocab_size is not None and model.vocab_size != tokenizer.vocab_size:
-        raise ConfigError(f"--vocab-size {model.vocab_size} does not match tokenizer {name}'s "
-                          f"vocabulary of {tokenizer.vocab_size}; leave --vocab-size unset "
-                          f"(the tokenizer fixes it)")
+        load = config.checkpoint.load
+        source = (f"the vocabulary of {model.vocab_size} that --load's model has (or "
+                  f"--vocab-size)" if load else f"--vocab-size {model.vocab_size}")
+        advice = ("give the tokenizer that model was trained with (--tokenizer-type, "
+                  "--tokenizer-model)" if load else
+                  "leave --vocab-size unset (the tokenizer fixes it)")
+        raise ConfigError(f"{source} does not match tokenizer {name}'s vocabulary of "
+                          f"{tokenizer.vocab_size}; {advice}")
     data.tokenizer_type = name
     model.vocab_size = tokenizer.vocab_size
     return tokenizer

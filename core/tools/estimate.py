@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
-from plugtron.core.config import num_microbatches, padded_vocab_size
+from plugtron.core.config import derive_padded_vocab_size, num_microbatches
 from plugtron.core.contracts.activations import (
     ActivationShape,
     ChunkActivations,
@@ -52,6 +52,7 @@ from plugtron.core.plugins.manager import (
     optimizer_state_per_param,
     wants_sharded_gradients,
 )
+from plugtron.core.plugins.objects import PluginObject, call_declared
 from plugtron.core.plugins.options import with_plugin_sections
 from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule
 from plugtron.core.plugins.tokenizers import build_tokenizer
@@ -151,16 +152,25 @@ def _finalized(config, world_size: int):
     apply_schedule_placement(config)
     m = config.model
     if m.vocab_size is None:
-
-        name = config.data.tokenizer_type or getattr(
-            registry.load("dataset", config.plugins.data), "default_tokenizer", None)
-        if name is None:
-            raise ConfigError(f"data {config.plugins.data!r} does not fix the vocabulary: "
-                              f"give --vocab-size or --tokenizer-type for the estimate")
-        m.vocab_size = build_tokenizer(name, config.data.tokenizer_model, None).vocab_size
-    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by,
-                                            config.parallel.tensor_model_parallel_size)
+        m.vocab_size = _dataset_vocab_size(config)
+    derive_padded_vocab_size(config, config.parallel.tensor_model_parallel_size)
     return config
+
+
+def _dataset_vocab_size(config) -> int:
+    """The vocabulary the selected dataset says it reads (hook ``dataset_vocab_size``), or its
+    tokenizer's (``--tokenizer-type``; contract 2's ``default_tokenizer`` attribute)."""
+    name = config.plugins.data
+    dataset = registry.instantiate(registry.load("dataset", name))
+    size = call_declared(PluginObject("dataset", name, "?", dataset), "dataset_vocab_size",
+                         config=config)
+    if size is not None:
+        return int(size)
+    tokenizer = config.data.tokenizer_type or getattr(dataset, "default_tokenizer", None)
+    if tokenizer is None:
+        raise ConfigError(f"data {name!r} does not fix the vocabulary before reading it: give "
+                          f"--vocab-size or --tokenizer-type for the estimate")
+    return build_tokenizer(tokenizer, config.data.tokenizer_model, None).vocab_size
 
 
 def _contexts(config, world_size: int) -> dict:

@@ -19,7 +19,12 @@ from types import SimpleNamespace
 import torch
 from plugtron.core.checkpoint import CheckpointReader
 from plugtron.core.checkpoint.loader import load_checkpoint
-from plugtron.core.config import CheckpointConfig, LoggingConfig, ParallelConfig, padded_vocab_size
+from plugtron.core.config import (
+    CheckpointConfig,
+    LoggingConfig,
+    ParallelConfig,
+    derive_padded_vocab_size,
+)
 from plugtron.core.interchange import hf_load
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.distributed import init_distributed, single_process
@@ -89,7 +94,7 @@ def load_model(path: str, device: str | torch.device = "cpu", tp: int = 1, world
     parallel = ParallelContext.build(world.world_size, world.rank, tp=tp, device=world.device)
     m = config.model
     m.parallel_output = False  # whole logits on every tp rank
-    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
+    derive_padded_vocab_size(config, tp)
     (module,) = build_model(config, parallel, layer_backend="local")
     dtype = torch.bfloat16 if config.training.bf16 else torch.float32
     module.to(device=world.device, dtype=dtype)

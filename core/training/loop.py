@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from plugtron.core import checkpoint
 from plugtron.core.checkpoint import dir_lock
-from plugtron.core.config import TrainConfig, num_microbatches, padded_vocab_size
+from plugtron.core.config import TrainConfig, derive_padded_vocab_size, num_microbatches
 from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.contracts.data_parallel import DataParallelChunk
 from plugtron.core.contracts.loss import bind_loss_closure
@@ -92,12 +92,7 @@ def split_sizes(config: TrainConfig) -> tuple[int, int, int]:
 
 
 def finalize_model_config(config: TrainConfig, parallel: ParallelContext) -> None:
-    m = config.model
-    if m.vocab_size is None:
-        raise ConfigError(f"data {config.plugins.data!r} does not fix the vocabulary: give "
-                          f"--vocab-size")
-    m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by,
-                                            parallel.tp_size)
+    derive_padded_vocab_size(config, parallel.tp_size)
 
 
 def build_model_chunks(config, pm, backend, parallel, device) -> list:

@@ -17,7 +17,15 @@ import os
 from dataclasses import dataclass
 
 import numpy as np
-from plugtron.api import ConfigError, ConfigSection, hookimpl, opt, saved_config, tokenizer_for
+from plugtron.api import (
+    ConfigError,
+    ConfigSection,
+    build_tokenizer,
+    hookimpl,
+    opt,
+    saved_config,
+    tokenizer_for,
+)
 
 from . import gpt_indices
 from .gpt_dataset import Tokens, build_blend, build_gpt_split
@@ -85,6 +93,12 @@ class IndexedDataset:
     @hookimpl
     def plugtron_config_sections(self):
         return [SAMPLE_SECTION, INDEXED_SECTION]
+
+    @hookimpl
+    def dataset_vocab_size(self, config):
+        name = config.data.tokenizer_type  # required: the run refuses indexed data without it
+        return build_tokenizer(name, config.data.tokenizer_model, None).vocab_size if name \
+            else None
 
     @hookimpl
     def dataset_provider(self, config, split_sizes):

@@ -118,6 +118,10 @@ class MockDataset:
         return [SAMPLE_SECTION]
 
     @hookimpl
+    def dataset_vocab_size(self, config):
+        return config.model.vocab_size or DEFAULT_VOCAB_SIZE
+
+    @hookimpl
     def dataset_provider(self, config, split_sizes):
         """Build (train, valid, test) mock datasets; a split asked for 0 samples, or with split
         weight 0, is ``None``. Sets ``config.model.vocab_size`` to 512 when it is unset."""

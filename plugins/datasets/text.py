@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from plugtron.api import ConfigError, hookimpl, tokenizer_for
+from plugtron.api import ConfigError, build_tokenizer, hookimpl, tokenizer_for
 
 from .common import (
     TokenWindowDataset,
@@ -37,6 +37,9 @@ TEXT_SUFFIXES = frozenset({
 })
 #: Folders never walked into: caches and hidden folders (.git, .venv) are not a user's corpus.
 SKIPPED_FOLDERS = frozenset({"__pycache__", "node_modules"})
+#: The index caches plugtron's indexed data writes beside a corpus (``PREFIX/cache/...``):
+#: they hold descriptions and arrays of another dataset, never text to train on.
+INDEX_CACHE_FOLDERS = frozenset({"GPTDataset_indices", "BlendedDataset_indices"})
 #: Standard-library folders left out of the default corpus: installed packages and test suites.
 STDLIB_SKIPPED_FOLDERS = frozenset({"site-packages", "dist-packages", "test", "tests",
                                     "idle_test"})
@@ -58,6 +61,16 @@ def _walk(folder: Path, suffixes: frozenset[str], skipped: frozenset[str]) -> li
     return found
 
 
+def refuse_indexed_prefix(entry: str) -> None:
+    """A Megatron prefix (PREFIX.bin/.idx beside it) is not text; its index cache is a folder
+    of the same name, whose files must never be read as a corpus."""
+    path = Path(entry).expanduser()
+    if Path(f"{path}.idx").is_file() or Path(f"{path}.bin").is_file():
+        raise ConfigError(f"--data-path {entry!r} is a Megatron indexed corpus ({path.name}"
+                          f".bin/.idx), which --data text does not read: give --data indexed "
+                          f"--tokenizer-type NAME (the tokenizer it was preprocessed with)")
+
+
 def corpus_files(data_path: Sequence[str]) -> list[Path]:
     """The files of the corpus: the named files, and the text files under the named folders.
 
@@ -69,13 +82,19 @@ def corpus_files(data_path: Sequence[str]) -> list[Path]:
     files: list[Path] = []
     for entry in data_path:
         path = Path(entry).expanduser()
+        refuse_indexed_prefix(entry)
         if path.is_dir():
-            files.extend(_walk(path, TEXT_SUFFIXES, SKIPPED_FOLDERS))
+            found = _walk(path, TEXT_SUFFIXES, SKIPPED_FOLDERS | INDEX_CACHE_FOLDERS)
+            if not found:
+                raise ConfigError(f"--data-path {entry!r} holds no text files (suffixes "
+                                  f"{', '.join(sorted(TEXT_SUFFIXES)[:6])}, ...)")
+            files.extend(found)
         elif path.is_file():
             files.append(path)
         else:
             raise ConfigError(f"--data-path {entry!r} does not exist (give text files or "
-                              f"folders of them)")
+                              f"folders of them; a Megatron PREFIX of PREFIX.bin/.idx is read "
+                              f"with --data indexed)")
     return files
 
 
@@ -117,10 +136,17 @@ class TextDataset:
     @hookimpl
     def plugtron_validate(self, config):
         validate_sample_options(config)
+        for entry in config.data.data_path or []:  # before launch, not in every rank
+            refuse_indexed_prefix(entry)
 
     @hookimpl
     def plugtron_config_sections(self):
         return [SAMPLE_SECTION]
+
+    @hookimpl
+    def dataset_vocab_size(self, config):
+        name = config.data.tokenizer_type or self.default_tokenizer
+        return build_tokenizer(name, config.data.tokenizer_model, None).vocab_size
 
     @hookimpl
     def dataset_provider(self, config, split_sizes):
