@@ -140,11 +140,6 @@ class ParallelConfig:
                                 "Shard parameters, gradients and optimizer state over dp x cp "
                                 "with torch's fully_shard (the fsdp2 data-parallel wrapper).",
                                 is_flag=True)
-    torch_fsdp2_reshard_after_forward: bool = opt(
-        True, "--torch-fsdp2-reshard-after-forward",
-        "fsdp2: free each layer's gathered parameters after its forward (gather again for "
-        "backward); off keeps them gathered for the whole step.", is_flag=True,
-        negative="--torch-fsdp2-no-reshard-after-forward")
     data_parallel_sharding_strategy: str | None = opt(
         None, "--data-parallel-sharding-strategy",
         "What data parallelism shards (Megatron's levels): no_shard (ddp), optim (ddp with the "
@@ -178,10 +173,6 @@ class TrainingConfig:
                               choices=("constant", "linear", "cosine"))
     weight_decay: float = opt(0.01, "--weight-decay", "Decoupled weight decay "
                               "(not on norms and biases).")
-    adam_beta1: float = opt(0.9, "--adam-beta1", "Adam beta1.")
-    adam_beta2: float = opt(0.95, "--adam-beta2", "Adam beta2.")
-    adam_eps: float = opt(1e-8, "--adam-eps", "Adam epsilon.")
-    sgd_momentum: float = opt(0.9, "--sgd-momentum", "SGD momentum.")
     clip_grad: float = opt(1.0, "--clip-grad", "Clip by global grad norm (0 disables).")
     seed: int = opt(1234, "--seed", "Random seed.")
     eval_interval: int = opt(100, "--eval-interval", "Evaluate every N iterations (0: never).")
@@ -319,6 +310,9 @@ class ConfigSection:
     #: ``config.<extends>.<field>``, are set by their bare field names and under ``[<extends>]``
     #: in config files, and are saved in the checkpoint's config inside ``<extends>``.
     extends: str | None = None
+    #: Core sections these fields lived in before the plugin owned them (``("training",)`` for
+    #: Adam's betas): a checkpoint's config written then still gives their values.
+    formerly: tuple[str, ...] = ()
 
 
 @dataclass
@@ -385,15 +379,21 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict,
-                  sections: dict[str, type | tuple[type, str | None]] | None = None
+                  sections: dict[str, type | tuple] | None = None
                   ) -> "TrainConfig":
         """Core sections from ``data``; plugin sections too where ``sections`` gives their
         classes (``plugin_sections.config_from_dict`` collects them). Unknown keys are ignored:
         a checkpoint may carry the section of a plugin that is no longer installed."""
         config = cls()
+        data = dict(data)
         for name, declared in (sections or {}).items():
-            section_cls, extends = declared if isinstance(declared, tuple) else (declared, None)
+            section_cls, extends, *rest = declared if isinstance(declared, tuple) else \
+                (declared, None)
             config.add_section(name, section_cls, extends)
+            for old in (rest[0] if rest else ()):  # fields a plugin took over from the core
+                if name not in data and isinstance(data.get(old), dict):
+                    names = {f.name for f in dataclasses.fields(section_cls)}
+                    data[name] = {k: v for k, v in data[old].items() if k in names}
         for section, values in data.items():
             if section not in SECTIONS and section not in config.plugin_sections:
                 continue

@@ -43,10 +43,14 @@ def render() -> str:
     for name, cls in SECTIONS.items():
         lines += [f"## `{name}` (core)", "", *_table(section_flag_fields(name, cls)), ""]
     declared_by_name = {}
-    for model in ("gpt", "hybrid"):  # drivers' sections exist when they are selected
-        for data in ("mock", "text", "indexed"):
-            for declared in collect_sections(tiny_config(model=model, data=data)):
-                declared_by_name.setdefault(declared.section.name, declared)
+    # drivers' sections exist when they are selected: every built-in driver once
+    selections = [{"model": model, "data": data} for model in ("gpt", "hybrid")
+                  for data in ("mock", "text", "indexed")]
+    selections += [{"optimizer": "sgd"}, {"optimizer": "distributed-adam"},
+                   {"data-parallel": "fsdp2"}]
+    for flags in selections:
+        for declared in collect_sections(tiny_config(**flags)):
+            declared_by_name.setdefault(declared.section.name, declared)
     for _, declared in sorted(declared_by_name.items()):
         section = declared.section
         extends = f", extends `{section.extends}`" if section.extends else ""

@@ -105,8 +105,9 @@ def config_from_dict(data: dict) -> TrainConfig:
         declared = collect_sections(core_only)
     except PlugtronError:
         declared = []  # e.g. a driver name that no longer resolves: the run reports it
-    classes: dict[str, type | tuple[type, str | None]] = {
-        d.section.name: (d.section.cls, d.section.extends) for d in declared}
+    classes: dict[str, type | tuple] = {
+        d.section.name: (d.section.cls, d.section.extends, d.section.formerly)
+        for d in declared}
     return TrainConfig.from_dict(data, classes)
 
 

@@ -404,16 +404,16 @@ def shard_groups_of(model_chunks) -> tuple[tuple, tuple]:
     return dense, expert
 
 
-def adamw_factory(config):
-    """``make_inner`` for AdamW with the run's settings (shared by ``adam`` and
-    ``distributed-adam``: they differ in what they shard, not in the update)."""
+def adamw_factory(config, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8):
+    """``make_inner`` for AdamW with the run's learning rate and weight decay and the given
+    ``betas`` and ``eps`` (the optimizer plugin's own options: ``adam`` and
+    ``distributed-adam`` pass ``--adam-beta1``, ``--adam-beta2``, ``--adam-eps``)."""
     t = config.training
 
     def make(groups):
         groups = list(groups)
-        return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2),
-                                 eps=t.adam_eps, weight_decay=t.weight_decay,
-                                 **_adam_kernel(groups))
+        return torch.optim.AdamW(groups, lr=t.lr, betas=tuple(betas), eps=eps,
+                                 weight_decay=t.weight_decay, **_adam_kernel(groups))
 
     return make
 

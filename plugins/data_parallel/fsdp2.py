@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from dataclasses import dataclass
 
 import torch
 from plugtron.api import (
     ConfigError,
+    ConfigSection,
     DataParallelMemory,
     PluginError,
     hookimpl,
     local_tensor,
     model_dtype,
+    opt,
     optimizer_takes_dtensor_params,
     selected_drivers,
     wants_sharded_gradients,
@@ -123,7 +126,7 @@ class FSDP2Chunk(torch.nn.Module):
             # The model casts its own activations, as under ddp (rotary tables and router
             # logits stay fp32 where the model keeps them so).
             cast_forward_inputs=False)
-        self.reshard_after_forward = bool(p.torch_fsdp2_reshard_after_forward)
+        self.reshard_after_forward = bool(config.fsdp2.torch_fsdp2_reshard_after_forward)
         # The layers' sharding declarations (tensor-parallel dim, expert, sequence parallel,
         # shared group) live on the parameter objects, which fully_shard replaces.
         declared = {name: dict(vars(param)) for name, param in module.named_parameters()}
@@ -242,7 +245,21 @@ class FSDP2Chunk(torch.nn.Module):
             m.reshard()
 
 
+@dataclass
+class FSDP2Options:
+    torch_fsdp2_reshard_after_forward: bool = opt(
+        True, "--torch-fsdp2-reshard-after-forward",
+        "Free each layer's gathered parameters after its forward (gather again for "
+        "backward); off keeps them gathered for the whole step.", is_flag=True,
+        negative="--torch-fsdp2-no-reshard-after-forward")
+
+
 class FSDP2:
+    @hookimpl
+    def plugtron_config_sections(self):
+        # before contract 3 the field was config.parallel.torch_fsdp2_reshard_after_forward
+        return [ConfigSection("fsdp2", FSDP2Options, title="fsdp2", formerly=("parallel",))]
+
     @hookimpl
     def plugtron_validate(self, config, world_size):
         p = config.parallel
@@ -304,7 +321,7 @@ class FSDP2:
                 units.append(sum(q.numel() for q in own))
             root = sum(q.numel() for q in _own_params(chunk, managed))
             largest = max(units, default=0)
-            if config.parallel.torch_fsdp2_reshard_after_forward:
+            if config.fsdp2.torch_fsdp2_reshard_after_forward:
                 # The root stays gathered; one unit computes while the next is prefetched, and
                 # backward holds one unit's whole gradient and its reduce-scatter copy.
                 units_in_flight = (root + 2 * largest) * compute + 2 * largest * reduce_e

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from plugtron.api import TorchOptimizer, adamw_factory, hookimpl
+from plugtron.api import TorchOptimizer, hookimpl
+
+from .adam_options import SECTION, adamw
 
 
 class Adam:
+    @hookimpl
+    def plugtron_config_sections(self):
+        return [SECTION]
+
     @hookimpl
     def optimizer_state_per_param(self, config):
         return 2  # the two moments
@@ -16,4 +22,4 @@ class Adam:
 
     @hookimpl
     def build_optimizer(self, config, model_chunks, parallel):
-        return TorchOptimizer(model_chunks, config, parallel, adamw_factory(config))
+        return TorchOptimizer(model_chunks, config, parallel, adamw(config))

@@ -5,12 +5,17 @@ Weight decay is not applied to norms and biases."""
 
 from __future__ import annotations
 
-from plugtron.api import adamw_factory, hookimpl
+from plugtron.api import hookimpl
 
+from .adam_options import SECTION, adamw
 from .distributed_optimizer import DistributedOptimizer
 
 
 class DistributedAdam:
+    @hookimpl
+    def plugtron_config_sections(self):
+        return [SECTION]
+
     @hookimpl
     def optimizer_state_per_param(self, config):
         return 2  # the two moments, sharded over dp x cp
@@ -22,4 +27,4 @@ class DistributedAdam:
 
     @hookimpl
     def build_optimizer(self, config, model_chunks, parallel):
-        return DistributedOptimizer(model_chunks, config, parallel, adamw_factory(config))
+        return DistributedOptimizer(model_chunks, config, parallel, adamw(config))
