@@ -95,8 +95,13 @@ def prescan(args: list[str], base: TrainConfig | None = None) -> TrainConfig:
     """A core-only config holding what selects the plugins: ``base`` (e.g. a checkpoint's
     config), then the ``--config`` file, then the flags. Anything unparsable is left for the
     real parse to report."""
+    from plugtron.core.plugins.options import attach_sections, selector_sections
+
     config = base if base is not None else TrainConfig()
-    selecting = [f for f in flag_fields() if f.section in SELECTING_SECTIONS]
+    selectors = selector_sections()  # their flags choose drivers too (--use-torch-fsdp2)
+    attach_sections(config, selectors)
+    sections = {*SELECTING_SECTIONS, *(d.section.name for d in selectors)}
+    selecting = [f for f in flag_fields(config) if f.section in sections]
     by_spelling = _spellings(selecting)
     args = expand_several_values(list(args), {s for s, f in by_spelling.items()
                                               if f.type is list and not f.is_flag})

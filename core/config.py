@@ -129,22 +129,11 @@ class ParallelConfig:
     #: Where the virtual stages live, as the schedule declares (hook ``pipeline_placement``):
     #: set when the run is validated; not a flag.
     pipeline_placement: str = "looped"
-    use_distributed_optimizer: bool = opt(False, "--use-distributed-optimizer",
-                                          "Alias of --optimizer distributed-adam.", is_flag=True)
     overlap_grad_reduce: bool = opt(False, "--overlap-grad-reduce",
                                     "Start bucket reductions during backward.", is_flag=True)
     overlap_param_gather: bool = opt(False, "--overlap-param-gather",
                                      "Overlap the parameter all-gather with the next forward.",
                                      is_flag=True)
-    use_torch_fsdp2: bool = opt(False, "--use-torch-fsdp2",
-                                "Shard parameters, gradients and optimizer state over dp x cp "
-                                "with torch's fully_shard (the fsdp2 data-parallel wrapper).",
-                                is_flag=True)
-    data_parallel_sharding_strategy: str | None = opt(
-        None, "--data-parallel-sharding-strategy",
-        "What data parallelism shards (Megatron's levels): no_shard (ddp), optim (ddp with the "
-        "distributed optimizer), optim_grads_params (fsdp2); default: what the other flags say.",
-        choices=("no_shard", "optim", "optim_grads", "optim_grads_params"))
     ddp_bucket_size: int | None = opt(None, "--ddp-bucket-size",
                                       "Elements per gradient bucket (default: about 40M).")
     accumulate_allreduce_grads_in_fp32: bool = opt(

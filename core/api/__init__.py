@@ -32,6 +32,7 @@ from plugtron.core.contracts.layer_backend import LayerBackend
 from plugtron.core.contracts.layers import load_layer_types, substitute_symbols
 from plugtron.core.contracts.loss import LossClosure, loss_closure
 from plugtron.core.contracts.model_info import ModelInfo, model_info_for
+from plugtron.core.contracts.selectors import fallback
 from plugtron.core.contracts.versions import (
     CONTRACT_VERSION,
     PlugtronDeprecationWarning,
@@ -141,7 +142,7 @@ __all__ = [
     # plugins, their roles and options, errors
     "hookimpl", "ConfigSection", "opt", "TrainConfig", "selected_drivers", "PluginRole",
     "load_plugin", "saved_config", "CONTRACT_VERSION", "require_contract",
-    "PlugtronDeprecationWarning",
+    "PlugtronDeprecationWarning", "fallback",
     "PlugtronError", "ConfigError", "PluginError", "CheckpointError",
     # building a model: its description, layer types, composition, init, losses, parameters
     "ModelInfo", "model_info_for", "LayerBackend", "load_layer_types", "substitute_symbols",

@@ -400,11 +400,31 @@ def plugtron_config_sections() -> list[ConfigSection]:
         config keeps the section under ``name``.
 
     Called when the CLI builds a command and when a rank reads its config, on the selected
-    drivers (model, schedule, optimizer, dataset), the selected
-    layer backend, every installed layer type and MoE dispatcher, and every enabled extension.
-    Layer types, dispatchers
-    and layer backends are classes: they declare it as a ``staticmethod``/``classmethod``. A
+    drivers (model, schedule, optimizer, data-parallel wrapper, dataset), the selected layer
+    backend, every installed layer type, MoE dispatcher and selector, and every enabled
+    extension. Layer types, dispatchers, selectors and layer backends are classes: they declare
+    it as a ``staticmethod``/``classmethod``. A
     plugin that raises here, or whose names clash with another's, is skipped with a warning.
+    """
+
+
+@hookspec
+def plugtron_select(role: str, config: TrainConfig) -> str | None:
+    """Answer which driver of ``role`` a run of ``config`` uses (a selector's hook).
+
+    :param role: ``"schedule"``, ``"optimizer"``, ``"data_parallel"``, ``"model"`` or
+        ``"dataset"``.
+    :param config: the run's ``TrainConfig``; the selector's own section holds the flags it
+        answers (``--use-torch-fsdp2``), ``config.plugins`` the names the user gave (``auto``
+        where none).
+    :returns: an entry-point name of ``role``, or ``None`` when this selector has nothing to
+        say. Raise ``plugtron.api.ConfigError`` for flags that contradict the name given.
+
+    Implemented by selectors (entry-point group ``plugtron.selectors``; built in: ``megatron``,
+    Megatron's ``auto`` schedule and its data-parallel flags), whose sections and validation
+    are always collected. Called by the core whenever it resolves a run's drivers, before
+    launch and on every rank, without process groups; two selectors that answer differently
+    are refused, naming both. The core itself maps no flag to a plugin name.
     """
 
 

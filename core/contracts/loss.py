@@ -9,7 +9,9 @@ the schedule calls it as before.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -40,10 +42,25 @@ class LossClosure:
         return self.hook(loss_mask=self.loss_mask, output_tensor=output_tensor)
 
 
+#: The run's ``loss_func`` hook while the core calls ``forward_step``: a closure made inside is
+#: bound at once, so an extension wrapping ``forward_step`` can already call it.
+_RUN_LOSS_FUNC: ContextVar[Callable | None] = ContextVar("plugtron_run_loss_func", default=None)
+
+
+@contextlib.contextmanager
+def run_loss_func(hook: Callable[..., LossResult]):
+    """Inside: ``loss_closure`` binds to ``hook`` (the core wraps its ``forward_step`` call)."""
+    token = _RUN_LOSS_FUNC.set(hook)
+    try:
+        yield
+    finally:
+        _RUN_LOSS_FUNC.reset(token)
+
+
 def loss_closure(loss_mask: torch.Tensor) -> LossClosure:
     """What a model's ``forward_step`` returns beside its output: the run's ``loss_func`` hook
     over ``loss_mask`` and, on the last stage, the output."""
-    return LossClosure(loss_mask)
+    return LossClosure(loss_mask, _RUN_LOSS_FUNC.get())
 
 
 def bind_loss_closure(closure: Callable, loss_func: Callable[..., LossResult]) -> Callable:
@@ -51,7 +68,7 @@ def bind_loss_closure(closure: Callable, loss_func: Callable[..., LossResult]) -
     ``partial(loss_func, loss_mask)``) still works for contract 3, with a deprecation: the hook
     and its wrappers do not run for it."""
     if isinstance(closure, LossClosure):
-        return closure.bound(loss_func)
+        return closure if closure.hook is not None else closure.bound(loss_func)
     module = getattr(getattr(closure, "func", closure), "__module__", None) or "a model plugin"
     deprecated(f"{module}: forward_step returned a plain loss closure, so the run's loss_func "
                f"hook (and any extension wrapping it) is not called; return "

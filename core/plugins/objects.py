@@ -20,7 +20,12 @@ from dataclasses import dataclass
 
 from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.selection import autoload_disabled, disabled_extensions, selected_drivers
+from plugtron.core.plugins.selection import (
+    DRIVER_ROLES,
+    autoload_disabled,
+    disabled_extensions,
+    selected_drivers,
+)
 from plugtron.core.plugins.signatures import declared_arguments
 
 _warned: set[str] = set()
@@ -54,9 +59,15 @@ def run_plugin_objects(config, strict_drivers: bool = False) -> list[PluginObjec
     import raises when ``strict_drivers`` (a run needs it), else it is skipped with a warning
     (building ``--help`` must not fail on it); other plugins are always skipped with a
     warning."""
-    out = []
-    drivers = dict(selected_drivers(config))
-    drivers["layer_backend"] = config.plugins.layer_backend
+    out = _always_collected(["selector"])  # they own the flags that choose the drivers: first
+    drivers = {}
+    for role in (*DRIVER_ROLES, "layer_backend"):
+        try:
+            drivers[role] = selected_drivers(config, roles=(role,))[role]
+        except ConfigError:
+            if strict_drivers:
+                raise
+            continue  # contradicting flags: the run's own check reports them
     for role, name in drivers.items():
         try:
             obj = registry.load(role, name)
@@ -69,13 +80,7 @@ def run_plugin_objects(config, strict_drivers: bool = False) -> list[PluginObjec
         if role != "layer_backend":
             obj = registry.instantiate(obj)
         out.append(PluginObject(role, name, _origin(role, name), obj))
-    for role in registry.always_collected_roles():
-        for info in registry.available(role):
-            try:
-                out.append(PluginObject(role, info.name, info.origin,
-                                        registry.load(role, info.name)))
-            except PluginError as exc:
-                warn_once(f"skipping {role} {info.name!r}: {exc}")
+    out += _always_collected([r for r in registry.always_collected_roles() if r != "selector"])
     if not autoload_disabled():
         try:
             disabled = disabled_extensions(config)
@@ -91,6 +96,19 @@ def run_plugin_objects(config, strict_drivers: bool = False) -> list[PluginObjec
                           f"`-p no:{info.name}`")
                 continue
             out.append(PluginObject("extension", info.name, info.origin, obj))
+    return out
+
+
+def _always_collected(roles: list[str]) -> list[PluginObject]:
+    """Every installed plugin of ``roles`` (classes: their hooks are static)."""
+    out = []
+    for role in roles:
+        for info in registry.available(role):
+            try:
+                out.append(PluginObject(role, info.name, info.origin,
+                                        registry.load(role, info.name)))
+            except PluginError as exc:
+                warn_once(f"skipping {role} {info.name!r}: {exc}")
     return out
 
 

@@ -92,6 +92,19 @@ def attach_sections(config: TrainConfig, declared: list[DeclaredSection]) -> Tra
     return config
 
 
+def selector_sections() -> list[DeclaredSection]:
+    """The sections of every installed selector: their flags decide which drivers (and so which
+    other sections) a run has, so they are read before any other plugin's."""
+    selectors = []
+    for info in registry.available("selector"):
+        try:
+            selectors.append(PluginObject("selector", info.name, info.origin,
+                                          registry.load("selector", info.name)))
+        except PlugtronError:
+            continue  # reported by `plugtron plugins list --check`
+    return collect_sections(TrainConfig(), selectors)
+
+
 def with_plugin_sections(config: TrainConfig) -> TrainConfig:
     """``config`` with the sections of the plugins its run selects attached (defaults)."""
     return attach_sections(config, collect_sections(config))
@@ -100,15 +113,18 @@ def with_plugin_sections(config: TrainConfig) -> TrainConfig:
 def config_from_dict(data: dict) -> TrainConfig:
     """A whole config from its dict form (``to_dict``, a checkpoint's config): the core
     sections first, which select the plugins, then the sections those plugins declare."""
-    core_only = TrainConfig.from_dict(data)
+    selectors = selector_sections()  # their values choose the drivers: read them first
+    core_only = TrainConfig.from_dict(data, _classes(selectors))
     try:
         declared = collect_sections(core_only)
     except PlugtronError:
         declared = []  # e.g. a driver name that no longer resolves: the run reports it
-    classes: dict[str, type | tuple] = {
-        d.section.name: (d.section.cls, d.section.extends, d.section.formerly)
-        for d in declared}
-    return TrainConfig.from_dict(data, classes)
+    return TrainConfig.from_dict(data, _classes(declared))
+
+
+def _classes(declared: list[DeclaredSection]) -> dict[str, type | tuple]:
+    return {d.section.name: (d.section.cls, d.section.extends, d.section.formerly)
+            for d in declared}
 
 
 def config_from_flags(flags: dict, source: str = "settings") -> TrainConfig:
@@ -117,12 +133,13 @@ def config_from_flags(flags: dict, source: str = "settings") -> TrainConfig:
     settings are applied first, then the selected plugins' sections are attached and their
     settings applied."""
 
+    config = TrainConfig()
+    attach_sections(config, selector_sections())  # their flags choose the drivers
     core_keys: set[str] = set()
-    for f in flag_fields():
+    for f in flag_fields(config):
         core_keys.update(s.lstrip("-").replace("-", "_") for s in (f.flag, *f.aliases))
         core_keys.update((f.name, f"{f.section}.{f.name}"))
     norm = {k: str(k).lstrip("-").replace("-", "_") for k in flags}
-    config = TrainConfig()
     apply_values(config, {k: v for k, v in flags.items() if norm[k] in core_keys}, source)
     with_plugin_sections(config)
     apply_values(config, {k: v for k, v in flags.items() if norm[k] not in core_keys}, source)

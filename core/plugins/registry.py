@@ -67,6 +67,9 @@ CORE_ROLES: dict[str, PluginRole] = {
     "tokenizer": PluginRole("plugtron.tokenizers", "--tokenizer-type"),
     "converter": PluginRole("plugtron.converters", "HF / Megatron mapping of one model"),
     "extension": PluginRole("plugtron", "lifecycle hooks and wrappers"),
+    "selector": PluginRole("plugtron.selectors",
+                           "answers `auto` and Megatron-style flags with a driver's name",
+                           always_collected=True),
 }
 #: role -> entry-point group of the core's roles.
 GROUPS: dict[str, str] = {role: r.group for role, r in CORE_ROLES.items()}

@@ -1,69 +1,101 @@
-"""Which plugins take part in a run, read off its config alone: the driver of each role (with
-Megatron's defaults for ``auto``), the extensions disabled with ``-p no:NAME`` and the
-environment switch that turns extension autoloading off. Nothing here imports a plugin."""
+"""Which plugins take part in a run, read off its config alone: the driver of each role (what
+the installed selectors answer for ``auto`` and for Megatron-style flags, else the name given),
+the extensions disabled with ``-p no:NAME`` and the environment switch that turns extension
+autoloading off. Only selectors are imported here: small plugins that map flags to names."""
 
 from __future__ import annotations
 
 import os
 
-from plugtron.core.errors import ConfigError
+from plugtron.core.contracts.selectors import Fallback
+from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.plugins import registry
+from plugtron.core.plugins.signatures import declared_arguments
 
 AUTOLOAD_ENV = "PLUGTRON_DISABLE_PLUGIN_AUTOLOAD"
 
 #: The config field of ``config.plugins`` that names each driver role.
 DRIVER_ROLES = ("model", "schedule", "optimizer", "data_parallel", "dataset")
 
-#: ``--data-parallel-sharding-strategy`` (Megatron's levels) -> what implements it.
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+#: The ``config.plugins`` field and the flag that name each driver role.
+FIELDS = {"model": "model", "schedule": "schedule", "optimizer": "optimizer",
+          "data_parallel": "data_parallel", "dataset": "data"}
+FLAGS = {"model": "--model", "schedule": "--schedule", "optimizer": "--optimizer",
+         "data_parallel": "--data-parallel", "dataset": "--data"}
+
+
+def _selectors() -> list:
+    """Every installed selector (group ``plugtron.selectors``); one that does not load is
+    skipped here (``plugins list --check`` reports it)."""
+    out = []
+    for info in registry.available("selector"):
+        try:
+            out.append((info, registry.load("selector", info.name)))  # a class: static hooks
+        except PluginError:
+            continue
+    return out
+
+
+def selector_answer(role: str, config) -> str | None:
+    """The driver that the installed selectors' flags choose for ``role`` (hook
+    ``plugtron_select``), or None when none answers. Two that answer differently are a
+    ``ConfigError`` naming both."""
+    answers: dict[str, str] = {}
+    fallbacks: dict[str, str] = {}
+    for info, selector in _selectors():
+        select = getattr(selector, "plugtron_select", None)
+        if select is None:
+            continue
+        wanted = declared_arguments(select)
+        kwargs = {"role": role, "config": config}
+        answer = select(**{k: v for k, v in kwargs.items() if wanted is None or k in wanted})
+        if answer is not None:
+            who = f"selector {info.name!r} ({info.origin})"
+            (fallbacks if isinstance(answer, Fallback) else answers)[who] = str(answer)
+    for level in (answers, fallbacks):  # a flag's choice wins over any fallback
+        if len(set(level.values())) > 1:
+            raise ConfigError(f"the {role} is ambiguous: " + "; ".join(
+                f"{who} selects {name!r}" for who, name in level.items())
+                + f"; give {FLAGS.get(role, role)} NAME")
+        if level:
+            return next(iter(level.values()))
+    return None
+
+
+def resolve(role: str, config) -> str:
+    """The driver a run of ``config`` uses for ``role``: what a selector answers (Megatron's
+    defaults for ``auto``, a flag such as ``--use-torch-fsdp2``; built in: plugins/selectors/),
+    else the name given. ``auto`` that no selector answers is a ``ConfigError``."""
+    answer = selector_answer(role, config)
+    if answer is not None:
+        return answer
+    name = getattr(config.plugins, FIELDS[role])
+    if name == "auto":
+        raise ConfigError(f"{FLAGS[role]} auto: no installed selector (plugtron.selectors) "
+                          f"chooses a {role} for this run; give {FLAGS[role]} NAME "
+                          f"({registry.describe_available(role)})")
+    return name
 
 
 def resolve_schedule(config) -> str:
-    """``auto`` picks Megatron's default: no pipelining, 1F1B, or interleaved 1F1B."""
-    name = config.plugins.schedule
-    if name != "auto":
-        return name
-    par = config.parallel
-    if par.pipeline_model_parallel_size <= 1:
-        return "no-pipelining"
-    if par.virtual_pipeline_model_parallel_size:
-        return "interleaved-1f1b"
-    return "1f1b"
+    return resolve("schedule", config)
 
 
 def resolve_optimizer(config) -> str:
-    """``--use-distributed-optimizer`` and ``--data-parallel-sharding-strategy optim`` both
-    mean ``distributed-adam``."""
-    if (config.parallel.use_distributed_optimizer
-            or config.parallel.data_parallel_sharding_strategy == "optim"):
-        if config.plugins.optimizer not in ("adam", "distributed-adam"):
-            flag = ("--use-distributed-optimizer" if config.parallel.use_distributed_optimizer
-                    else "--data-parallel-sharding-strategy optim")
-            raise ConfigError(f"{flag} means --optimizer distributed-adam and cannot be "
-                              f"combined with --optimizer {config.plugins.optimizer}")
-        return "distributed-adam"
-    return config.plugins.optimizer
+    return resolve("optimizer", config)
 
 
 def resolve_data_parallel(config) -> str:
-    """``auto`` is ``fsdp2`` under ``--use-torch-fsdp2`` or ``--data-parallel-sharding-strategy
-    optim_grads_params``, else ``ddp``. A named wrapper is taken as named."""
-    name = config.plugins.data_parallel
-    p = config.parallel
-    if name == "auto":
-        fsdp = p.use_torch_fsdp2 or p.data_parallel_sharding_strategy == "optim_grads_params"
-        return "fsdp2" if fsdp else "ddp"
-    return name  # a contradiction with --use-torch-fsdp2 is refused by validation
+    return resolve("data_parallel", config)
 
 
-def selected_drivers(config) -> dict[str, str]:
-    """role -> entry-point name this run selects."""
-    return {
-        "model": config.plugins.model,
-        "schedule": resolve_schedule(config),
-        "optimizer": resolve_optimizer(config),
-        "data_parallel": resolve_data_parallel(config),
-        "dataset": config.plugins.data,
-    }
+def selected_drivers(config, roles: tuple[str, ...] = DRIVER_ROLES) -> dict[str, str]:
+    """role -> entry-point name this run selects (``layer_backend`` only when asked for)."""
+    out = {}
+    for role in roles:
+        out[role] = config.plugins.layer_backend if role == "layer_backend" else \
+            resolve(role, config)
+    return out
 
 
 def disabled_extensions(config) -> set[str]:

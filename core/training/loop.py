@@ -12,7 +12,7 @@ from plugtron.core.checkpoint import dir_lock
 from plugtron.core.config import TrainConfig, derive_padded_vocab_size, num_microbatches
 from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.contracts.data_parallel import DataParallelChunk
-from plugtron.core.contracts.loss import bind_loss_closure
+from plugtron.core.contracts.loss import bind_loss_closure, run_loss_func
 from plugtron.core.contracts.model_info import ModelInfo, metric_name
 from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.monitoring import run_status
@@ -72,7 +72,8 @@ class Run:
     def forward_step_func(self, data_iterator, model):
         """The run's ``forward_step`` hook, its loss closure bound to the run's ``loss_func``
         hook (so that every wrapper of either runs)."""
-        output, closure = self.pm.hook.forward_step(data_iterator=data_iterator, model=model)
+        with run_loss_func(self.pm.hook.loss_func):
+            output, closure = self.pm.hook.forward_step(data_iterator=data_iterator, model=model)
         return output, bind_loss_closure(closure, self.pm.hook.loss_func)
 
 
@@ -274,12 +275,12 @@ def reduce_reports(reports: list[dict], parallel: ParallelContext,
                        + [("added", k) for k in added]))
     if cache is not None and "keys" in cache:
         keys = cache["keys"]
-        totals = _reduced_totals(keys, reports, added, parallel, local != cache["local"])
+        totals = _reduced_totals(keys, reports, added, parallel, local != cache["own_keys"])
         if totals[-1, 0] == 0:
             return _means(keys, totals)
     keys = _agreed_keys(local, parallel)
     if cache is not None:
-        cache.update(keys=keys, local=local)
+        cache.update(keys=keys, own_keys=local)
     return _means(keys, _reduced_totals(keys, reports, added, parallel, False))
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from plugtron.core.config import TrainConfig, validate_tensor_parallel
 from plugtron.core.contracts.model_info import model_info_for
-from plugtron.core.errors import ConfigError, PluginError
+from plugtron.core.errors import ConfigError
 from plugtron.core.monitoring.profiling import validate_profile
 from plugtron.core.monitoring.straggler import validate_straggler
 from plugtron.core.parallel.context import V_SHAPE, check_placement, validate_sizes
@@ -15,9 +15,8 @@ from plugtron.core.parallel.context_parallel import check_support
 from plugtron.core.pipeline.layout import chunk_layers
 from plugtron.core.pipeline.plan import check_schedule, placement_of
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.manager import wants_sharded_gradients
 from plugtron.core.plugins.objects import call_declared, run_plugin_objects
-from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule
+from plugtron.core.plugins.selection import resolve_schedule
 from plugtron.core.training.recompute import validate_recompute
 from plugtron.core.training.rerun import validate_rerun
 
@@ -136,21 +135,9 @@ def _check_context_parallel(config: TrainConfig, plugins) -> None:
 def _check_data_parallel(config: TrainConfig) -> None:
     """Distributed-optimizer and fp16 loss-scaler settings (docs/data_parallel.md)."""
 
-    p, t = config.parallel, config.training
-    wrapper = resolve_data_parallel(config)
-    if p.use_torch_fsdp2 and wrapper != "fsdp2":
-        raise ConfigError(f"--use-torch-fsdp2 selects the data-parallel wrapper fsdp2 and "
-                          f"cannot be combined with --data-parallel {wrapper}")
-    # The parameter gather is ddp's with a sharding optimizer; another wrapper validates it.
-    if p.overlap_param_gather and wrapper == "ddp":
-
-        try:
-            sharded = wants_sharded_gradients(config)
-        except PluginError:
-            sharded = True  # an unknown optimizer is reported by the plugin check
-        if not sharded:
-            raise ConfigError("--overlap-param-gather needs a sharding optimizer: add "
-                              "--use-distributed-optimizer (or --optimizer distributed-adam)")
+    # --overlap-param-gather and the sharding strategy are the data-parallel wrapper's and the
+    # selectors' to check (plugins/data_parallel/, plugins/selectors/).
+    t = config.training
     if t.fp16:
         if t.initial_loss_scale <= 0 or t.min_loss_scale <= 0:
             raise ConfigError(f"--initial-loss-scale ({t.initial_loss_scale}) and "

@@ -11,26 +11,26 @@ from plugtron.api import (
     ConfigError,
     DataParallelMemory,
     DistributedDataParallel,
+    PluginError,
     hookimpl,
     model_dtype,
+    wants_sharded_gradients,
 )
-
-#: Strategies ddp implements (``--data-parallel-sharding-strategy``); ``optim`` selects the
-#: distributed optimizer.
-STRATEGIES = ("no_shard", "optim")
 
 
 class DDP:
     @hookimpl
     def plugtron_validate(self, config):
-        strategy = config.parallel.data_parallel_sharding_strategy
-        if strategy not in (None, *STRATEGIES):
-            raise ConfigError(
-                f"--data-parallel-sharding-strategy {strategy}: the ddp wrapper shards at most "
-                f"the optimizer state; use optim (ddp with the distributed optimizer) or "
-                f"optim_grads_params (fsdp2: --use-torch-fsdp2)"
-                + ("; gradients alone (ZeRO-2) are not offered" if strategy == "optim_grads"
-                   else ""))
+        # The parameter gather is the core DDP's, over a sharding optimizer's buffers.
+        if config.parallel.overlap_param_gather:
+            try:
+                sharded = wants_sharded_gradients(config)
+            except PluginError:
+                sharded = True  # an unknown optimizer is reported by the plugin check
+            if not sharded:
+                raise ConfigError("--overlap-param-gather needs a sharding optimizer: add "
+                                  "--use-distributed-optimizer (or --optimizer "
+                                  "distributed-adam)")
 
     @hookimpl
     def wrap_model_chunk(self, config, module, parallel, shard_gradients):

@@ -271,14 +271,7 @@ class FSDP2:
             raise ConfigError(f"--use-torch-fsdp2 needs torch.distributed.fsdp.fully_shard, "
                               f"which torch {torch.__version__} lacks: install torch >= 2.6 or "
                               f"use the ddp wrapper (drop --use-torch-fsdp2)")
-        strategy = p.data_parallel_sharding_strategy
-        if strategy not in (None, "optim_grads_params"):
-            raise ConfigError(f"--data-parallel-sharding-strategy {strategy} with fsdp2: fsdp2 "
-                              f"shards parameters, gradients and optimizer state "
-                              f"(optim_grads_params); for {strategy} use the ddp wrapper"
-                              + (" with --use-distributed-optimizer" if strategy == "optim"
-                                 else ""))
-        if p.use_distributed_optimizer or wants_sharded_gradients(config):
+        if wants_sharded_gradients(config):
             raise ConfigError("--use-torch-fsdp2 already shards the optimizer state over dp: "
                               "--use-distributed-optimizer (distributed-adam) is redundant; drop "
                               "it (fsdp2 runs --optimizer adam over the shards)")

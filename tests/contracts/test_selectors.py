@@ -1,0 +1,101 @@
+"""Selectors answer ``auto`` and Megatron-style flags with a driver's name; the core maps no
+flag to a plugin (contract 3). The built-in ``megatron`` selector gives Megatron's defaults,
+and a third party's selector answers a flag of its own the same way."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+from plugtron.api import ConfigError
+from plugtron.cli.main import cli
+from plugtron.core.plugins.options import config_from_dict
+from plugtron.core.plugins.selection import selected_drivers
+
+from tests.fake_plugins import install_fake_distribution, remove_path
+from tests.utils import tiny_config
+
+
+@pytest.mark.parametrize("flags,role,want", [
+    ({}, "schedule", "no-pipelining"),
+    ({"pp": 2}, "schedule", "1f1b"),
+    ({"pp": 2, "vp": 2}, "schedule", "interleaved-1f1b"),
+    ({"pp": 2, "schedule": "gpipe"}, "schedule", "gpipe"),
+    ({}, "optimizer", "adam"),
+    ({"use-distributed-optimizer": True}, "optimizer", "distributed-adam"),
+    ({"data-parallel-sharding-strategy": "optim"}, "optimizer", "distributed-adam"),
+    ({}, "data_parallel", "ddp"),
+    ({"use-torch-fsdp2": True}, "data_parallel", "fsdp2"),
+    ({"data-parallel-sharding-strategy": "optim_grads_params"}, "data_parallel", "fsdp2"),
+])
+def test_hook_plugtron_select(flags, role, want):
+    assert selected_drivers(tiny_config(**flags))[role] == want
+
+
+def test_contradicting_flags_are_refused_by_the_selector():
+    with pytest.raises(ConfigError, match="--use-distributed-optimizer means --optimizer "
+                                          "distributed-adam and cannot be combined with "
+                                          "--optimizer sgd"):
+        selected_drivers(tiny_config(optimizer="sgd", use_distributed_optimizer=True))
+
+
+def test_a_checkpoint_config_from_before_selects_the_same_drivers():
+    saved = tiny_config().to_dict()
+    saved.pop("megatron")
+    saved["parallel"]["use_torch_fsdp2"] = True  # where contract 2 wrote it
+    saved["parallel"]["use_distributed_optimizer"] = False
+    config = config_from_dict(saved)
+    assert config.megatron.use_torch_fsdp2 is True
+    assert selected_drivers(config)["data_parallel"] == "fsdp2"
+    assert hasattr(config, "fsdp2")  # and with it the wrapper's own section
+
+
+THIRD_PARTY = '''
+from dataclasses import dataclass
+
+from plugtron.api import ConfigSection, load_plugin, opt
+
+
+@dataclass
+class OwnFlags:
+    use_my_fsdp: bool = opt(False, "--use-my-fsdp", "Use my wrapper.", is_flag=True)
+
+
+class MySelector:
+    @staticmethod
+    def plugtron_config_sections():
+        return [ConfigSection("my_selection", OwnFlags)]
+
+    @staticmethod
+    def plugtron_select(role, config):
+        if role == "data_parallel" and config.my_selection.use_my_fsdp:
+            return "my-fsdp"
+        return None
+
+
+class MyFSDP:
+    """ddp under another name (what it does is not the point here)."""
+
+    def __getattr__(self, name):
+        return getattr(load_plugin("data_parallel", "ddp")(), name)
+'''
+
+
+@pytest.fixture
+def third_party(tmp_path):
+    install_fake_distribution(tmp_path, "plugtron-my-fsdp", "0.1.0",
+                              {"plugtron.selectors": {"mine": "my_fsdp:MySelector"},
+                               "plugtron.data_parallel": {"my-fsdp": "my_fsdp:MyFSDP"}},
+                              {"my_fsdp": THIRD_PARTY})
+    yield
+    remove_path(tmp_path)
+
+
+def test_a_third_partys_selector_answers_its_own_flag(third_party):
+    assert selected_drivers(tiny_config(use_my_fsdp=True))["data_parallel"] == "my-fsdp"
+    assert selected_drivers(tiny_config())["data_parallel"] == "ddp"
+    # two selectors that answer differently: refused, naming both
+    with pytest.raises(ConfigError, match="the data_parallel is ambiguous: .*'megatron'.*"
+                                          "'fsdp2'.*'mine'.*'my-fsdp'"):
+        selected_drivers(tiny_config(use_my_fsdp=True, use_torch_fsdp2=True))
+    result = CliRunner().invoke(cli, ["train", "--help"])
+    assert "--use-my-fsdp" in result.output
