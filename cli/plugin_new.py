@@ -208,8 +208,8 @@ def new(kind, name, directory, symbol):
     pyproject.toml with the entry point, the plugin module, a README and tests that use
     plugtron.testing. It installs (pip install -e DIR) and passes its tests as generated.
 
-    KIND: model, schedule, optimizer, dataset, layer, extension, or a role an installed
-    distribution declares with a template (moe_dispatcher, with plugtron-moe)."""
+    KIND: model, schedule, optimizer, data_parallel, dataset, layer, extension, or a role an
+    installed distribution declares with a template (moe_dispatcher, with plugtron-moe)."""
     names = check_name(check_kind(kind), name)
     symbol = check_symbol(kind, symbol)
     directory = directory or pathlib.Path(names.dist)

@@ -143,13 +143,20 @@ def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReade
         with malformed(reader, "rng", reader.manifest_path(run.world.rank)):
             _restore_rng(run, reader, contents.get("rng", False))
     if run.world.rank == 0:
-        saved = reader.metadata.get("layout", {})
         print(f"loaded checkpoint {reader.path} (iteration {reader.iteration}, saved with "
-              f"tp {saved.get('tp')} pp {saved.get('pp')} vp {saved.get('vp')} cp "
-              f"{saved.get('cp')} dp {saved.get('dp')}){' weights only' if model_only else ''}",
-              flush=True)
+              f"{describe_layout(reader.metadata.get('layout', {}))})"
+              f"{' weights only' if model_only else ''}", flush=True)
     reader.close()
     return reader
+
+
+def describe_layout(saved: dict) -> str:
+    """``tp 2 pp 2 vp 2 cp 1 dp 2``: the sizes a checkpoint was saved with; vp only when it was
+    interleaved (no ``vp None``)."""
+    sizes = [("tp", saved.get("tp")), ("pp", saved.get("pp")), ("vp", saved.get("vp")),
+             ("cp", saved.get("cp")), ("dp", saved.get("dp"))]
+    return " ".join(f"{name} {value}" for name, value in sizes
+                    if value is not None or name != "vp")
 
 
 def _load_optimizer(run, reader, specs, target_spec) -> None:

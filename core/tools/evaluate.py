@@ -34,6 +34,13 @@ def _perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else float("inf")
 
 
+def _line(record: dict) -> str:
+    """``SET: lm loss 4.1655 | perplexity 64.4257`` (every reported loss of the set)."""
+    parts = [f"{key.removeprefix('valid_').replace('_', ' ')} {value:.4f}"
+             for key, value in record.items() if key.startswith("valid_")]
+    return f"{record['data_path']}: " + " | ".join(parts)
+
+
 def evaluate_checkpoint(config, extra_plugins=(), world=None, as_json: bool = False):
     """Build the run for this rank, load the checkpoint's weights, compute the token-weighted
     validation loss over ``--eval-iters`` batches; rank 0 prints every reported key and the
@@ -54,22 +61,22 @@ def evaluate_checkpoint(config, extra_plugins=(), world=None, as_json: bool = Fa
                 one.data.data_path = [name]
                 run.datasets = tuple(run.pm.hook.dataset_provider(
                     config=one, split_sizes=split_sizes(one), parallel=run.parallel))
+            label = name or ", ".join(sets) or config.plugins.data
             losses = evaluate_all(run)
             if losses is None:
+                if run.world.rank == 0:
+                    print(f"{label}: no validation samples (its --split gives the validation "
+                          f"split none)", flush=True)
                 continue
             loss = losses.get(main)
             record = {"iteration": reader.iteration, **loss_metrics(losses, "valid_")}
             if loss is not None:
                 record["valid_perplexity"] = _perplexity(loss)
-            if name is None and not as_json:
-                metrics.evaluation(record)
-                continue
-            record = {"data_path": name or ", ".join(sets) or config.plugins.data, **record}
+            # one format for one set and for several: a line (or JSON record) per set
+            record = {"data_path": label, **record}
             if run.world.rank == 0:
                 metrics.write(record)
-                print(json.dumps(record) if as_json else
-                      f"{record['data_path']}: {main} {loss:.4f} | perplexity "
-                      f"{record.get('valid_perplexity', float('nan')):.4f}", flush=True)
+                print(json.dumps(record) if as_json else _line(record), flush=True)
     finally:
         metrics.close()
     return loss

@@ -56,7 +56,7 @@ def test_evaluate_reports_valid_loss(saved, tmp_path):
     run = setup(ckpt_config(train_iters=3, eval_iters=2), world=ONE)
     load_checkpoint(run, saved, model_only=True)
     assert records[0]["valid_lm_loss"] == pytest.approx(evaluate(run), rel=1e-6)
-    assert f"valid lm loss {records[0]['valid_lm_loss']:.4f}" in result.output
+    assert f"lm loss {records[0]['valid_lm_loss']:.4f}" in result.output
 
 
 def test_evaluate_needs_load():

@@ -72,7 +72,7 @@ def test_survivors_of_a_lost_node_reform_and_finish(tmp_path, alone):
     kill_group(procs[1].pid)  # the launcher and its ranks: a machine gone
     done = finish(procs[0])
     assert done.rc == 0 and not done.timed_out, done.out
-    assert "saved with tp 1 pp 1 vp None cp 1 dp 4" in done.out  # resumed after re-forming
+    assert "saved with tp 1 pp 1 cp 1 dp 4" in done.out  # resumed after re-forming
     print(f"re-formed and finished {time.monotonic() - lost:.1f} s after the node was lost")
     # The survivors' rank 0 writes this node's file from its restart on.
     got = losses_of(metrics[0])
