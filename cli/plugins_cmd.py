@@ -24,17 +24,22 @@ def list_plugins(check):
     """Every entry-point group, every name, its distribution and version."""
     results = dict(plugin_check.check_plugins(plugin_check.installed_plugins())) if check else {}
     failed = False
+    listing = {role: registry.available(role) for role in registry.groups()}
+    # one column width for every group: long names (interleaved-zero-bubble) stay aligned
+    name_width = max((len(i.name) for infos in listing.values() for i in infos), default=8)
+    origin_width = max((len(i.origin) for infos in listing.values() for i in infos), default=8)
     for role, group in registry.groups().items():
-        infos = registry.available(role)
+        infos = listing[role]
         click.echo(f"{group}  ({role})")
         if not infos:
             click.echo("    (none)")
         for info in infos:
-            line = f"    {info.name:<20} {info.distribution} {info.version}"
+            line = f"    {info.name:<{name_width}}  {info.origin:<{origin_width}}"
             problems = results.get(info, [])
             errors = [p for p in problems if not p.warning]
             if check:
                 line += f"  FAILED ({len(errors)})" if errors else "  ok"
+            line = line.rstrip()
             click.echo(line)
             for problem in problems:
                 click.echo(f"        {problem}")

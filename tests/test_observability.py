@@ -30,6 +30,22 @@ def test_memory_in_metrics_and_a_profile_trace(tmp_path):
     assert any("aten::" in str(e.get("name", "")) for e in events)
 
 
+def test_the_tracers_own_lines_do_not_reach_the_console(tmp_path):
+    """torch's tracer writes USDT/STAGE lines to the process's stderr at every start and stop;
+    --profile keeps them out (and lets any other line through)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "plugtron.cli.main", "train", *ARGS,
+                             "--profile", "--profile-step-start", "2", "--profile-step-end", "3",
+                             "--profile-dir", str(tmp_path / "prof")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "written to" in result.stdout
+    assert "USDT:" not in result.stderr + result.stdout
+    assert "profiler_start" not in result.stderr + result.stdout
+
+
 def test_profile_steps_are_checked():
     result = invoke(["train", *ARGS, "--profile", "--profile-step-start", "5",
                      "--profile-step-end", "2"])

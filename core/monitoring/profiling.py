@@ -3,7 +3,11 @@ written as Chrome trace JSON that Perfetto and chrome://tracing open."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import sys
+import tempfile
 
 import torch
 from plugtron.core.errors import ConfigError
@@ -25,7 +29,8 @@ class StepProfiler:
             if torch.cuda.is_available():
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.profiler = torch.profiler.profile(activities=activities, record_shapes=True)
-            self.profiler.__enter__()
+            with _without_tracer_chatter():
+                self.profiler.__enter__()
 
     def after_step(self, iteration: int) -> None:
         if self.profiler is not None and iteration >= self.end:
@@ -35,12 +40,43 @@ class StepProfiler:
         """Stop and write the trace (also when the run ends before the last profiled step)."""
         if self.profiler is None:
             return
-        self.profiler.__exit__(None, None, None)
+        with _without_tracer_chatter():
+            self.profiler.__exit__(None, None, None)
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         self.profiler.export_chrome_trace(self.path)
         self.profiler = None
         print(f"profile of steps {self.start}-{self.end} written to {self.path} (open it in "
               f"https://ui.perfetto.dev or chrome://tracing)", flush=True)
+
+
+#: What torch's tracer (kineto) writes to the process's stderr at every start and stop, whatever
+#: its log level: ``USDT: ... profiler_start``, ``STAGE: ... Completed Stage: Warm Up``.
+_CHATTER = re.compile(rb"^(USDT|STAGE):")
+
+
+@contextlib.contextmanager
+def _without_tracer_chatter():
+    """Native stderr captured around a profiler start or stop; every line but the tracer's
+    chatter is written back, so a real error still shows."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):
+        yield  # no file descriptor 2 to capture (an embedding host): leave it alone
+        return
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().splitlines(keepends=True)
+                    if not _CHATTER.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 def profile_ranks(config) -> list[int]:
