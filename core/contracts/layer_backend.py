@@ -100,7 +100,9 @@ class LayerBackend(ABC):
     @abstractmethod
     def core_attention(self, num_heads: int, num_query_groups: int, head_dim: int,
                        dropout: float) -> torch.nn.Module:
-        """Causal attention over this rank's heads: ``forward(q, k, v)`` with q
+        """Causal attention over this rank's heads: ``num_heads`` and ``num_query_groups`` are the
+        counts on this tensor-parallel rank (the global ones divided by tp), ``head_dim`` each
+        head's width. ``forward(q, k, v)`` with q
         ``[b, s, heads, d]``, k and v ``[b, s, groups, d]`` returns ``[b, s, heads * d]``.
         Attention dropout draws from :meth:`dropout_rng`. Under context parallelism ``s`` is
         this cp rank's two sequence chunks (core/parallel/context_parallel.py) and the queries must

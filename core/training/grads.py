@@ -31,7 +31,10 @@ def local_grad_of(param: torch.Tensor) -> torch.Tensor | None:
 def finalize_model_grads(model_chunks, parallel, num_tokens: torch.Tensor | None) -> None:
     """Megatron's order: data-parallel sync; tp all-reduce of sequence-parallel params (over
     etp for expert ones, whose replicas are the expert tensor-parallel group); tied embedding
-    grads summed between first and last stage; divide by the global token count."""
+    grads summed between first and last stage; divide by the global token count. Every chunk's
+    remaining reductions start before any is waited for, so those of several chunks overlap."""
+    for chunk in model_chunks:
+        chunk.start_grad_sync()
     for chunk in model_chunks:
         chunk.finish_grad_sync()
     _allreduce_marked(model_chunks, "sequence_parallel", parallel.tp_group, expert=False)

@@ -55,6 +55,6 @@ def test_each_step_zeroes_reduces_scales_steps_then_syncs_parameters(optimizer):
     assert len(steps) >= 2
     for step in steps[:2]:
         calls = step.split()
-        assert calls.index("finish_grad_sync") < calls.index("scale_grads") \
-            < calls.index("start_param_sync"), calls
+        assert calls.index("start_grad_sync") < calls.index("finish_grad_sync") \
+            < calls.index("scale_grads") < calls.index("start_param_sync"), calls
         assert calls.count("start_param_sync") == 1, calls
