@@ -148,17 +148,14 @@ def builtin_names() -> set[str]:
 
 #: String constants of core/ that equal a built-in entry-point name, still to be removed
 #: (docs/architecture.md "what the core still names"): the defaults of --model, --optimizer,
-#: --layer-backend and --data, and the builds on the meta device that take the local backend.
+#: --layer-backend and --data, and import-megatron's --model default.
 #: 'allgather' is also Megatron's --cp-comm-type value, a core mechanism, not the dispatcher.
 #: This list may only shrink.
 STILL_NAMED = {
     "core/config.py": {"allgather", "gpt", "adam", "local", "text"},
-    "core/interchange/hf_load.py": {"gpt"},
-    "core/interchange/hf_strict.py": {"local"},
     "core/interchange/megatron.py": {"gpt"},
     "core/parallel/context_parallel.py": {"allgather"},
     "core/parallel/cp_attention.py": {"allgather"},
-    "core/tools/inference.py": {"gpt", "local"},
 }
 
 

@@ -51,6 +51,10 @@ class LayerBackend(ABC):
     supports_context_parallel = False
     #: whether core_attention reads the forward context's document_ids (--reset-attention-mask)
     supports_document_ids = False
+    #: whether it builds in plain torch on any device, the meta device included: the core
+    #: takes such a backend for single-process reference builds (a file's expected shapes,
+    #: ``load_model``) when the run's own cannot
+    builds_anywhere = False
 
     def __init__(self, config, parallel):
         """``config``: the run's ``TrainConfig``; ``parallel``: its ``ParallelContext``. Checks

@@ -38,7 +38,7 @@ def cache_root() -> str:
         os.path.expanduser("~"), ".cache", "plugtron", "hf")
 
 
-def _key(hf_dir: str, model: str) -> str:
+def _key(hf_dir: str, model: str | None) -> str:
 
     digest = hashlib.sha256(json.dumps([os.path.abspath(hf_dir), model,
                                         plugtron_version()]).encode())
@@ -49,8 +49,10 @@ def _key(hf_dir: str, model: str) -> str:
     return digest.hexdigest()[:24]
 
 
-def import_cached(hf_dir: str, model: str = "gpt") -> str:
-    """The path of the cached plugtron checkpoint of ``hf_dir`` (imported now if needed)."""
+def import_cached(hf_dir: str, model: str | None = None) -> str:
+    """The path of the cached plugtron checkpoint of ``hf_dir`` (imported now if needed; the
+    converter is the installed one that reads its config.json's model_type, ``model`` choosing
+    between two)."""
 
     target = os.path.join(cache_root(), _key(hf_dir, model))
     if layout.is_checkpoint(target):
@@ -70,7 +72,7 @@ def import_cached(hf_dir: str, model: str = "gpt") -> str:
     return target
 
 
-def hf_base(hf_dir: str, model: str = "gpt"):
+def hf_base(hf_dir: str, model: str | None = None):
     """``(run config of the imported model with --load set to its cache checkpoint, the
     converter's {flag: value})``."""
     path = import_cached(hf_dir, model)

@@ -31,7 +31,7 @@ from plugtron.core.errors import CheckpointError, ConfigError
 from plugtron.core.interchange.converters import run_export
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.shared_params import group_of
-from plugtron.core.training.builder import build_model
+from plugtron.core.training.builder import build_model, reference_backend
 
 #: How many names an error lists before summing up the rest.
 SHOWN = 8
@@ -172,10 +172,11 @@ def exported_shapes(converter, config, shapes: dict, dtype) -> dict | None:
 
 def model_shapes(config) -> dict[str, tuple]:
     """Name -> shape of every state-dict entry of the model ``config`` builds in one process
-    (tp 1, pp 1, the ``local`` backend), built on the meta device: no memory, no init cost."""
+    (tp 1, pp 1, a backend that builds anywhere), built on the meta device: no memory, no init
+    cost."""
     parallel = ParallelContext.build(1, 0, device=torch.device("cpu"))
     with torch.device("meta"):
-        (module,) = build_model(config, parallel, layer_backend="local")
+        (module,) = build_model(config, parallel, layer_backend=reference_backend(config))
     out: dict[str, tuple] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         out.setdefault(group_of(tensor) or name, tuple(tensor.shape))

@@ -29,7 +29,7 @@ from plugtron.core.interchange import hf_load
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.distributed import init_distributed, single_process
 from plugtron.core.plugins.options import config_from_dict
-from plugtron.core.training.builder import build_model
+from plugtron.core.training.builder import build_model, reference_backend
 
 
 class LoadedModel(torch.nn.Module):
@@ -67,10 +67,11 @@ class LoadedModel(torch.nn.Module):
 
 
 def load_model(path: str, device: str | torch.device = "cpu", tp: int = 1, world=None,
-               model: str = "gpt") -> LoadedModel:
+               model: str | None = None) -> LoadedModel:
     """Load the model of checkpoint ``path`` (or the newest complete one in a directory of
     them, or a Hugging Face model directory, imported strictly into the ``--load HF_DIR``
-    cache with converter plugin ``model``) into this process, in eval mode: fp32, or bf16 when
+    cache by the converter that reads its model_type; ``model`` chooses between two that do)
+    into this process, in eval mode: fp32, or bf16 when
     the run trained in bf16. ``tp`` > 1: this rank's shard of ``world`` (default: the
     initialised one, of size tp)."""
 
@@ -95,7 +96,7 @@ def load_model(path: str, device: str | torch.device = "cpu", tp: int = 1, world
     m = config.model
     m.parallel_output = False  # whole logits on every tp rank
     derive_padded_vocab_size(config, tp)
-    (module,) = build_model(config, parallel, layer_backend="local")
+    (module,) = build_model(config, parallel, layer_backend=reference_backend(config))
     dtype = torch.bfloat16 if config.training.bf16 else torch.float32
     module.to(device=world.device, dtype=dtype)
     run = SimpleNamespace(config=config, parallel=parallel, model_chunks=[module],

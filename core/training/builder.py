@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from plugtron.core.errors import PluginError
 from plugtron.core.pipeline.layout import building_for
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import new_plugin_manager
@@ -54,6 +55,22 @@ def build_model(config: TrainConfig, parallel: ParallelContext, *,
                          vp_stage=stage if stages else None,
                          layer_backend=layer_backend, parallel=parallel)
                 for stage in range(stages or 1)]
+
+
+def reference_backend(config) -> str:
+    """The layer backend of a single-process reference build (shapes on the meta device,
+    ``load_model`` on any device): the run's own when it ``builds_anywhere``, else the first
+    installed one that does."""
+    names = [config.plugins.layer_backend,
+             *(i.name for i in registry.available("layer_backend"))]
+    for name in names:
+        try:
+            if getattr(registry.load("layer_backend", name), "builds_anywhere", False):
+                return name
+        except PluginError:
+            continue
+    raise PluginError("no installed layer backend builds on any device (a LayerBackend with "
+                      "builds_anywhere = True, as plugtron's own plain-torch one)")
 
 
 def model_dtype(config) -> torch.dtype:

@@ -6,12 +6,15 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import pluggy
 import torch
 from plugtron.core import checkpoint
 from plugtron.core.checkpoint import dir_lock
+from plugtron.core.checkpoint.saver import Checkpointer
 from plugtron.core.config import TrainConfig, derive_padded_vocab_size, num_microbatches
 from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.contracts.data_parallel import DataParallelChunk
+from plugtron.core.contracts.layer_backend import LayerBackend
 from plugtron.core.contracts.loss import bind_loss_closure, run_loss_func
 from plugtron.core.contracts.model_info import ModelInfo, metric_name
 from plugtron.core.errors import ConfigError, PluginError
@@ -35,7 +38,7 @@ from plugtron.core.plugins.selection import resolve_data_parallel, resolve_sched
 from plugtron.core.training import aux_losses, data, grads, preemption, step_info
 from plugtron.core.training.builder import build_model, model_dtype
 from plugtron.core.training.lr_schedule import LRScheduler
-from plugtron.core.training.optimizer import StepResult, checked_optimizer
+from plugtron.core.training.optimizer import Optimizer, StepResult, checked_optimizer
 from plugtron.core.training.rerun import RerunStateMachine
 from plugtron.core.training.state import TrainState
 from plugtron.core.training.validate import apply_schedule_placement, validate_plugins
@@ -48,14 +51,14 @@ class Run:
     config: TrainConfig
     world: WorldInfo
     parallel: ParallelContext
-    pm: object
-    backend: object
-    model_chunks: list
-    optimizer: object
+    pm: pluggy.PluginManager
+    backend: LayerBackend
+    model_chunks: list[DataParallelChunk]
+    optimizer: Optimizer
     scheduler: LRScheduler
     datasets: tuple
-    p2p: object = None
-    checkpointer: object = None  # core.checkpoint.Checkpointer, made on first use
+    p2p: P2PCommunicator | None = None
+    checkpointer: Checkpointer | None = None  # made on first use
     state: TrainState = field(default_factory=TrainState)
     info: ModelInfo = field(default_factory=ModelInfo)
     #: The pipeline's agreed report keys of the training step (core.training.reduce_reports).

@@ -268,6 +268,7 @@ class LocalBackend(LayerBackend):
     name = "local"
     supports_context_parallel = True  # core_attention reaches the other cp ranks
     supports_document_ids = True  # core_attention masks packed documents (attention_mask.py)
+    builds_anywhere = True  # plain torch: meta, CPU and GPU
 
     def column_parallel_linear(self, input_size, output_size, *, bias, init_method,
                                gather_output=False, skip_bias_add=False, partition_chunks=1):
