@@ -46,7 +46,7 @@ class ShardSpec:
         shape = tuple(param.shape)
         if not is_tensor_parallel(param) or tp_size == 1:
             return cls(shape)
-        dim = param.partition_dim
+        dim = int(getattr(param, "partition_dim"))  # declared by the layer (mark_sharded)
         full = list(shape)
         full[dim] *= tp_size
         return cls(tuple(full), dim, getattr(param, "partition_chunks", 1) or 1, tp_rank, tp_size)

@@ -197,7 +197,7 @@ def plugin_versions(config) -> dict:
 
     chosen = dict(selected_drivers(config))
     chosen["layer_backend"] = config.plugins.layer_backend
-    out = {}
+    out: dict[str, dict] = {}
     for role, name in chosen.items():
         info = next((i for i in registry.available(role) if i.name == name), None)
         out[role] = {"name": name, "distribution": info.distribution if info else None,

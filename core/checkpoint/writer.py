@@ -69,7 +69,8 @@ def write_rank_files(directory: str, snap: RankSnapshot) -> dict:
         name = layout.tensor_file_name(kind, snap.rank)
         payload = {}
         for entry in entries:
-            record = {"global_shape": list(entry.global_shape), "pieces": []}
+            pieces: list[dict] = []
+            record: dict = {"global_shape": list(entry.global_shape), "pieces": pieces}
             for box, tensor in entry.boxes:
                 key = f"{entry.logical}@{len(record['pieces'])}"
                 payload[key] = tensor

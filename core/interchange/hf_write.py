@@ -46,7 +46,8 @@ def _nbytes(tensor: torch.Tensor, dtype) -> int:
 
 
 def plan_shards(tensors: dict, dtype, max_bytes: int) -> list[list[str]]:
-    shards, size = [[]], 0
+    shards: list[list[str]] = [[]]
+    size = 0
     for name, tensor in tensors.items():
         n = _nbytes(tensor, dtype)
         if shards[-1] and size + n > max_bytes:
@@ -58,7 +59,8 @@ def plan_shards(tensors: dict, dtype, max_bytes: int) -> list[list[str]]:
 
 
 def _write_file(file: str, names: list[str], tensors: dict, dtype) -> None:
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    offset = 0
     for name in names:
         t = tensors[name]
         kind = dtype or t.dtype

@@ -219,7 +219,7 @@ def read_torch_dist(path: str) -> TorchDistCheckpoint:
         if not isinstance(dtype, torch.dtype):
             raise CheckpointError(f"{where}: {key!r} has no dtype")
         shape = _dims(entry.field("size"), f"{where}: size of {key!r}")
-        chunks = []
+        chunks: list[tuple[tuple[int, ...], tuple[int, ...], object]] = []
         for chunk in entry.field("chunks") or ():
             offsets = _dims(chunk.field("offsets"), f"{where}: chunk of {key!r}")
             sizes = _dims(chunk.field("sizes"), f"{where}: chunk of {key!r}")

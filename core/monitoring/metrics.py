@@ -66,9 +66,9 @@ class MetricsLogger:
                                  tok_s=f"{record['tokens_per_sec']:.0f}", refresh=False)
         interval = self.config.training.log_interval
         if self.bar is None and interval and (it % interval == 0 or it == 1):
-            losses = " | ".join(f"{k.replace('_', ' ')} {_number(v)}"
-                                for k, v in self.losses(record).items())
-            print(f"iteration {it:6d}/{self.config.training.train_iters} | {losses} | "
+            line = " | ".join(f"{k.replace('_', ' ')} {_number(v)}"
+                              for k, v in self.losses(record).items())
+            print(f"iteration {it:6d}/{self.config.training.train_iters} | {line} | "
                   f"grad norm {record['grad_norm']:.3f} | "
                   f"lr {record['lr']:.3e} | {record['tokens_per_sec']:.0f} tokens/s | "
                   f"{record['step_time_s'] * 1000:.0f} ms/step", flush=True)

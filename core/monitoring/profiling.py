@@ -21,7 +21,7 @@ class StepProfiler:
         self.enabled = bool(log.profile) and rank in profile_ranks(config)
         self.start, self.end = log.profile_step_start, log.profile_step_end
         self.path = os.path.join(log.profile_dir, f"rank{rank}.trace.json")
-        self.profiler = None
+        self.profiler: torch.profiler.profile | None = None
 
     def before_step(self, iteration: int) -> None:
         if self.enabled and iteration == self.start and self.profiler is None:

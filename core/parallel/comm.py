@@ -73,7 +73,7 @@ def all_gather_tensor(tensor: torch.Tensor, group, dim: int = 0) -> torch.Tensor
         _all_gather_single(out, x, group=group)
         if dim % x.dim() == 0:
             return out
-        parts = out.chunk(n)
+        parts = list(out.chunk(n))
     else:
         parts = [torch.empty_like(x) for _ in range(n)]
         dist.all_gather(parts, x, group=group)

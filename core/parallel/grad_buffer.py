@@ -63,7 +63,8 @@ def plan_buckets(numels: list[int], bucket_size: int, alignment: int = 1,
     own_bucket = own_bucket or [False] * len(numels)
     ranges: list[tuple[int, int]] = []
     buckets: list[BucketPlan] = []
-    offset, bucket_start, members = 0, 0, []
+    offset, bucket_start = 0, 0
+    members: list[int] = []
 
     def close():
         nonlocal offset, bucket_start, members
@@ -98,7 +99,7 @@ class Bucket:
         self.pending: set[int] = set()
         self.launched = False
         self._grad_work = None
-        self._shard_out = None
+        self._shard_out: torch.Tensor | None = None
         self._gather_work = None
 
     @property
@@ -197,7 +198,7 @@ class GradBuffer:
                     self.param_data[lo:hi].copy_(p.data.reshape(-1))
                     p.data = self.param_data[lo:hi].view(p.shape)
         for p, (lo, hi) in zip(self.params, ranges):
-            p.main_grad = self.grad_data[lo:hi].view(p.shape)
+            p.main_grad = self.grad_data[lo:hi].view(p.shape)  # type: ignore[attr-defined]
         self.buckets = [Bucket(self, i, plan) for i, plan in enumerate(plans)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch = 0

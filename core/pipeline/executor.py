@@ -326,7 +326,7 @@ class _Runner:
             self.output = output
         if self.forward_only:
             return
-        kept = output
+        kept: torch.Tensor | torch.autograd.graph.GradientEdge = output
         if not is_last and output.requires_grad:
             # Backward needs only the graph: keep its edge and let the activation go once sent.
             kept = torch.autograd.graph.get_gradient_edge(output)

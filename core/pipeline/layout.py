@@ -46,7 +46,7 @@ def stage_layer_counts(num_layers: int, pp: int, first: int | None = None,
         if value is not None and not 0 <= value <= num_layers:
             raise ConfigError(f"--decoder-{flag}-pipeline-num-layers {value} must be between 0 "
                               f"and --num-layers {num_layers}")
-    counts = [None] * pp
+    counts: list[int | None] = [None] * pp
     rest, middle = num_layers, pp
     if first is not None:
         counts[0], rest, middle = first, rest - first, middle - 1

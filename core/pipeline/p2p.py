@@ -19,6 +19,7 @@ vocabulary on top of it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -115,7 +116,9 @@ class P2PCommunicator:
                                         ("recv_next", recv_next, self.next_rank, BACKWARD_TAG)):
             if tensor is None or tensor is False:
                 continue
+            op: Callable[..., object]
             if role.startswith("send"):
+                assert isinstance(tensor, torch.Tensor)  # True only ever asks to receive
                 buffer = self._check(tensor, role.replace("_", " to the ") + " stage")
                 op = dist.isend
             else:

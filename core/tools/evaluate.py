@@ -69,7 +69,8 @@ def evaluate_checkpoint(config, extra_plugins=(), world=None, as_json: bool = Fa
                           f"split none)", flush=True)
                 continue
             loss = losses.get(main)
-            record = {"iteration": reader.iteration, **loss_metrics(losses, "valid_")}
+            record: dict[str, object] = {"iteration": reader.iteration,
+                                         **loss_metrics(losses, "valid_")}
             if loss is not None:
                 record["valid_perplexity"] = _perplexity(loss)
             # one format for one set and for several: a line (or JSON record) per set

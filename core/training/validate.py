@@ -29,6 +29,7 @@ def _positive(name: str, value) -> None:
 def validate(config: TrainConfig, world_size: int) -> None:
 
     m, p, t = config.model, config.parallel, config.training
+    value: float
     for name, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--seq-length", m.seq_length), ("--micro-batch-size", t.micro_batch_size),
                         ("--global-batch-size", t.global_batch_size),
