@@ -75,11 +75,12 @@ def test_mock_data_does_not_depend_on_the_run_length(tmp_path):
 
 
 def test_user_error_inside_ranks_exits_2_without_traceback(tmp_path):
-    """Errors found only once ranks run (here: an empty corpus) still exit 2 cleanly."""
+    """Errors found only once ranks run (here: a corpus folder without text files) still exit
+    2 cleanly."""
     empty = tmp_path / "empty"
     empty.mkdir()
     result = run_cli(["train", "--preset", "tiny", "--nproc-per-node", "2", "--data-path",
                       str(empty), "--no-progress"], tmp_path)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert "no text documents found" in result.stderr
+    assert "holds no text files" in result.stderr
     assert "Traceback" not in result.stderr

@@ -103,7 +103,10 @@ def test_overlap_starts_reductions_while_backward_runs(pool):
 def test_without_overlap_reductions_start_after_backward(pool):
     events = pool.run(_observe_reductions, False)[0]
     kinds = [e[0] for e in events]
-    assert kinds.index("finish") < kinds.index("launch")
+    last_grad = len(kinds) - 1 - kinds[::-1].index("grad")
+    assert last_grad < kinds.index("launch")  # finalize starts them (start_grad_sync)
+    assert kinds.index("launch") < kinds.index("finish")  # ... before any is waited for
+    assert all(e[1] == 0 for e in events if e[0] == "grad")  # none in flight during backward
 
 
 def _observe_param_gathers(rank, world_size, overlap):
