@@ -24,6 +24,7 @@ from plugtron.core.plugins.selection import (
     DRIVER_ROLES,
     autoload_disabled,
     disabled_extensions,
+    installed_selectors,
     selected_drivers,
 )
 from plugtron.core.plugins.signatures import declared_arguments
@@ -59,15 +60,20 @@ def run_plugin_objects(config, strict_drivers: bool = False) -> list[PluginObjec
     import raises when ``strict_drivers`` (a run needs it), else it is skipped with a warning
     (building ``--help`` must not fail on it); other plugins are always skipped with a
     warning."""
-    out = _always_collected(["selector"])  # they own the flags that choose the drivers: first
-    drivers = {}
-    for role in (*DRIVER_ROLES, "layer_backend"):
-        try:
-            drivers[role] = selected_drivers(config, roles=(role,))[role]
-        except ConfigError:
-            if strict_drivers:
-                raise
-            continue  # contradicting flags: the run's own check reports them
+    out = [PluginObject("selector", info.name, info.origin, cls)  # they own the flags that
+           for info, cls in installed_selectors()]  # choose the drivers: first
+    roles = (*DRIVER_ROLES, "layer_backend")
+    try:
+        drivers = selected_drivers(config, roles=roles)
+    except ConfigError:
+        if strict_drivers:
+            raise
+        drivers = {}  # contradicting flags: the run's own check reports them; the others
+        for role in roles:  # still take part
+            try:
+                drivers[role] = selected_drivers(config, roles=(role,))[role]
+            except ConfigError:
+                continue
     for role, name in drivers.items():
         try:
             obj = registry.load(role, name)

@@ -18,7 +18,7 @@ from plugtron.core.config_flags import apply_values, flag_fields, section_flag_f
 from plugtron.core.errors import PlugtronError
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.objects import PluginObject, call_declared, run_plugin_objects, warn_once
-from plugtron.core.plugins.selection import AUTOLOAD_ENV
+from plugtron.core.plugins.selection import AUTOLOAD_ENV, installed_selectors
 
 
 @dataclass(frozen=True)
@@ -95,13 +95,8 @@ def attach_sections(config: TrainConfig, declared: list[DeclaredSection]) -> Tra
 def selector_sections() -> list[DeclaredSection]:
     """The sections of every installed selector: their flags decide which drivers (and so which
     other sections) a run has, so they are read before any other plugin's."""
-    selectors = []
-    for info in registry.available("selector"):
-        try:
-            selectors.append(PluginObject("selector", info.name, info.origin,
-                                          registry.load("selector", info.name)))
-        except PlugtronError:
-            continue  # reported by `plugtron plugins list --check`
+    selectors = [PluginObject("selector", info.name, info.origin, cls)
+                 for info, cls in installed_selectors()]
     return collect_sections(TrainConfig(), selectors)
 
 

@@ -151,6 +151,12 @@ class _Installed:
 _installed: _Installed | None = None
 
 
+def snapshot() -> object:
+    """A token that stays the same object while nothing installed changed: a cache of
+    something derived from the entry points compares it by identity."""
+    return _current()
+
+
 def _current() -> _Installed:
     """The installed entry points, read again only when something they come from changed."""
     global _installed
@@ -266,11 +272,13 @@ def unmet_requirements(info: PluginInfo) -> list[str]:
     """The distributions that ``info``'s distribution requires (its ``Requires-Dist`` without
     an ``extra`` marker) and that are not installed: a plugin that works only beside another
     distribution says so in its metadata, and is reported here instead of failing later."""
-    return list(_unmet(info.distribution, info.version, _current().state))
+    return list(_unmet(info.distribution, info.version))
 
 
 @functools.lru_cache(maxsize=64)
-def _unmet(distribution: str, version: str, state: tuple) -> tuple[str, ...]:
+def _unmet(distribution: str, version: str) -> tuple[str, ...]:
+    # Once per distribution and version in a process: loads happen a hundred times in a run's
+    # set-up, and re-reading what is installed costs about a millisecond each time.
     try:
         dist = metadata.distribution(distribution)
     except metadata.PackageNotFoundError:

@@ -24,25 +24,33 @@ FLAGS = {"model": "--model", "schedule": "--schedule", "optimizer": "--optimizer
          "data_parallel": "--data-parallel", "dataset": "--data"}
 
 
-def _selectors() -> list:
-    """Every installed selector (group ``plugtron.selectors``); one that does not load is
-    skipped here (``plugins list --check`` reports it)."""
-    out = []
-    for info in registry.available("selector"):
-        try:
-            out.append((info, registry.load("selector", info.name)))  # a class: static hooks
-        except PluginError:
-            continue
-    return out
+_loaded: tuple[object, list] | None = None
 
 
-def selector_answer(role: str, config) -> str | None:
+def installed_selectors() -> list:
+    """Every installed selector (group ``plugtron.selectors``), loaded once while nothing
+    installed changes (drivers are resolved a hundred times in a run's set-up); one that does
+    not load is skipped here (``plugins list --check`` reports it)."""
+    global _loaded
+    installed = registry.snapshot()
+    if _loaded is None or _loaded[0] is not installed:
+        out = []
+        for info in registry.available("selector"):
+            try:
+                out.append((info, registry.load_entry_point(info)))  # a class: static hooks
+            except PluginError:
+                continue
+        _loaded = (installed, out)
+    return _loaded[1]
+
+
+def selector_answer(role: str, config, selectors: list | None = None) -> str | None:
     """The driver that the installed selectors' flags choose for ``role`` (hook
     ``plugtron_select``), or None when none answers. Two that answer differently are a
     ``ConfigError`` naming both."""
     answers: dict[str, str] = {}
     fallbacks: dict[str, str] = {}
-    for info, selector in _selectors():
+    for info, selector in installed_selectors() if selectors is None else selectors:
         select = getattr(selector, "plugtron_select", None)
         if select is None:
             continue
@@ -62,11 +70,11 @@ def selector_answer(role: str, config) -> str | None:
     return None
 
 
-def resolve(role: str, config) -> str:
+def resolve(role: str, config, selectors: list | None = None) -> str:
     """The driver a run of ``config`` uses for ``role``: what a selector answers (Megatron's
     defaults for ``auto``, a flag such as ``--use-torch-fsdp2``; built in: plugins/selectors/),
     else the name given. ``auto`` that no selector answers is a ``ConfigError``."""
-    answer = selector_answer(role, config)
+    answer = selector_answer(role, config, selectors)
     if answer is not None:
         return answer
     name = getattr(config.plugins, FIELDS[role])
@@ -91,10 +99,10 @@ def resolve_data_parallel(config) -> str:
 
 def selected_drivers(config, roles: tuple[str, ...] = DRIVER_ROLES) -> dict[str, str]:
     """role -> entry-point name this run selects (``layer_backend`` only when asked for)."""
-    out = {}
+    out, selectors = {}, installed_selectors()
     for role in roles:
         out[role] = config.plugins.layer_backend if role == "layer_backend" else \
-            resolve(role, config)
+            resolve(role, config, selectors)
     return out
 
 
