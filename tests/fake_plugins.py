@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import pathlib
 import sys
@@ -31,3 +32,17 @@ def remove_path(root: pathlib.Path) -> None:
     if str(root) in sys.path:
         sys.path.remove(str(root))
     importlib.invalidate_caches()
+
+
+@contextlib.contextmanager
+def fake_distribution(root: pathlib.Path, name: str, group: str, entry: str, module: str,
+                      source: str, version: str = "0.1.0"):
+    """One plugin in a fake distribution on ``sys.path`` for the ``with`` block: entry point
+    ``entry`` of ``group`` naming ``module:<Class>`` (``entry`` maps to its target)."""
+    install_fake_distribution(root, name, version, {group: {entry.split("=")[0]:
+                                                            entry.split("=")[1]}},
+                              {module: source})
+    try:
+        yield
+    finally:
+        remove_path(root)

@@ -18,7 +18,7 @@ from plugtron.core.config_flags import apply_values, flag_fields, section_flag_f
 from plugtron.core.errors import PlugtronError
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.objects import PluginObject, call_declared, run_plugin_objects, warn_once
-from plugtron.core.plugins.selection import AUTOLOAD_ENV, installed_selectors
+from plugtron.core.plugins.selection import AUTOLOAD_ENV, FLAGS, installed_selectors
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,7 @@ def config_from_flags(flags: dict, source: str = "settings") -> TrainConfig:
 
 
 #: The flag that selects a driver of each role, for messages.
-SELECTING_FLAGS = {"model": "--model", "schedule": "--schedule", "optimizer": "--optimizer",
-                   "dataset": "--data", "layer_backend": "--layer-backend"}
+SELECTING_FLAGS = {**FLAGS, "layer_backend": "--layer-backend"}
 
 
 def owner_of_flag(flag: str, config: TrainConfig) -> str | None:

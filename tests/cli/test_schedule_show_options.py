@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 from plugtron.cli.main import cli
 
-from tests.fake_plugins import install_fake_distribution, remove_path
+from tests.fake_plugins import fake_distribution
 
 SCHEDULE = '''
 from dataclasses import dataclass
@@ -41,12 +41,9 @@ class Lag:
 
 @pytest.fixture(scope="module")
 def lag(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lag")
-    install_fake_distribution(root, "plugtron-lag", "0.1.0",
-                              {"plugtron.schedules": {"lag": "lag_schedule:Lag"}},
-                              {"lag_schedule": SCHEDULE})
-    yield
-    remove_path(root)
+    with fake_distribution(tmp_path_factory.mktemp("lag"), "plugtron-lag", "plugtron.schedules",
+                           "lag=lag_schedule:Lag", "lag_schedule", SCHEDULE):
+        yield
 
 
 def _show(*args):

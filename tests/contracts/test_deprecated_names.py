@@ -7,7 +7,7 @@ import pytest
 from plugtron.core.contracts import versions
 from plugtron.core.plugins import check, registry
 
-from tests.fake_plugins import install_fake_distribution, remove_path
+from tests.fake_plugins import fake_distribution
 from tests.utils import tiny_config, train_in_process
 
 #: An optimizer as the outsider wrote it on 2026-12-03: the main-parameter protocol's private
@@ -41,12 +41,10 @@ class OldNames:
 
 @pytest.fixture(scope="module")
 def old_optimizer(tmp_path_factory):
-    root = tmp_path_factory.mktemp("old_optimizer")
-    install_fake_distribution(root, "plugtron-old-names", "0.3.0",
-                              {"plugtron.optimizers": {"old-names": "old_names_opt:OldNames"}},
-                              {"old_names_opt": OLD_OPTIMIZER})
-    yield
-    remove_path(root)
+    with fake_distribution(tmp_path_factory.mktemp("old_optimizer"), "plugtron-old-names",
+                           "plugtron.optimizers", "old-names=old_names_opt:OldNames",
+                           "old_names_opt", OLD_OPTIMIZER, version="0.3.0"):
+        yield
 
 
 def test_old_names_train_exactly_like_the_new_ones(old_optimizer):

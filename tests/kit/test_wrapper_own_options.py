@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from plugtron.testing import assert_wrapper_dp_equivalent, compare
 
-from tests.fake_plugins import install_fake_distribution, remove_path
+from tests.fake_plugins import fake_distribution
 
 WRAPPER = '''
 from dataclasses import dataclass
@@ -41,12 +41,10 @@ class Every:
 
 @pytest.fixture(scope="module")
 def wrapper(tmp_path_factory):
-    root = tmp_path_factory.mktemp("every")
-    install_fake_distribution(root, "plugtron-every", "0.1.0",
-                              {"plugtron.data_parallel": {"every": "every_wrapper:Every"}},
-                              {"every_wrapper": WRAPPER})
-    yield
-    remove_path(root)
+    with fake_distribution(tmp_path_factory.mktemp("every"), "plugtron-every",
+                           "plugtron.data_parallel", "every=every_wrapper:Every",
+                           "every_wrapper", WRAPPER):
+        yield
 
 
 def test_the_wrappers_own_options_go_to_its_run_only(wrapper, rank_pool_factory):
