@@ -59,6 +59,9 @@ cli.add_command(generate)
 
 
 def main():
+    from plugtron.core.contracts.versions import show_deprecations
+
+    show_deprecations()  # a plugin's use of a replaced name is said, not hidden
     cli()
 
 

@@ -9,6 +9,7 @@ import traceback
 from typing import NoReturn
 
 import torch
+from plugtron.core.contracts.versions import show_deprecations
 from plugtron.core.errors import PlugtronError
 from plugtron.core.monitoring import run_status
 from plugtron.core.parallel.distributed import init_distributed, timeout_seconds
@@ -66,6 +67,7 @@ def leave(code: int) -> NoReturn:
 
 def _run(argv: list[str]) -> int:
     tie_to_parent()
+    show_deprecations()
     preemption.install()
     run_status.set_phase("setup")
     command, path = argv

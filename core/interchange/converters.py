@@ -16,10 +16,6 @@ def load_converter(model: str) -> Converter:
     return registry.instantiate(registry.load("converter", model))
 
 
-def _installed_converters() -> list:
-    return [cls for _, cls in _installed_converter_infos()]
-
-
 def _installed_converter_infos() -> list:
     """(PluginInfo, class) of every converter that loads; a broken one (or one whose
     distribution's requirements are missing) must not break the others."""
@@ -64,7 +60,7 @@ def _model_of(info, cls) -> str:
 
 def converter_for_config(config: TrainConfig) -> Converter:
     """An installed converter that claims this run config (``handles``), else its model's."""
-    for cls in _installed_converters():
+    for _, cls in _installed_converter_infos():
         handles = getattr(cls, "handles", None)
         if callable(handles) and handles(config):
             return registry.instantiate(cls)
