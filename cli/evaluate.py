@@ -6,8 +6,10 @@ import os
 
 import click
 from plugtron.core.config import CheckpointConfig, LoggingConfig, ParallelConfig, TrainConfig
+from plugtron.core.config_freeze import freeze
 from plugtron.core.errors import ConfigError, PlugtronError
 from plugtron.core.parallel.distributed import launched_externally
+from plugtron.core.plugins.selection import selected_driver
 from plugtron.core.training.validate import validate
 
 from .errors import user_errors
@@ -75,7 +77,7 @@ def evaluation_config(params: dict, config_file: str | None, declared=(),
 
 def make_evaluate_command(args: list[str]) -> click.Command:
     """``evaluate`` with the options of the plugins the checkpoint (and ``args``) select."""
-    hf = HFLoad(args, prescan(args).plugins.model)
+    hf = HFLoad(args, selected_driver(prescan(args), "model"))
     try:
         base = hf.config_base() if hf.dir else checkpoint_base(load_argument(args))
     except PlugtronError:
@@ -106,6 +108,7 @@ def make_evaluate_command(args: list[str]) -> click.Command:
         check_plugins(config)
         preflight(config, world_size, memory_check=False)
         validate(config, world_size)
+        freeze(config)  # validated: nothing after this changes a setting
         check_data_paths(config)
         if not no_memory_check:
             check_memory(config, world_size, ranks_on_node(external, nproc_per_node))

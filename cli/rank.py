@@ -73,10 +73,11 @@ def _run(argv: list[str]) -> int:
     command, path = argv
     under_launcher = bool(os.environ.get(run_status.STATUS_DIR_ENV))
     try:
+        from plugtron.core.config_freeze import freeze
         from plugtron.core.plugins.options import config_from_dict
 
         with open(path) as f:
-            config = config_from_dict(json.load(f))
+            config = freeze(config_from_dict(json.load(f)))  # validated by the launcher
         if config.training.exit_signal_handler:
             preemption.install(extra=True)
         init_distributed(timeout_seconds(config))

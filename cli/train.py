@@ -6,10 +6,11 @@ import copy
 import os
 
 import click
+from plugtron.core.config_freeze import freeze
 from plugtron.core.errors import ConfigError
 from plugtron.core.parallel.distributed import launched_externally
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.selection import selected_drivers
+from plugtron.core.plugins.selection import selected_driver, selected_drivers
 from plugtron.core.training.validate import validate
 
 from .errors import user_errors
@@ -30,7 +31,7 @@ def check_plugins(config) -> None:
     """Unknown or broken plugins are reported before any rank starts."""
     for role, name in selected_drivers(config).items():
         registry.load(role, name)
-    backend_cls = registry.load("layer_backend", config.plugins.layer_backend)
+    backend_cls = registry.load("layer_backend", selected_driver(config, "layer_backend"))
     if hasattr(backend_cls, "check_available"):
         backend_cls.check_available()  # e.g. te without transformer-engine or CUDA
 
@@ -138,7 +139,7 @@ class HFLoad:
         from plugtron.core.interchange import hf_load
 
         self.dir, self.base, self.flags, self.error = load_argument(args), None, {}, None
-        if not hf_load.is_hf_dir(self.dir):
+        if self.dir is None or not hf_load.is_hf_dir(self.dir):
             self.dir = None
             return
         try:
@@ -155,7 +156,7 @@ class HFLoad:
         """--load points at the cached checkpoint; nothing contradicts config.json."""
         from plugtron.core.interchange.hf_load import check_agrees, is_hf_dir
 
-        if self.base is not None:
+        if self.base is not None and self.dir is not None:
             config.checkpoint.load = self.base.checkpoint.load
             check_agrees(config, self.base, self.flags, self.dir)
         elif is_hf_dir(config.checkpoint.load):  # from a config file: too late for its flags
@@ -171,7 +172,7 @@ class RunOptions:
     ``--preset`` and every section's options around the command's own function."""
 
     def __init__(self, args: list[str]):
-        self.hf = HFLoad(args, prescan(args).plugins.model)
+        self.hf = HFLoad(args, selected_driver(prescan(args), "model"))
         selection = prescan(args, self.hf.base and copy.deepcopy(self.hf.base))
         self.declared = declared_sections(selection)
         self.presets = model_presets(selection)
@@ -252,6 +253,7 @@ def make_train_command(args: list[str]) -> click.Command:
                     raise ConfigError(f"--nnodes {nodes.nnodes}: the group may re-form with "
                                       f"{count} node(s) ({nproc_per_node * count} ranks), "
                                       f"where {exc}") from None
+        freeze(config)  # validated: nothing after this changes a setting
         check_data_paths(config)
         if not no_memory_check:
             check_memory(config, world_size, ranks_on_node(external, nproc_per_node))

@@ -5,7 +5,7 @@ Each failure names the values and the rule, so the user can fix the command line
 
 from __future__ import annotations
 
-from plugtron.core.config import TrainConfig, validate_tensor_parallel
+from plugtron.core.config import TrainConfig, derive_padded_vocab_size, validate_tensor_parallel
 from plugtron.core.contracts.model_info import model_info_for
 from plugtron.core.errors import ConfigError
 from plugtron.core.monitoring.profiling import validate_profile
@@ -16,7 +16,7 @@ from plugtron.core.pipeline.layout import chunk_layers
 from plugtron.core.pipeline.plan import check_schedule, placement_of
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.objects import call_declared, run_plugin_objects
-from plugtron.core.plugins.selection import resolve_schedule
+from plugtron.core.plugins.selection import derive_driver_names, resolve_schedule
 from plugtron.core.training.recompute import validate_recompute
 from plugtron.core.training.rerun import validate_rerun
 
@@ -29,24 +29,24 @@ def _positive(name: str, value) -> None:
 def validate(config: TrainConfig, world_size: int) -> None:
 
     m, p, t = config.model, config.parallel, config.training
-    value: float
-    for name, value in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+    size: int | None
+    for name, size in (("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
                         ("--seq-length", m.seq_length), ("--micro-batch-size", t.micro_batch_size),
                         ("--global-batch-size", t.global_batch_size),
                         ("--train-iters", t.train_iters), ("--ddp-bucket-size", p.ddp_bucket_size)):
-        _positive(name, value)
+        _positive(name, size)
     tp, pp, cp = (p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
                   p.context_parallel_size)
     _refuse_unbuilt(config)
-    apply_schedule_placement(config)
+    derive(config)
     validate_sizes(world_size, tp, pp, cp, p.expert_model_parallel_size,
                    p.expert_tensor_parallel_size, p.virtual_pipeline_model_parallel_size)
     dp = world_size // (tp * pp * cp)
     validate_tensor_parallel(config, tp)
-    for name, value in (("--hidden-dropout", m.hidden_dropout),
-                        ("--label-smoothing", m.label_smoothing)):
-        if not 0.0 <= value < 1.0:
-            raise ConfigError(f"{name} must be in [0, 1), got {value}")
+    for name, fraction in (("--hidden-dropout", m.hidden_dropout),
+                           ("--label-smoothing", m.label_smoothing)):
+        if not 0.0 <= fraction < 1.0:
+            raise ConfigError(f"{name} must be in [0, 1), got {fraction}")
 
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise ConfigError(f"--global-batch-size {t.global_batch_size} must be a multiple of "
@@ -84,6 +84,17 @@ def validate(config: TrainConfig, world_size: int) -> None:
 #: Parallel dimensions whose flags exist (Megatron's names) but whose machinery is not built
 #: yet: refused rather than accepted and ignored.
 NOT_YET_SUPPORTED: tuple = ()
+
+
+def derive(config: TrainConfig) -> None:
+    """Everything the settings imply, in one place (before the checks that read it): the
+    plugins chosen for ``auto``, the schedule's placement (and ``--vp`` 2 for a V shape), the
+    padded vocabulary where the vocabulary is known. Idempotent; after validation the CLI
+    freezes the config (core/config_freeze.py), so nothing derives it again differently."""
+    derive_driver_names(config)
+    apply_schedule_placement(config)
+    if config.model.vocab_size is not None:
+        derive_padded_vocab_size(config, config.parallel.tensor_model_parallel_size)
 
 
 def apply_schedule_placement(config: TrainConfig, schedule=None) -> str:
