@@ -5,6 +5,7 @@ Megatron-Core torch_dist checkpoints (core/interchange/megatron.py)."""
 from __future__ import annotations
 
 import click
+from plugtron.core.plugins.selection import selected_driver
 
 from .errors import user_errors
 
@@ -49,7 +50,7 @@ def _print_flags(path, config, fixed: dict | None = None):
     for name, cls in config.plugin_sections.items():
         fields += section_flag_fields(name, cls)
     fixed_names = {str(k).lstrip("-") for k in fixed or {}}
-    parts = [f"--model {config.plugins.model}"]
+    parts = [f"--model {selected_driver(config, 'model')}"]
     for flag in fields:
         value = getattr(getattr(config, flag.section), flag.name)
         if value == flag.default and flag.flag.lstrip("-") not in fixed_names:
@@ -93,7 +94,7 @@ def _model_flags(extra: tuple, model: str) -> dict:
     from plugtron.core.interchange.megatron import model_option_sections
     from plugtron.core.plugins.options import config_from_flags
 
-    config = config_from_flags({"model": model}, "--model")
+    config = config_from_flags({"model": model or "auto"}, "--model")
     sections = model_option_sections(config)
     fields = [f for f in flag_fields(config) if f.section in sections]
     known = {f.flag: f for f in fields}
@@ -123,8 +124,9 @@ def _model_flags(extra: tuple, model: str) -> dict:
 @click.argument("megatron_dir", type=click.Path(exists=True, file_okay=False))
 @click.argument("out_dir", type=click.Path())
 @click.argument("model_flags", nargs=-1, type=click.UNPROCESSED)
-@click.option("--model", default="gpt", show_default=True,
-              help="Model plugin whose converter reads it (plugtron.converters).")
+@click.option("--model", default=None,
+              help="Model plugin whose converter reads it (plugtron.converters; default: the "
+                   "one the installed selectors choose, gpt with plugtron-gpt).")
 @click.option("--dtype", type=click.Choice(DTYPES), help="Cast the weights (default: keep).")
 @user_errors
 def import_megatron(megatron_dir, out_dir, model_flags, model, dtype):

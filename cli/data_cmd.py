@@ -16,6 +16,7 @@ import sys
 import click
 from plugtron.core.errors import ConfigError
 from plugtron.core.plugins import registry
+from plugtron.core.plugins.selection import selected_driver
 
 from .errors import user_errors
 from .options import (
@@ -164,11 +165,11 @@ def _inspect(config, as_json, split_name, num_samples, start):
                           f"samples")
     records = sample_records(dataset, start, num_samples, tokenizer)
     if as_json:
-        click.echo(json.dumps({"data": config.plugins.data, "split": split_name,
+        click.echo(json.dumps({"data": selected_driver(config, "dataset"), "split": split_name,
                                "samples_in_split": len(dataset),
                                "tokenizer": config.data.tokenizer_type, "samples": records}))
         return
-    click.echo(f"data {config.plugins.data}, {split_name} split: {len(dataset)} samples of "
+    click.echo(f"data {selected_driver(config, 'dataset')}, {split_name} split: {len(dataset)} samples of "
                f"{config.model.seq_length} tokens; tokenizer {config.data.tokenizer_type}")
     for record in records:
         extra = ""
@@ -190,7 +191,7 @@ def _stats(config, as_json):
 
     datasets, _ = run_datasets(config)
     needed = split_sizes(config)
-    stats = {"data": config.plugins.data, "seq_length": config.model.seq_length,
+    stats = {"data": selected_driver(config, "dataset"), "seq_length": config.model.seq_length,
              "tokenizer": config.data.tokenizer_type,
              "splits": {split: split_stats(dataset, n)
                         for split, dataset, n in zip(SPLITS, datasets, needed)}}

@@ -9,6 +9,8 @@ distribution.
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 from plugtron.core.config import SECTIONS, TrainConfig
 from plugtron.core.config_flags import (
@@ -19,6 +21,7 @@ from plugtron.core.config_flags import (
     section_flag_fields,
 )
 from plugtron.core.errors import ConfigError, PlugtronError
+from plugtron.core.plugins.selection import selected_driver
 
 #: Core sections whose values select plugins (or the schedule through pp/vp).
 SELECTING_SECTIONS = ("plugins", "parallel")
@@ -105,7 +108,8 @@ def prescan(args: list[str], base: TrainConfig | None = None) -> TrainConfig:
     by_spelling = _spellings(selecting)
     args = expand_several_values(list(args), {s for s, f in by_spelling.items()
                                               if f.type is list and not f.is_flag})
-    given, config_file = {}, None
+    given: dict[str, Any] = {}  # a flag's value: a bool, a string or a list of them
+    config_file = None
     i = 0
     while i < len(args):
         arg = args[i]
@@ -152,10 +156,10 @@ def model_presets(config: TrainConfig) -> dict:
     from plugtron.core.plugins.objects import PluginObject, call_declared
 
     try:
-        obj = registry.instantiate(registry.load("model", config.plugins.model))
+        obj = registry.instantiate(registry.load("model", selected_driver(config, "model")))
     except PlugtronError:
         return {}
-    presets = call_declared(PluginObject("model", config.plugins.model, "?", obj),
+    presets = call_declared(PluginObject("model", selected_driver(config, "model"), "?", obj),
                             "model_presets")
     return dict(presets or {})
 
@@ -259,7 +263,9 @@ def build_config(params: dict, config_file: str | None, preset: str | None,
 
             # the model the flags select (they apply after the preset); one that does not
             # load is the real error
-            model = params.get(_param_name("plugins", "model")) or config.plugins.model
+            model = params.get(_param_name("plugins", "model")) or "auto"
+            if model == "auto":
+                model = selected_driver(config, "model")
             registry.load("model", model)
             raise ConfigError(f"--preset {preset!r} is not a preset of model {model!r}; its "
                               f"presets: {', '.join(sorted(presets)) or 'none'}")

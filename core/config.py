@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plugtron.core.errors import ConfigError
+from plugtron.core.plugins.selection import selected_driver
 
 
 def opt(default: Any, flag: str, help: str, aliases: tuple[str, ...] = (), choices=None,
@@ -149,7 +150,7 @@ class ParallelConfig:
 @dataclass
 class TrainingConfig:
     micro_batch_size: int = opt(8, "--micro-batch-size", "Samples per microbatch.")
-    global_batch_size: int | None = opt(32, "--global-batch-size",
+    global_batch_size: int = opt(32, "--global-batch-size",
                                         "Samples per iteration over all dp ranks "
                                         "(micro x microbatches x dp).")
     train_iters: int = opt(200, "--train-iters", "Training iterations.")
@@ -226,16 +227,23 @@ class DataConfig:
 
 @dataclass
 class PluginConfig:
-    model: str = opt("gpt", "--model", "Model plugin (entry point in plugtron.models).")
+    """Each driver plugin by entry-point name; ``auto``: what the installed selectors
+    (plugtron.selectors) choose, so the core names no plugin of its own."""
+
+    model: str = opt("auto", "--model", "Model plugin (plugtron.models); auto: the installed "
+                     "selectors' choice (plugtron-gpt answers gpt).")
     schedule: str = opt("auto", "--schedule",
                         "Pipeline schedule (plugtron.schedules), or auto from pp and vp.")
-    optimizer: str = opt("adam", "--optimizer", "Optimizer (plugtron.optimizers).")
+    optimizer: str = opt("auto", "--optimizer", "Optimizer (plugtron.optimizers); auto: adam, "
+                         "or distributed-adam under --use-distributed-optimizer.")
     data_parallel: str = opt("auto", "--data-parallel",
                              "Data-parallel wrapper (plugtron.data_parallel): ddp, fsdp2, or "
                              "auto from --use-torch-fsdp2 and --data-parallel-sharding-strategy.")
-    layer_backend: str = opt("local", "--layer-backend",
-                             "Tensor-parallel layer backend (plugtron.layer_backends).")
-    data: str = opt("text", "--data", "Dataset provider (plugtron.datasets).")
+    layer_backend: str = opt("auto", "--layer-backend",
+                             "Tensor-parallel layer backend (plugtron.layer_backends); auto: "
+                             "the built-in local layers.")
+    data: str = opt("auto", "--data", "Dataset provider (plugtron.datasets); auto: text files "
+                    "or folders given with --data-path.")
     disabled: list = opt([], "-p", "Disable an extension plugin: -p no:NAME (repeatable).")
 
 
@@ -417,8 +425,8 @@ def derive_padded_vocab_size(config: TrainConfig, tp: int) -> int:
     tensor-parallel size ``tp``): Megatron's padding of ``vocab_size``."""
     m = config.model
     if m.vocab_size is None:
-        raise ConfigError(f"data {config.plugins.data!r} does not fix the vocabulary: give "
-                          f"--vocab-size")
+        raise ConfigError(f"data {selected_driver(config, 'dataset')!r} does not fix the "
+                          f"vocabulary: give --vocab-size")
     m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, tp)
     return m.padded_vocab_size
 

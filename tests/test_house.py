@@ -146,14 +146,12 @@ def builtin_names() -> set[str]:
     return names
 
 
-#: String constants of core/ that equal a built-in entry-point name, still to be removed
-#: (docs/architecture.md "what the core still names"): the defaults of --model, --optimizer,
-#: --layer-backend and --data, and import-megatron's --model default.
-#: 'allgather' is also Megatron's --cp-comm-type value, a core mechanism, not the dispatcher.
-#: This list may only shrink.
+#: String constants of core/ that equal a built-in entry-point name but mean something else:
+#: 'allgather' is also Megatron's --cp-comm-type value, a core mechanism, not the MoE
+#: dispatcher. The defaults of every role are ``auto``, answered by selectors
+#: (docs/architecture.md "selectors"). This list may only shrink.
 STILL_NAMED = {
-    "core/config.py": {"allgather", "gpt", "adam", "local", "text"},
-    "core/interchange/megatron.py": {"gpt"},
+    "core/config.py": {"allgather"},
     "core/parallel/context_parallel.py": {"allgather"},
     "core/parallel/cp_attention.py": {"allgather"},
 }

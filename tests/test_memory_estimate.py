@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from click.testing import CliRunner
+from plugtron.api import selected_driver
 from plugtron.core.contracts.activations import ActivationShape, module_activation_bytes
 from plugtron.core.plugins.options import config_from_flags
 from plugtron.core.tools.estimate import estimate_memory
@@ -37,7 +38,7 @@ def _tiny_gpt(**flags):
     m.padded_vocab_size = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
     parallel = ParallelContext.build(1, 0, create_groups=False)
     backend = registry.load("layer_backend", "local")(config, parallel)
-    model = registry.instantiate(registry.load("model", config.plugins.model)).model_provider(
+    model = registry.instantiate(registry.load("model", selected_driver(config, "model"))).model_provider(
         config=config, pre_process=True, post_process=True, vp_stage=None,
         layer_backend=backend, parallel=parallel)
     shape = ActivationShape(config.training.micro_batch_size, m.seq_length, m.seq_length)

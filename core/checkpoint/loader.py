@@ -27,6 +27,7 @@ from plugtron.core.parallel.random import resume_seed, seed_everything, set_rng_
 from plugtron.core.parallel.sharding import copy_full_into_, is_dtensor
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.options import config_from_dict
+from plugtron.core.plugins.selection import selected_driver
 
 
 @contextlib.contextmanager
@@ -48,9 +49,9 @@ def check_compatible(saved_config: dict, run) -> None:
     says which settings those are (``model_info(config).architecture``)."""
     config = run.config
     saved_model = saved_config.get("plugins", {}).get("model")
-    if saved_model and saved_model != config.plugins.model:
+    if saved_model and saved_model != selected_driver(config, "model"):
         raise CheckpointError(f"the checkpoint holds a {saved_model!r} model; this run builds "
-                              f"--model {config.plugins.model!r}")
+                              f"--model {selected_driver(config, 'model')!r}")
     check_tokenizer(saved_config, config)
 
     pm = getattr(run, "pm", None)
@@ -59,7 +60,7 @@ def check_compatible(saved_config: dict, run) -> None:
         if pm is not None:
             info = pm.hook.model_info(config=cfg)
         else:  # a run assembled by hand (tools, tests): ask the model plugin directly
-            model = registry.instantiate(registry.load("model", config.plugins.model))
+            model = registry.instantiate(registry.load("model", selected_driver(config, "model")))
             info = model_info_of(model, cfg)
         return dict(info.architecture) if isinstance(info, ModelInfo) else {}
 

@@ -33,7 +33,13 @@ from plugtron.core.parallel import shared_params
 from plugtron.core.parallel.random import get_rng_state
 from plugtron.core.parallel.sharding import full_tensor, is_expert, tp_split_of
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.selection import resolve_optimizer, resolve_schedule, selected_drivers
+from plugtron.core.plugins.selection import (
+    DRIVER_ROLES,
+    chosen_names,
+    resolve_optimizer,
+    resolve_schedule,
+    selected_drivers,
+)
 
 OPTIMIZER_GLOBAL_KEY = "__optimizer__"
 
@@ -195,8 +201,7 @@ def rng_source_rank(saved: dict, manifests: dict[int, dict], run) -> int | None:
 def plugin_versions(config) -> dict:
     """The plugins the run selected, each with its distribution and version."""
 
-    chosen = dict(selected_drivers(config))
-    chosen["layer_backend"] = config.plugins.layer_backend
+    chosen = selected_drivers(config, (*DRIVER_ROLES, "layer_backend"))
     out: dict[str, dict] = {}
     for role, name in chosen.items():
         info = next((i for i in registry.available(role) if i.name == name), None)
@@ -218,9 +223,11 @@ def plugtron_version() -> str:
 def base_metadata(config, iteration: int, consumed_samples: int, layout: dict,
                   contents: dict) -> dict:
 
+    saved = config.to_dict()
+    saved["plugins"].update(chosen_names(config))  # what ran, not `auto` (a run set up in-process)
     return {"format": FORMAT, "version": VERSION, "iteration": iteration,
             "consumed_samples": consumed_samples, "layout": layout,
-            "config": config.to_dict(), "plugins": plugin_versions(config),
+            "config": saved, "plugins": plugin_versions(config),
             "contents": contents, "plugtron_version": plugtron_version(),
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from plugtron.core.errors import PluginError
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.objects import PluginObject, call_declared
+from plugtron.core.plugins.selection import selected_driver
 
 #: The main loss key when a model plugin does not say otherwise (Megatron's).
 DEFAULT_MAIN_LOSS = "lm loss"
@@ -50,7 +51,7 @@ def model_info_for(config) -> ModelInfo:
     which a pattern-defined model says where ``--num-layers`` is not the truth)."""
 
     try:
-        model = registry.instantiate(registry.load("model", config.plugins.model))
+        model = registry.instantiate(registry.load("model", selected_driver(config, "model")))
     except PluginError:
         return ModelInfo()
     return model_info_of(model, config)

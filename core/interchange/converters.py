@@ -10,6 +10,7 @@ from plugtron.core.config import TrainConfig
 from plugtron.core.contracts.converter import Converter
 from plugtron.core.errors import ConfigError
 from plugtron.core.plugins import registry
+from plugtron.core.plugins.selection import selected_driver
 
 
 def load_converter(model: str) -> Converter:
@@ -64,7 +65,7 @@ def converter_for_config(config: TrainConfig) -> Converter:
         handles = getattr(cls, "handles", None)
         if callable(handles) and handles(config):
             return registry.instantiate(cls)
-    return load_converter(config.plugins.model)
+    return load_converter(selected_driver(config, "model"))
 
 
 def converter_for_megatron(model: str, args: dict | None, given: dict) -> Converter:

@@ -30,6 +30,7 @@ from plugtron.core.interchange.converters import (
 from plugtron.core.interchange.hf_export import CheckpointTensors
 from plugtron.core.interchange.torch_dist import read_torch_dist, write_torch_dist
 from plugtron.core.plugins.options import collect_sections, config_from_dict, config_from_flags
+from plugtron.core.plugins.selection import selected_driver
 
 #: Megatron keys that are not model weights: optimizer state, RNG and rerun state (objects),
 #: and Transformer Engine's per-module ``_extra_state`` (fp8 scaling history; plugtron has no
@@ -60,10 +61,14 @@ def _converter(model: str, role: str):
     return converter
 
 
-def import_megatron(src: str, out_dir: str, model: str = "gpt", given: dict | None = None,
+def import_megatron(src: str, out_dir: str, model: str | None = None, given: dict | None = None,
                     dtype: torch.dtype | None = None) -> tuple[str, TrainConfig]:
     """Convert the model of a Megatron-Core torch_dist checkpoint (``src``: its save directory
-    or an ``iter_XXXXXXX`` directory) into a weights-only plugtron checkpoint at ``out_dir``."""
+    or an ``iter_XXXXXXX`` directory) into a weights-only plugtron checkpoint at ``out_dir``.
+    ``model``: the model plugin whose converter reads it (default: the one the installed
+    selectors choose, as ``--model auto`` does for training)."""
+    if model is None or model == "auto":
+        model = selected_driver(TrainConfig(), "model")
     ckpt = read_torch_dist(src)
     args = _args_dict(ckpt.common.get("args"))
     given = {k.lstrip("-").replace("-", "_"): v for k, v in (given or {}).items()}
@@ -87,13 +92,13 @@ def import_megatron(src: str, out_dir: str, model: str = "gpt", given: dict | No
     if rows is not None and m.vocab_size > rows:
         raise CheckpointError(f"vocab_size {m.vocab_size} exceeds the {rows} rows of the "
                               f"saved word embeddings")
-    derive_padded_vocab_size(config, 1)
+    padded = derive_padded_vocab_size(config, 1)
     entries = []
     for name in sorted(out):
         tensor = out.pop(name)  # handed over one at a time: the model is held once
         tensor = tensor.to(dtype) if dtype is not None else tensor
         if name in converter.vocab_tensors:
-            tensor = _rows(tensor[:m.vocab_size], m.padded_vocab_size)
+            tensor = _rows(tensor[:m.vocab_size], padded)
         if not _owns_storage(tensor):  # a view keeps its whole base alive; copy it out
             tensor = tensor.contiguous().clone()
         shape = tuple(tensor.shape)
@@ -173,7 +178,7 @@ def export_megatron(path: str, out_dir: str, dtype: torch.dtype | None = None, d
     converter = converter_for_config(config)
     drop_parts(converter, config, drop)
     if not hasattr(converter, "export_megatron"):
-        raise ConfigError(f"the converter of model {config.plugins.model!r} cannot export to "
+        raise ConfigError(f"the converter of model {selected_driver(config, 'model')!r} cannot export to "
                           f"Megatron (no export_megatron method)")
     if dtype is not None:
         tensors = _Cast(tensors, dtype)

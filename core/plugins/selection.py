@@ -17,11 +17,12 @@ AUTOLOAD_ENV = "PLUGTRON_DISABLE_PLUGIN_AUTOLOAD"
 #: The config field of ``config.plugins`` that names each driver role.
 DRIVER_ROLES = ("model", "schedule", "optimizer", "data_parallel", "dataset")
 
-#: The ``config.plugins`` field and the flag that name each driver role.
+#: The ``config.plugins`` field and the flag that name each role a selector can answer.
 FIELDS = {"model": "model", "schedule": "schedule", "optimizer": "optimizer",
-          "data_parallel": "data_parallel", "dataset": "data"}
+          "data_parallel": "data_parallel", "dataset": "data", "layer_backend": "layer_backend"}
 FLAGS = {"model": "--model", "schedule": "--schedule", "optimizer": "--optimizer",
-         "data_parallel": "--data-parallel", "dataset": "--data"}
+         "data_parallel": "--data-parallel", "dataset": "--data",
+         "layer_backend": "--layer-backend"}
 
 
 _loaded: tuple[object, list] | None = None
@@ -85,6 +86,33 @@ def resolve(role: str, config, selectors: list | None = None) -> str:
     return name
 
 
+def selected_driver(config, role: str) -> str:
+    """The entry-point name of the plugin that a run of ``config`` uses for ``role`` (a driver
+    role or ``layer_backend``): read it here rather than from ``config.plugins``, which may
+    say ``auto``."""
+    return resolve(role, config)
+
+
+#: The roles whose plugin does not depend on the layout: their choice is written into the
+#: config (validation, and a checkpoint's saved config), the others stay ``auto`` so a resumed
+#: run in another layout chooses again.
+FIXED_ROLES = ("model", "layer_backend", "dataset")
+
+
+def chosen_names(config) -> dict[str, str]:
+    """``config.plugins`` field -> the name chosen for each of :data:`FIXED_ROLES`."""
+    selectors = installed_selectors()
+    return {FIELDS[role]: resolve(role, config, selectors) for role in FIXED_ROLES}
+
+
+def derive_driver_names(config) -> None:
+    """Write the chosen names of :data:`FIXED_ROLES` into ``config.plugins``, so a saved
+    config names the plugins it ran with whatever selectors are installed where it is read.
+    Part of validation."""
+    for field, name in chosen_names(config).items():
+        setattr(config.plugins, field, name)
+
+
 def resolve_schedule(config) -> str:
     return resolve("schedule", config)
 
@@ -99,11 +127,8 @@ def resolve_data_parallel(config) -> str:
 
 def selected_drivers(config, roles: tuple[str, ...] = DRIVER_ROLES) -> dict[str, str]:
     """role -> entry-point name this run selects (``layer_backend`` only when asked for)."""
-    out, selectors = {}, installed_selectors()
-    for role in roles:
-        out[role] = config.plugins.layer_backend if role == "layer_backend" else \
-            resolve(role, config, selectors)
-    return out
+    selectors = installed_selectors()
+    return {role: resolve(role, config, selectors) for role in roles}
 
 
 def disabled_extensions(config) -> set[str]:

@@ -15,6 +15,7 @@ import math
 from plugtron.core.checkpoint import load_checkpoint
 from plugtron.core.contracts.model_info import metric_name
 from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.plugins.selection import selected_driver
 from plugtron.core.training.loop import evaluate_all, loss_metrics, setup, split_sizes
 
 
@@ -61,7 +62,7 @@ def evaluate_checkpoint(config, extra_plugins=(), world=None, as_json: bool = Fa
                 one.data.data_path = [name]
                 run.datasets = tuple(run.pm.hook.dataset_provider(
                     config=one, split_sizes=split_sizes(one), parallel=run.parallel))
-            label = name or ", ".join(sets) or config.plugins.data
+            label = name or ", ".join(sets) or selected_driver(config, "dataset")
             losses = evaluate_all(run)
             if losses is None:
                 if run.world.rank == 0:

@@ -17,6 +17,7 @@ from plugtron.core.errors import PluginError
 from plugtron.core.pipeline.layout import building_for
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import new_plugin_manager
+from plugtron.core.plugins.selection import selected_driver
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +30,7 @@ def model_provider_of(config: TrainConfig) -> Callable[..., torch.nn.Module]:
     """The ``model_provider`` hook of ``config``'s model plugin alone (no extensions): for
     builds outside a run, which has its own plugin manager."""
     pm = new_plugin_manager()
-    pm.register(registry.instantiate(registry.load("model", config.plugins.model)), name="model")
+    pm.register(registry.instantiate(registry.load("model", selected_driver(config, "model"))), name="model")
     return pm.hook.model_provider
 
 
@@ -45,7 +46,7 @@ def build_model(config: TrainConfig, parallel: ParallelContext, *,
     if provider is None:
         provider = model_provider_of(config)
     if layer_backend is None or isinstance(layer_backend, str):
-        name = layer_backend or config.plugins.layer_backend
+        name = layer_backend or selected_driver(config, "layer_backend")
         layer_backend = registry.load("layer_backend", name)(config, parallel)
     stages = config.parallel.virtual_pipeline_model_parallel_size
     with building_for(parallel.pipeline_placement):
@@ -61,7 +62,7 @@ def reference_backend(config) -> str:
     """The layer backend of a single-process reference build (shapes on the meta device,
     ``load_model`` on any device): the run's own when it ``builds_anywhere``, else the first
     installed one that does."""
-    names = [config.plugins.layer_backend,
+    names = [selected_driver(config, "layer_backend"),
              *(i.name for i in registry.available("layer_backend"))]
     for name in names:
         try:

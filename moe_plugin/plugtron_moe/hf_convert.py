@@ -25,7 +25,7 @@ as plugtron's SwiGLU ``linear_fc1 = [gate; up]``), ``mlp.experts.down_proj [E, H
 from __future__ import annotations
 
 import torch
-from plugtron.api import ConfigError
+from plugtron.api import ConfigError, selected_driver
 
 from .hf_rope import rope_config, rope_flags
 from .megatron_convert import MegatronMoE
@@ -125,7 +125,7 @@ class MoEConverter(MegatronMoE):
         moe = getattr(config, "moe", None)
         mla = getattr(getattr(config, "attention", None), "multi_latent_attention", False)
         # with multi-latent attention: DeepSeek-V3 (hf_deepseek.py)
-        return config.plugins.model == "gpt" and bool(moe and moe.num_experts) and not mla
+        return selected_driver(config, "model") == "gpt" and bool(moe and moe.num_experts) and not mla
 
     # ------------------------------------------------------------------ import
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import sys
 
 import torch
-from plugtron.api import ConfigError
+from plugtron.api import ConfigError, selected_driver
 
 from .hf_convert import EMBEDDING, OUTPUT, _take, fused_experts
 from .hf_rope import rope_config, rope_flags
@@ -195,7 +195,7 @@ class DeepseekV3Converter(MegatronMoE):
     @classmethod
     def handles(cls, config) -> bool:
         moe = getattr(config, "moe", None)
-        return (config.plugins.model == "gpt" and bool(moe and moe.num_experts)
+        return (selected_driver(config, "model") == "gpt" and bool(moe and moe.num_experts)
                 and bool(getattr(getattr(config, "attention", None), "multi_latent_attention",
                                  False)))
 

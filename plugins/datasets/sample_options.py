@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from plugtron.api import ConfigError, ConfigSection, load_plugin, opt
+from plugtron.api import ConfigError, ConfigSection, load_plugin, opt, selected_driver
 
 
 @dataclass
@@ -44,7 +44,7 @@ def validate_sample_options(config) -> None:
         raise ConfigError(f"--reset-attention-mask is not supported with --cp "
                           f"{config.parallel.context_parallel_size}: context-parallel attention "
                           f"does not mask documents; use --cp 1")
-    name = config.plugins.layer_backend
+    name = selected_driver(config, "layer_backend")
     backend = load_plugin("layer_backend", name)
     if not getattr(backend, "supports_document_ids", False):
         raise ConfigError(f"--reset-attention-mask is not supported by --layer-backend {name}: "

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from plugtron.api import estimate_memory, hookimpl, model_info_for, selected_drivers
+from plugtron.api import (
+    estimate_memory,
+    hookimpl,
+    model_info_for,
+    selected_driver,
+    selected_drivers,
+)
 
 
 class ConsoleLog:
@@ -24,7 +30,8 @@ class ConsoleLog:
         cp = f"cp {p.context_parallel_size}"
         if p.context_parallel_size > 1:
             cp += f" ({p.cp_comm_type})"
-        print(f"plugtron: {drivers}, layer_backend={config.plugins.layer_backend}", flush=True)
+        backend = selected_driver(config, "layer_backend")
+        print(f"plugtron: {drivers}, layer_backend={backend}", flush=True)
         # The model says its depth (a Hybrid model's is its pattern's, not --num-layers).
         layers = model_info_for(config).architecture.get("--num-layers", m.num_layers)
         print(f"plugtron: {layers} layers, hidden {m.hidden_size}, seq "

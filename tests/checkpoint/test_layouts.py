@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from plugtron.api import selected_driver
 from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.distributed import single_process
@@ -36,7 +37,7 @@ def missing(layout: dict) -> str | None:
     if tp > 1:
         ctx = ParallelContext.build(WORLD, 0, tp=tp, create_groups=False)
         try:
-            registry.load("layer_backend", config.plugins.layer_backend)(config, ctx)
+            registry.load("layer_backend", selected_driver(config, "layer_backend"))(config, ctx)
         except (ConfigError, PluginError) as exc:
             return f"tp {tp}: {exc}"
     names = {info.name for info in registry.available("schedule")}

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-from plugtron.api import ConfigError
+from plugtron.api import ConfigError, TrainConfig, selected_driver
 from plugtron.cli.main import cli
 from plugtron.core.plugins.options import config_from_dict
-from plugtron.core.plugins.selection import selected_drivers
+from plugtron.core.plugins.selection import FIELDS, resolve, selected_drivers
+from plugtron.core.training.validate import validate
 
 from tests.fake_plugins import install_fake_distribution, remove_path
 from tests.utils import tiny_config
@@ -99,3 +100,45 @@ def test_a_third_partys_selector_answers_its_own_flag(third_party):
         selected_drivers(tiny_config(use_my_fsdp=True, use_torch_fsdp2=True))
     result = CliRunner().invoke(cli, ["train", "--help"])
     assert "--use-my-fsdp" in result.output
+
+
+@pytest.mark.parametrize("role,want", [
+    ("model", "gpt"), ("optimizer", "adam"), ("layer_backend", "local"), ("dataset", "text")])
+def test_every_default_is_auto_and_a_selector_answers_it(role, want):
+    config = TrainConfig()
+    assert getattr(config.plugins, FIELDS[role]) == "auto"  # the core names no plugin
+    assert selected_driver(config, role) == want
+
+
+def test_auto_that_no_selector_answers_names_the_flag_and_the_choices():
+    with pytest.raises(ConfigError, match=r"--model auto: no installed selector .* give "
+                                          r"--model NAME .*gpt"):
+        resolve("model", TrainConfig(), selectors=[])
+
+
+def test_validation_writes_the_chosen_plugins_into_the_config():
+    config = tiny_config(model="auto", layer_backend="auto", data="auto", data_path=["x"])
+    validate(config, world_size=1)
+    assert (config.plugins.model, config.plugins.layer_backend, config.plugins.data) == \
+        ("gpt", "local", "text")  # what a checkpoint of this run records
+
+
+OWN_DEFAULT = '''
+class MyDefaults:
+    @staticmethod
+    def plugtron_select(role, config):
+        if role == "optimizer" and config.plugins.optimizer == "auto":
+            return "sgd"  # chosen, not a fallback: it wins over the built-in default
+        return None
+'''
+
+
+def test_a_third_partys_choice_wins_over_the_built_in_default(tmp_path):
+    install_fake_distribution(tmp_path, "plugtron-my-defaults", "0.1.0",
+                              {"plugtron.selectors": {"my-defaults": "my_defaults:MyDefaults"}},
+                              {"my_defaults": OWN_DEFAULT})
+    try:
+        assert selected_driver(tiny_config(), "optimizer") == "sgd"
+        assert selected_driver(tiny_config(optimizer="adam"), "optimizer") == "adam"
+    finally:
+        remove_path(tmp_path)

@@ -6,6 +6,7 @@ neither (they are built in other branches and meet this one at the merge).
 """
 
 import pytest
+from plugtron.api import selected_driver
 from plugtron.core.errors import ConfigError, PluginError
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.distributed import single_process
@@ -25,7 +26,7 @@ def _missing() -> str | None:
     config = tiny_config(**LAYOUT)
     parallel = ParallelContext.build(8, 0, tp=2, pp=2, create_groups=False)
     try:
-        registry.load("layer_backend", config.plugins.layer_backend)(config, parallel)
+        registry.load("layer_backend", selected_driver(config, "layer_backend"))(config, parallel)
     except (ConfigError, PluginError) as exc:
         return f"layer backend without tensor parallelism: {exc}"
     return None

@@ -9,8 +9,9 @@ where a config was built without the section (an old checkpoint, a model without
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from plugtron.api import ConfigError, ConfigSection, opt
+from plugtron.api import ConfigError, ConfigSection, opt, selected_driver
 
 
 @dataclass
@@ -178,10 +179,10 @@ def validate_mla(config) -> None:
             raise ConfigError(f"{flag} is an option of the standard attention; "
                               f"--multi-latent-attention has its own q_layernorm/kv_layernorm on "
                               f"the latents and no q/k/v bias (Megatron-Core's MLA)")
-    if config.plugins.layer_backend != "local":
+    if selected_driver(config, "layer_backend") != "local":
         raise ConfigError(f"--multi-latent-attention is implemented with the 'local' layer "
                           f"backend (its core attention takes value heads of another size "
-                          f"than the query/key heads), not {config.plugins.layer_backend!r}")
+                          f"than the query/key heads), not {selected_driver(config, 'layer_backend')!r}")
     q_dim = o.qk_head_dim + o.qk_pos_emb_head_dim
     if p.context_parallel_size > 1 and p.cp_comm_type != "a2a" and o.v_head_dim > q_dim:
         raise ConfigError(f"--cp-comm-type {p.cp_comm_type} with --multi-latent-attention "
@@ -239,9 +240,9 @@ def validate_attention(config) -> None:
         raise ConfigError(f"--window-size {o.window_size} shorter than --seq-length "
                           f"{config.model.seq_length} with --context-parallel-size > 1 is not "
                           f"supported: the cp attention paths are full causal; use cp 1")
-    if limits and config.plugins.layer_backend != "local":
+    if limits and selected_driver(config, "layer_backend") != "local":
         raise ConfigError(f"--window-size is implemented by the 'local' layer backend, not "
-                          f"{config.plugins.layer_backend!r}")
+                          f"{selected_driver(config, 'layer_backend')!r}")
     uses_rope_options = o.use_rope_scaling or o.rotary_seq_len_interpolation_factor is not None
     if uses_rope_options and config.model.position_embedding_type != "rope":
         raise ConfigError("--use-rope-scaling / --rotary-seq-len-interpolation-factor scale "
@@ -271,7 +272,7 @@ def attention_architecture(config) -> dict:
     """The options that change the function or the tensors, only where set (checkpoints written
     before they existed keep resuming)."""
     o = attention_options(config)
-    out = {}
+    out: dict[str, Any] = {}
     if o.add_qkv_bias and not config.model.add_bias_linear:
         out["--add-qkv-bias"] = True
     if o.qk_layernorm:
