@@ -45,17 +45,23 @@ test: $(STAMP) $(BLEND)
 		rc=$$?; [ $$rc -eq 0 ] || [ $$rc -eq 5 ]
 
 ## Lint: ruff (pyflakes, pycodestyle, import order, function-level imports only with a reason)
-## on the whole tree, then mypy on plugtron.core and plugtron.api. mypy finds modules by their
-## paths, and setup.cfg maps plugtron.core onto core/: build/typecheck/plugtron/ links each
-## package under its import name.
+## on the whole tree, then mypy (strict optional) on the core, the API, the CLI, the built-in
+## plugins and the plugtron-gpt and plugtron-moe packages. mypy finds modules by their paths,
+## and setup.cfg maps plugtron.core onto core/: build/typecheck/ links each package under its
+## import name.
 TYPECHECK := build/typecheck
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	rm -rf $(TYPECHECK) && mkdir -p $(TYPECHECK)/plugtron
 	ln -s $(CURDIR)/core $(TYPECHECK)/plugtron/core
 	ln -s $(CURDIR)/core/api $(TYPECHECK)/plugtron/api
+	ln -s $(CURDIR)/cli $(TYPECHECK)/plugtron/cli
+	ln -s $(CURDIR)/plugins $(TYPECHECK)/plugtron/plugins
+	ln -s $(CURDIR)/gpt_plugin/plugtron_gpt $(TYPECHECK)/plugtron_gpt
+	ln -s $(CURDIR)/moe_plugin/plugtron_moe $(TYPECHECK)/plugtron_moe
 	cd $(TYPECHECK) && MYPYPATH=. $(CURDIR)/$(VENV)/bin/mypy --config-file $(CURDIR)/pyproject.toml \
-		--cache-dir $(CURDIR)/build/mypy-cache -p plugtron.core -p plugtron.api
+		--cache-dir $(CURDIR)/build/mypy-cache -p plugtron.core -p plugtron.api -p plugtron.cli \
+		-p plugtron.plugins -p plugtron_gpt -p plugtron_moe
 
 clean:
 	rm -rf $(VENV) $(BLEND) build *.egg-info gpt_plugin/*.egg-info moe_plugin/*.egg-info

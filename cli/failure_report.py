@@ -44,7 +44,7 @@ def _is_timeout(error: str) -> bool:
 def report(status_dir: str, nproc: int, exitcodes: dict[int, int]) -> str:
     """The message for a failed job; ``exitcodes``: rank -> exit code (negative: signal)."""
     phases = {r: run_status.read(status_dir, r, "phase") or "starting" for r in range(nproc)}
-    errors = {r: run_status.read(status_dir, r, "error") for r in range(nproc)}
+    errors = {r: run_status.read(status_dir, r, "error") or "" for r in range(nproc)}
     timed_out = [r for r in range(nproc) if errors[r] and _is_timeout(errors[r])]
     killed = [r for r in range(nproc) if not errors[r] and exitcodes.get(r, 0) != 0]
     lines = []

@@ -124,7 +124,7 @@ class Printer:
     def __init__(self, request: dict, tokenizer):
         self.tokenizer, self.stop = tokenizer, request["stop"]
         self.batch = len(request["prompts"])
-        self.ids = [[] for _ in range(self.batch)]
+        self.ids: list[list[int]] = [[] for _ in range(self.batch)]
         self.printed = [0] * self.batch
         self.done = [False] * self.batch
         self.hold = max((len(s) for s in self.stop), default=1) - 1

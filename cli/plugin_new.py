@@ -131,6 +131,7 @@ def check_symbol(kind: str, symbol: str | None) -> str:
 
 def template_values(kind: str, names: Names, symbol: str) -> dict[str, str]:
     group = kinds()[kind]
+    needs: tuple[str, ...]
     if kind in KINDS:
         needs = ("plugtron-gpt",) if kind in NEEDS_GPT else ()
     else:

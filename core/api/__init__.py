@@ -33,6 +33,7 @@ from plugtron.core.contracts.layers import load_layer_types, substitute_symbols
 from plugtron.core.contracts.loss import LossClosure, loss_closure
 from plugtron.core.contracts.model_info import ModelInfo, model_info_for
 from plugtron.core.contracts.selectors import fallback
+from plugtron.core.contracts.tokenizer import Tokenizer
 from plugtron.core.contracts.versions import (
     CONTRACT_VERSION,
     PlugtronDeprecationWarning,
@@ -115,7 +116,7 @@ from plugtron.core.plugins.manager import takes_dtensor_params as optimizer_take
 from plugtron.core.plugins.manager import wants_sharded_gradients
 from plugtron.core.plugins.registry import PluginRole
 from plugtron.core.plugins.registry import load as load_plugin
-from plugtron.core.plugins.selection import selected_drivers
+from plugtron.core.plugins.selection import selected_driver, selected_drivers
 from plugtron.core.plugins.tokenizers import build_tokenizer, tokenizer_for
 from plugtron.core.tools.estimate import estimate_memory
 from plugtron.core.tools.generation import InferenceState, generate
@@ -140,7 +141,8 @@ from plugtron.core.training.step_info import check_finite
 
 __all__ = [
     # plugins, their roles and options, errors
-    "hookimpl", "ConfigSection", "opt", "TrainConfig", "selected_drivers", "PluginRole",
+    "hookimpl", "ConfigSection", "opt", "TrainConfig", "selected_driver", "selected_drivers",
+    "PluginRole",
     "load_plugin", "saved_config", "CONTRACT_VERSION", "require_contract",
     "PlugtronDeprecationWarning", "fallback",
     "PlugtronError", "ConfigError", "PluginError", "CheckpointError",
@@ -185,5 +187,5 @@ __all__ = [
     "DataParallelChunk", "DataParallelMemory", "model_dtype", "wants_sharded_gradients",
     "optimizer_takes_dtensor_params", "is_dtensor", "local_tensor", "full_tensor", "shard_like",
     # datasets and tokenizers
-    "collate", "build_tokenizer", "tokenizer_for",
+    "collate", "build_tokenizer", "tokenizer_for", "Tokenizer",
 ]

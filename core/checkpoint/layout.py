@@ -124,7 +124,7 @@ def load_candidates(path: str) -> tuple[bool, list[str]]:
     limit = iteration_of(latest) if latest else None
     for name in os.listdir(path):
         if (_ITER_RE.match(name) and not _is_real_dir(path, name)
-                and (limit is None or iteration_of(name) <= limit)):
+                and (limit is None or (iteration_of(name) or 0) <= limit)):
             raise CheckpointError(f"--load {path!r}: {name} is a symbolic link or lies outside "
                                   f"the directory; iteration directories must be directories "
                                   f"inside it")

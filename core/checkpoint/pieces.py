@@ -57,7 +57,7 @@ class ShardSpec:
 
     @property
     def local_shape(self) -> tuple[int, ...]:
-        if not self.sharded:
+        if self.dim is None or not self.sharded:
             return self.global_shape
         shape = list(self.global_shape)
         shape[self.dim] //= self.size
@@ -65,9 +65,10 @@ class ShardSpec:
 
     def boxes(self) -> list[Box]:
         zeros = (0,) * len(self.global_shape)
-        if not self.sharded:
+        d = self.dim
+        if d is None or not self.sharded:
             return [Box(zeros, self.global_shape, zeros)]
-        d, total = self.dim, self.global_shape[self.dim]
+        total = self.global_shape[d]
         try:
             blocks = block_sizes(total, self.chunks)
         except ValueError as exc:

@@ -123,8 +123,8 @@ class Checkpointer:
         if self.is_rank0:
             try:
                 ranks = list(range(self.run.world.world_size))
-                final = writer.commit(job.parent, job.tmp_dir, job.iteration, job.metadata,
-                                      ranks)
+                final = writer.commit(job.parent, job.tmp_dir, job.iteration,
+                                      job.metadata or {}, ranks)
             except OSError as exc:
                 error = exc
         if not _all_ok(self.run, error is None):

@@ -13,6 +13,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import TypeGuard
 
 from plugtron.core.checkpoint.safe_files import open_regular
 from plugtron.core.errors import CheckpointError
@@ -32,7 +33,7 @@ class HeaderEntry:
     nbytes: int
 
 
-def is_shape(value) -> bool:
+def is_shape(value) -> TypeGuard[list[int]]:
     return (isinstance(value, (list, tuple)) and len(value) <= 64
             and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value))
 
@@ -64,7 +65,8 @@ def read_header(path: str) -> dict[str, HeaderEntry]:
         where = f"safetensors file {path}: tensor {key!r}"
         if not isinstance(entry, dict):
             raise CheckpointError(f"{where} is not an object")
-        dtype = DTYPES.get(entry.get("dtype")) if isinstance(entry.get("dtype"), str) else None
+        name = entry.get("dtype")
+        dtype = DTYPES.get(name) if isinstance(name, str) else None
         if dtype is None:
             raise CheckpointError(f"{where}: field dtype {entry.get('dtype')!r} is not one of "
                                   f"{', '.join(DTYPES)}")

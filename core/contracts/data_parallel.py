@@ -55,6 +55,12 @@ class DataParallelChunk(Protocol):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
+    def train(self, mode: bool = True) -> Any:
+        """Back to training mode after an evaluation (``torch.nn.Module.train``)."""
+
+    def eval(self) -> Any:
+        """Evaluation mode (dropout off) before the validation passes (``torch.nn.Module``)."""
+
     def set_input_tensor(self, tensor: torch.Tensor | None) -> None:
         """Hand the stage input (pipeline stages after the first) to the wrapped module."""
 

@@ -139,18 +139,18 @@ def import_hf(hf_dir: str, out_dir: str, model: str | None = None,
     if not isinstance(m.vocab_size, int) or m.vocab_size < 1:
         raise CheckpointError(f"{where}: field vocab_size must be a positive integer, got "
                               f"{m.vocab_size!r}")
-    derive_padded_vocab_size(config, 1)
+    padded = derive_padded_vocab_size(config, 1)
     expected = hf_strict.expected_shapes(config, converter.vocab_tensors, flags, where)
     exported = hf_strict.exported_shapes(converter, config, expected,
                                          next(iter(hf_tensors.values())).dtype)
     if exported is not None:
-        hf_strict.check_source_shapes(source, exported, config.model.vocab_size, hf_dir)
+        hf_strict.check_source_shapes(source, exported, m.vocab_size, hf_dir)
     hf_strict.check_model_shapes(tensors, expected, hf_dir)
     entries = []
     for name, tensor in sorted(tensors.items()):
         tensor = tensor.to(dtype) if dtype is not None else tensor
         if name in converter.vocab_tensors:
-            tensor = _resize_rows(tensor, m.padded_vocab_size)
+            tensor = _resize_rows(tensor, padded)
         tensor = tensor.contiguous().clone()
         shape = tuple(tensor.shape)
         zeros = (0,) * len(shape)

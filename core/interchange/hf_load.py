@@ -20,7 +20,7 @@ import shutil
 from plugtron.core.checkpoint import layout
 from plugtron.core.checkpoint.reader import CheckpointReader
 from plugtron.core.checkpoint.state import plugtron_version
-from plugtron.core.config_flags import flag_fields
+from plugtron.core.config_flags import FlagField, flag_fields
 from plugtron.core.errors import ConfigError
 from plugtron.core.interchange.hf import import_hf
 from plugtron.core.plugins.options import config_from_dict
@@ -29,7 +29,7 @@ from plugtron.core.plugins.options import config_from_dict
 def is_hf_dir(path: str | None) -> bool:
     """A directory with a ``config.json`` that is not a plugtron checkpoint (nor a directory
     of them)."""
-    return bool(path) and os.path.isdir(path) and os.path.isfile(
+    return path is not None and os.path.isdir(path) and os.path.isfile(
         os.path.join(path, "config.json")) and not layout.has_checkpoint(path)
 
 
@@ -90,18 +90,18 @@ def hf_base(hf_dir: str, model: str | None = None):
 def check_agrees(config, base, flags: dict, hf_dir: str) -> None:
     """Every setting the import fixed has the same value in the run config ``config``."""
 
-    by_flag = {}
+    by_flag: dict[str, FlagField] = {}
     for field in flag_fields(config):
         for spelling in (field.flag, *field.aliases):
             by_flag[spelling.lstrip("-")] = field
     for key in sorted(flags):
-        field = by_flag.get(key)
-        if field is None:
+        given = by_flag.get(key)
+        if given is None:
             continue
-        ours = getattr(getattr(config, field.section), field.name)
-        theirs = getattr(getattr(base, field.section), field.name)
+        ours = getattr(getattr(config, given.section), given.name)
+        theirs = getattr(getattr(base, given.section), given.name)
         if ours != theirs:
             raise ConfigError(
-                f"{field.flag} {ours!r} contradicts {os.path.join(hf_dir, 'config.json')}, "
-                f"which gives {field.flag} {theirs!r}; the model settings of --load HF_DIR "
+                f"{given.flag} {ours!r} contradicts {os.path.join(hf_dir, 'config.json')}, "
+                f"which gives {given.flag} {theirs!r}; the model settings of --load HF_DIR "
                 f"come from its config.json (drop the flag, or convert and edit the model)")

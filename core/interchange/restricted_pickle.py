@@ -127,8 +127,10 @@ def _path(*parts):
     return "/".join(parts)
 
 
-def _allowed() -> dict:
-    table = {name: _record_class(name) for name in DCP_CLASSES}
+def _allowed() -> dict[str, object]:
+    """What each global a pickle may name loads as (a class, a function that rebuilds it, or
+    a constant such as a dtype)."""
+    table: dict[str, object] = {name: _record_class(name) for name in DCP_CLASSES}
     table.update({
         "collections.OrderedDict": collections.OrderedDict,
         "argparse.Namespace": argparse.Namespace,

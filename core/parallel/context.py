@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -112,7 +112,7 @@ def _world_groups() -> dict[tuple[int, ...], Any]:
     return _GROUPS["by_ranks"]
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -253,7 +253,8 @@ def _head_block_dropout_stream(dropout_p: float, device, cp_rank: int):
     if not dropout_p:
         yield
         return
-    seed = draw_dropout(dropout_p, device).seed + cp_rank
+    dropout = draw_dropout(dropout_p, device)
+    seed = (dropout.seed if dropout is not None else 0) + cp_rank
     device = torch.device(device)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         if device.type == "cuda":
@@ -299,7 +300,7 @@ class _RingExchange:
         self.received = torch.empty_like(send)
         ops = [dist.P2POp(dist.isend, send, ranks[(rank + 1) % cp], group, tag),
                dist.P2POp(dist.irecv, self.received, ranks[(rank - 1) % cp], group, tag)]
-        self._send = send  # kept alive until the transfer is done
+        self._send: torch.Tensor | None = send  # kept alive until the transfer is done
         self._works = dist.batch_isend_irecv(ops)
 
     def wait(self) -> torch.Tensor:

@@ -28,7 +28,12 @@ import weakref
 import torch
 from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.errors import PluginError
-from plugtron.core.parallel.grad_buffer import GradBuffer, default_bucket_size
+from plugtron.core.parallel.grad_buffer import (
+    Bucket,
+    GradBuffer,
+    default_bucket_size,
+    main_grad_of,
+)
 from plugtron.core.training.optimizer_shards import BucketShard, bucket_shard
 
 
@@ -52,7 +57,8 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.grad_buffers:
             for param in buffer.params:
                 param.register_post_accumulate_grad_hook(self._grad_hook(buffer))
-        self._uncovered_buckets = None  # decided after the first forward (see below)
+        # decided after the first forward (see below)
+        self._uncovered_buckets: list[Bucket] | None = None
         self._modules_called: set[int] = set()
         if self.sharded and self.overlap_param_gather:
             self._register_gather_hooks()
@@ -83,17 +89,19 @@ class DistributedDataParallel(torch.nn.Module):
         owner, weak_buffer = weakref.ref(self), weakref.ref(buffer)
 
         def hook(param: torch.nn.Parameter) -> None:
-            grad = param.grad
+            grad, main_grad = param.grad, main_grad_of(param)
             # Same-dtype params accumulate straight into the buffer (``.grad`` is a view of
             # ``main_grad``, see zero_grad_buffer); others are added in and freed here.
-            if grad is not None and grad.data_ptr() != param.main_grad.data_ptr():
-                param.main_grad.add_(grad)
+            if grad is not None and grad.data_ptr() != main_grad.data_ptr():
+                main_grad.add_(grad)
                 param.grad = None
             if wgrad.weight_grad_deferred(param):
                 return  # the rest of this gradient comes at the split backward's W
             ddp = owner()
-            if ddp is not None and ddp._sync_enabled and ddp.overlap_grad_reduce:
-                weak_buffer().mark_ready(param)
+            live_buffer = weak_buffer()
+            if ddp is not None and live_buffer is not None and ddp._sync_enabled and \
+                    ddp.overlap_grad_reduce:
+                live_buffer.mark_ready(param)
         return hook
 
     # ------------------------------------------------------------------ the module API
@@ -102,7 +110,7 @@ class DistributedDataParallel(torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def set_input_tensor(self, tensor) -> None:
-        self.module.set_input_tensor(tensor)
+        getattr(self.module, "set_input_tensor")(tensor)  # the model chunk's pipeline entry
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -137,8 +145,8 @@ class DistributedDataParallel(torch.nn.Module):
         for buffer in self.grad_buffers:
             buffer.zero_grads()
             for param in buffer.params:
-                same = param.main_grad.dtype == param.dtype
-                param.grad = param.main_grad if same else None
+                main_grad = main_grad_of(param)
+                param.grad = main_grad if main_grad.dtype == param.dtype else None
             buffer.reset()
 
     # ------------------------------------------------------------------ sharding optimizers
@@ -209,7 +217,7 @@ class DistributedDataParallel(torch.nn.Module):
         parameters of modules that were not called must be waited for up front."""
         if self._uncovered_buckets is not None or not self.overlap_param_gather:
             return
-        called = set()
+        called: set[int] = set()
         for module in self.module.modules():
             if id(module) in self._modules_called:
                 called.update(id(p) for p in module.parameters(recurse=False))

@@ -33,6 +33,15 @@ from plugtron.core.parallel.async_comm import (
 MIN_DEFAULT_BUCKET_SIZE = 40_000_000
 
 
+def main_grad_of(param: torch.nn.Parameter) -> torch.Tensor:
+    """The fp32 (or grad-dtype) gradient a buffer keeps for ``param``: Megatron's ``main_grad``
+    attribute, set when the buffer is built."""
+    grad = getattr(param, "main_grad", None)
+    if grad is None:
+        raise RuntimeError("the parameter has no main_grad: it is in no gradient buffer")
+    return grad
+
+
 def default_bucket_size(dp_size: int) -> int:
     return max(MIN_DEFAULT_BUCKET_SIZE, 1_000_000 * dp_size)
 
@@ -149,18 +158,18 @@ class Bucket:
     # ------------------------------------------------------------------ parameter gather
 
     def start_param_gather(self) -> None:
-        if self.param_data is None or comm.group_size(self.buffer.group) == 1:
+        whole = self.buffer.param_data
+        if self.param_data is None or whole is None or comm.group_size(self.buffer.group) == 1:
             return
         lo, hi = self.shard_range()
         if comm.prefers_all_reduce(self.buffer.group):
             # Every rank's shard summed with -0.0 from the others: x + -0.0 is x bit for bit
             # (+0.0 and NaN included), in any order.
-            whole = self.buffer.param_data
             whole[self.start:lo].fill_(-0.0)
             whole[hi:self.end].fill_(-0.0)
             self._gather_work = all_reduce_async(self.param_data, self.buffer.group)
             return
-        local = self.buffer.param_data[lo:hi].clone()
+        local = whole[lo:hi].clone()
         self._gather_work = all_gather_async(self.param_data, local, self.buffer.group)
 
     def finish_param_gather(self) -> None:
@@ -198,7 +207,7 @@ class GradBuffer:
                     self.param_data[lo:hi].copy_(p.data.reshape(-1))
                     p.data = self.param_data[lo:hi].view(p.shape)
         for p, (lo, hi) in zip(self.params, ranges):
-            p.main_grad = self.grad_data[lo:hi].view(p.shape)  # type: ignore[attr-defined]
+            setattr(p, "main_grad", self.grad_data[lo:hi].view(p.shape))
         self.buckets = [Bucket(self, i, plan) for i, plan in enumerate(plans)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next_launch = 0

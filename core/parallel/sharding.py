@@ -58,9 +58,10 @@ def local_block_sizes(local_total: int, size: int,
 
 def set_tensor_parallel(param: torch.nn.Parameter, dim: int,
                         chunks: int | tuple[int, ...] = 1) -> None:
-    param.tensor_model_parallel = True
-    param.partition_dim = dim
-    param.partition_chunks = chunks if isinstance(chunks, int) else tuple(chunks)
+    # Megatron's attribute names on the parameter itself, so code written for Megatron reads them
+    setattr(param, "tensor_model_parallel", True)
+    setattr(param, "partition_dim", dim)
+    setattr(param, "partition_chunks", chunks if isinstance(chunks, int) else tuple(chunks))
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
@@ -107,11 +108,13 @@ def unshard(shards: list[torch.Tensor], dim: int,
                      dim=dim)
 
 
-def mark_sequence_parallel(module: torch.nn.Module) -> None:
-    """Declare every parameter of ``module`` replicated over tp but fed sequence-sharded
-    activations (norms, row-parallel biases under SP): finalize sums their grads over tp."""
-    for param in module.parameters():
-        param.sequence_parallel = True
+def mark_sequence_parallel(target: torch.nn.Module | torch.nn.Parameter) -> None:
+    """Declare one parameter, or every parameter of a module, replicated over tp but fed
+    sequence-sharded activations (norms, row-parallel biases under SP): finalize sums their
+    grads over tp."""
+    params = [target] if isinstance(target, torch.nn.Parameter) else target.parameters()
+    for param in params:
+        setattr(param, "sequence_parallel", True)  # Megatron's attribute, read by finalize
 
 
 def gather_tensor_parallel(param: torch.Tensor, tp_group) -> torch.Tensor:
@@ -126,7 +129,7 @@ def gather_tensor_parallel(param: torch.Tensor, tp_group) -> torch.Tensor:
     tensor = full_tensor(param.detach())
     if not is_tensor_parallel(param) or comm.group_size(tp_group) == 1:
         return tensor
-    dim, chunks = param.partition_dim, getattr(param, "partition_chunks", 1)
+    dim, chunks = getattr(param, "partition_dim"), getattr(param, "partition_chunks", 1)
     gathered = comm.all_gather_tensor(tensor, tp_group, dim=dim)
     return unshard(list(gathered.chunk(comm.group_size(tp_group), dim=dim)), dim, chunks)
 
@@ -204,7 +207,7 @@ def forget_meshes() -> None:
 
     for module_name, path in _MESH_CACHES:
         try:
-            target = importlib.import_module(module_name)
+            target: object = importlib.import_module(module_name)
         except ImportError:
             continue
         for part in path.split("."):

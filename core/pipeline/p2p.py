@@ -58,6 +58,22 @@ class Exchange:
     def from_next(self) -> torch.Tensor | None:
         return self.buffers.get("recv_next")
 
+    @property
+    def activation(self) -> torch.Tensor:
+        """What an exchange that asked ``recv_prev`` received."""
+        return self._received("recv_prev")
+
+    @property
+    def gradient(self) -> torch.Tensor:
+        """What an exchange that asked ``recv_next`` received."""
+        return self._received("recv_next")
+
+    def _received(self, role: str) -> torch.Tensor:
+        tensor = self.buffers.get(role)
+        if tensor is None:
+            raise RuntimeError(f"this exchange posted no {role}")
+        return tensor
+
     def wait(self, *roles: str) -> Exchange:
         for role in roles or tuple(self.works):
             for work in self.works.pop(role, ()):
@@ -139,22 +155,22 @@ class P2PCommunicator:
         self.exchange(send_next=output).wait()
 
     def recv_forward(self) -> torch.Tensor:
-        return self.exchange(recv_prev=True).wait().from_prev
+        return self.exchange(recv_prev=True).wait().activation
 
     def send_backward(self, input_grad: torch.Tensor) -> None:
         self.exchange(send_prev=input_grad).wait()
 
     def recv_backward(self) -> torch.Tensor:
-        return self.exchange(recv_next=True).wait().from_next
+        return self.exchange(recv_next=True).wait().gradient
 
     def send_forward_recv_backward(self, output: torch.Tensor) -> torch.Tensor:
-        return self.exchange(send_next=output, recv_next=True).wait().from_next
+        return self.exchange(send_next=output, recv_next=True).wait().gradient
 
     def send_backward_recv_forward(self, input_grad: torch.Tensor) -> torch.Tensor:
-        return self.exchange(send_prev=input_grad, recv_prev=True).wait().from_prev
+        return self.exchange(send_prev=input_grad, recv_prev=True).wait().activation
 
     def send_forward_recv_forward(self, output: torch.Tensor) -> torch.Tensor:
-        return self.exchange(send_next=output, recv_prev=True).wait().from_prev
+        return self.exchange(send_next=output, recv_prev=True).wait().activation
 
     def send_backward_recv_backward(self, input_grad: torch.Tensor) -> torch.Tensor:
-        return self.exchange(send_prev=input_grad, recv_next=True).wait().from_next
+        return self.exchange(send_prev=input_grad, recv_next=True).wait().gradient

@@ -13,18 +13,20 @@ import copy
 
 from plugtron.core.checkpoint.loader import check_tokenizer
 from plugtron.core.checkpoint.saved_config import saved_config
+from plugtron.core.contracts.tokenizer import Tokenizer
 from plugtron.core.errors import ConfigError
 from plugtron.core.plugins import registry
+from plugtron.core.plugins.selection import selected_driver
 
 
 def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None):
+                    vocab_size: int | None = None) -> Tokenizer:
     """An instance of the tokenizer ``tokenizer_type`` (``PluginError`` lists the names)."""
     cls = registry.load("tokenizer", tokenizer_type)
     return cls(model=tokenizer_model, vocab_size=vocab_size)
 
 
-def tokenizer_for(config, default: str | None = None):
+def tokenizer_for(config, default: str | None = None) -> Tokenizer:
     """The run's tokenizer (``--tokenizer-type``, else ``default``), with the vocabulary fixed.
 
     Records the chosen type in ``config.data.tokenizer_type`` and sets
@@ -34,7 +36,7 @@ def tokenizer_for(config, default: str | None = None):
     data, model = config.data, config.model
     name = data.tokenizer_type or default
     if name is None:
-        raise ConfigError(f"--data {config.plugins.data} needs --tokenizer-type (e.g. "
+        raise ConfigError(f"--data {selected_driver(config, 'dataset')} needs --tokenizer-type (e.g. "
                           f"HuggingFaceTokenizer --tokenizer-model DIR); "
                           f"{registry.describe_available('tokenizer')}")
     tokenizer = build_tokenizer(name, data.tokenizer_model, model.vocab_size)

@@ -54,7 +54,7 @@ from plugtron.core.plugins.manager import (
 )
 from plugtron.core.plugins.objects import PluginObject, call_declared
 from plugtron.core.plugins.options import with_plugin_sections
-from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule
+from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule, selected_driver
 from plugtron.core.plugins.tokenizers import build_tokenizer
 from plugtron.core.training.builder import build_model, model_provider_of
 from plugtron.core.training.validate import apply_schedule_placement
@@ -160,7 +160,7 @@ def _finalized(config, world_size: int):
 def _dataset_vocab_size(config) -> int:
     """The vocabulary the selected dataset says it reads (hook ``dataset_vocab_size``), or its
     tokenizer's (``--tokenizer-type``; contract 2's ``default_tokenizer`` attribute)."""
-    name = config.plugins.data
+    name = selected_driver(config, "dataset")
     dataset = registry.instantiate(registry.load("dataset", name))
     size = call_declared(PluginObject("dataset", name, "?", dataset), "dataset_vocab_size",
                          config=config)
@@ -309,7 +309,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
     buffers = (_p2p_buffers(actions, chunks_per_rank, p.pipeline_placement, cuda)
                if pp > 1 else [0])
     if declared_state is None:
-        result.notes.append(f"optimizer {config.plugins.optimizer!r} does not implement "
+        result.notes.append(f"optimizer {selected_driver(config, 'optimizer')!r} does not implement "
                             f"optimizer_state_per_param: counted as 2 fp32 values per "
                             f"parameter (Adam)")
     for (pp_rank, tp_rank, ep_rank, _), (ctx, ranks) in sorted(_contexts(config,
@@ -318,7 +318,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
         numel = sum(param.numel() for chunk in chunks for param in chunk.parameters())
         per_chunk, complete = zip(*(_chunk_activations(chunk, shape) for chunk in chunks))
         if not all(complete) and not any("activation_bytes" in n for n in result.notes):
-            result.notes.append(f"model {config.plugins.model!r} defines no activation_bytes: "
+            result.notes.append(f"model {selected_driver(config, 'model')!r} defines no activation_bytes: "
                                 f"only its layers that do are counted")
         stored = [c.stored for c in per_chunk]
         held, in_flight = _held_peak(actions[pp_rank], list(per_chunk))

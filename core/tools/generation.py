@@ -264,7 +264,7 @@ def generate(model, prompts, max_new_tokens: int, *, greedy: bool = False,
                        max_new_tokens, use_cache, stopper, on_tokens, len(prompts),
                        (greedy, temperature, top_k, top_p, generator))
     texts = None if tokenizer is None else [stopper.text(r) for r in range(len(prompts))]
-    return GenerationResult(stopper.tokens, texts, list(stopper.reasons))
+    return GenerationResult(stopper.tokens, texts, [r or "length" for r in stopper.reasons])
 
 
 def _generate_rows(module, vocab, agree, prompts, row_ids, max_new_tokens, use_cache, stopper,

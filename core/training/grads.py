@@ -53,9 +53,9 @@ def finalize_model_grads(model_chunks, parallel, num_tokens: torch.Tensor | None
 def _allreduce_marked(model_chunks, attribute: str, group, expert: bool) -> None:
     if comm.group_size(group) == 1:
         return
-    grads = [local_grad_of(p) for chunk in model_chunks for p in chunk.parameters()
+    grads = [g for chunk in model_chunks for p in chunk.parameters()
              if getattr(p, attribute, False) and is_expert(p) == expert
-             and grad_of(p) is not None]
+             and (g := local_grad_of(p)) is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

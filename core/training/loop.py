@@ -34,7 +34,7 @@ from plugtron.core.pipeline.plan import check_schedule
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import build_plugin_manager, wants_sharded_gradients
 from plugtron.core.plugins.options import with_plugin_sections
-from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule
+from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule, selected_driver
 from plugtron.core.training import aux_losses, data, grads, preemption, step_info
 from plugtron.core.training.builder import build_model, model_dtype
 from plugtron.core.training.lr_schedule import LRScheduler
@@ -174,7 +174,7 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None,
     datasets = pm.hook.dataset_provider(config=config, split_sizes=split_sizes(config),
                                         parallel=parallel)
     finalize_model_config(config, parallel)
-    backend_cls = registry.load("layer_backend", config.plugins.layer_backend)
+    backend_cls = registry.load("layer_backend", selected_driver(config, "layer_backend"))
     backend = backend_cls(config, parallel)
 
     model_chunks = build_model_chunks(config, pm, backend, parallel, world.device)
@@ -239,7 +239,7 @@ def _agreed_keys(local: list[tuple], parallel: ParallelContext) -> list[tuple]:
     but only the last stage has the loss reports and each stage its own added losses."""
     if parallel.pp_size == 1:
         return list(local)
-    gathered = [None] * parallel.pp_size
+    gathered: list[list[tuple]] = [[] for _ in range(parallel.pp_size)]
     torch.distributed.all_gather_object(gathered, list(local), group=parallel.pp_group)
     return sorted({tuple(k) for keys in gathered for k in keys})
 
@@ -331,7 +331,7 @@ def forward_backward(run: Run, iterators) -> tuple[list[dict], dict]:
     return reports, added
 
 
-def train_step(run: Run, iterators) -> tuple[dict, object]:
+def train_step(run: Run, iterators) -> tuple[dict, StepResult]:
     rerun = run.rerun
     if rerun is None or not rerun.enabled:
         reports, added = forward_backward(run, iterators)
@@ -403,7 +403,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
     throughput = Throughput()
     profiler = StepProfiler(config, run.world.rank)
     stragglers = StragglerLog(config, run.world.device)
-    losses = {}
+    losses: dict = {}
     start = time.perf_counter()
     while state.iteration < t.train_iters:
         iteration = state.iteration + 1
@@ -479,7 +479,7 @@ def pretrain(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = No
         checkpoint.load_if_requested(run)
         return _train_and_report(run)
     finally:
-        if locked:
+        if locked and config.checkpoint.save is not None:
             dir_lock.release(config.checkpoint.save)
 
 

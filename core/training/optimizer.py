@@ -204,7 +204,7 @@ class MixedPrecisionOptimizer(Optimizer):
     def __init__(self, config, parallel):
         self.config = config
         self.parallel = parallel
-        self.inner: torch.optim.Optimizer | None = None
+        self._inner: torch.optim.Optimizer | None = None
         self.scaler = DynamicLossScaler.from_config(config) if config.training.fp16 else None
         self.num_steps = 0
         #: extra groups the grad norm and zero count are summed over (optimizer shards).
@@ -212,6 +212,18 @@ class MixedPrecisionOptimizer(Optimizer):
         #: the same for expert parameters (``allreduce = False``), whose shards are over edp;
         #: the expert-parallel group is always added (each ep rank holds other experts).
         self.expert_norm_groups: tuple = ()
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The torch optimizer over the main parameters, which a subclass's ``__init__`` sets."""
+        if self._inner is None:
+            raise PluginError(f"{type(self).__name__} set no inner torch optimizer "
+                              f"(self.inner = ... in its __init__)")
+        return self._inner
+
+    @inner.setter
+    def inner(self, optimizer: torch.optim.Optimizer) -> None:
+        self._inner = optimizer
 
     @property
     def param_groups(self):

@@ -60,7 +60,7 @@ class BucketShard:
 
     #: The process group the bucket is sharded over (data parallel x context parallel, or the
     #: expert data-parallel group for expert parameters).
-    group: object
+    group: torch.distributed.ProcessGroup | None
     #: Elements per shard; the bucket is ``group size x shard_size`` elements, padding included.
     shard_size: int
     #: dtype of the model parameters in the bucket.
@@ -76,6 +76,9 @@ class BucketShard:
 def bucket_shard(bucket: Bucket, names: dict[int, str]) -> BucketShard:
     """Describe this rank's shard of ``bucket``; ``names`` maps ``id(param)`` to its name."""
     buffer = bucket.buffer
+    if buffer.param_data is None:
+        raise ValueError("a sharded optimizer needs the buffer's parameter copy (the "
+                         "distributed optimizer's grad buffers keep one)")
     shard_lo, shard_hi = bucket.shard_range()
     params, shards = [], []
     for param in bucket.params:

@@ -65,7 +65,8 @@ def check(run, iteration: int) -> bool:
     global stopped
     t = run.config.training
     minutes = getattr(t, "exit_duration_in_mins", None)
-    over_time = bool(minutes) and (time.monotonic() - _started) / 60 >= minutes
+    over_time = minutes is not None and minutes > 0 and \
+        (time.monotonic() - _started) / 60 >= minutes
     flags = torch.tensor([_received or 0, int(over_time)], dtype=torch.int64)
     if run.world.world_size > 1 and torch.distributed.is_initialized():
         flags = flags.to(run.world.device)
@@ -86,6 +87,6 @@ def check(run, iteration: int) -> bool:
 
 def final_message(config) -> str:
     """The one line a stopped run ends with."""
-    message, _ = stopped
+    message = stopped[0] if stopped else "stopped"
     save = config.checkpoint.save
     return message + (f"; checkpoint saved in {save}" if save else "; nothing saved (no --save)")

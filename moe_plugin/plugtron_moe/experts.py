@@ -25,6 +25,7 @@ from plugtron.api import (
     EXPERT_PARALLEL_RNG,
     batched_linear,
     linear,
+    mark_sequence_parallel,
     normal_init,
     recompute,
     recompute_module,
@@ -53,7 +54,7 @@ class ExpertLinear(torch.nn.Module):
 
 
 def _expert_param(param: torch.nn.Parameter) -> None:
-    param.allreduce = False
+    setattr(param, "allreduce", False)  # Megatron's mark of an expert parameter
 
 
 class ExpertMLP(torch.nn.Module):
@@ -76,9 +77,10 @@ class ExpertMLP(torch.nn.Module):
         self.linear_fc2 = ExpertLinear(shard_of(w2, 1, rank, tp), b2)
         set_tensor_parallel(self.linear_fc1.weight, 0, chunks)
         set_tensor_parallel(self.linear_fc2.weight, 1)
-        if b1 is not None:
-            set_tensor_parallel(self.linear_fc1.bias, 0, chunks)
-            self.linear_fc2.bias.sequence_parallel = True  # partial per etp rank: sum the grads
+        bias1, bias2 = self.linear_fc1.bias, self.linear_fc2.bias
+        if bias1 is not None and bias2 is not None:
+            set_tensor_parallel(bias1, 0, chunks)
+            mark_sequence_parallel(bias2)  # partial per etp rank: sum the grads
         for param in self.parameters():
             _expert_param(param)
 
@@ -168,33 +170,35 @@ def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
     """Every local expert in one (grouped or batched) matmul per linear."""
     w1 = torch.stack([e.linear_fc1.weight for e in experts])  # [E, out, H]
     w2 = torch.stack([e.linear_fc2.weight for e in experts])  # [E, H, ffn]
-    b1 = [e.linear_fc1.bias for e in experts]
-    b2 = [e.fc2_bias() for e in experts]
+    # every expert has biases, or none has (--add-bias-linear)
+    b1: list[torch.Tensor] = [e.linear_fc1.bias for e in experts
+                              if e.linear_fc1.bias is not None]
+    b2: list[torch.Tensor] = [b for e in experts if (b := e.fc2_bias()) is not None]
     # A split backward (zero-bubble schedules) takes the batched path: its weight gradients
     # wait for W (batched_linear), which torch's grouped mm cannot do.
     if (_aligned(w1.shape[1], w1.shape[2], w2.shape[1]) and not split_backward_expected()
             and grouped_mm_runs(tokens.device, tokens.dtype)):
         offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
         h = torch._grouped_mm(tokens, w1.transpose(1, 2), offs=offs)
-        if b1[0] is not None:
+        if b1:
             h = h + torch.cat([b.expand(n, -1) for b, n in zip(b1, counts)])
         h = experts[0].activation(h)
         out = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
-        if b2[0] is not None:
+        if b2:
             out = out + torch.cat([b.expand(n, -1) for b, n in zip(b2, counts)])
         return out
     # Batched equivalent: pad each expert's rows to the largest count, one bmm per linear.
-    width = max(counts) if counts else 0
+    width = max(counts)  # one count per local expert: never empty
     index = torch.cat([torch.arange(n, device=tokens.device) + i * width
-                       for i, n in enumerate(counts)]) if counts else None
+                       for i, n in enumerate(counts)])
     padded = tokens.new_zeros(len(experts) * width, tokens.shape[-1])
     padded = padded.index_copy(0, index, tokens).view(len(experts), width, -1)
     h = batched_linear(padded, w1)
-    if b1[0] is not None:
+    if b1:
         h = h + torch.stack(b1).unsqueeze(1)
     h = experts[0].activation(h)
     out = batched_linear(h, w2)
-    if b2[0] is not None:
+    if b2:
         out = out + torch.stack(b2).unsqueeze(1)
     return out.reshape(len(experts) * width, -1).index_select(0, index)
 

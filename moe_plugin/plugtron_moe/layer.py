@@ -97,12 +97,12 @@ class MoELayer(torch.nn.Module):
             return total + shape.dropout_mask(h, self.hidden_dropout)
         expert = next(iter(self.mlp.experts.local_experts.values()), None)
         if expert is not None:
-            ffn = expert.linear_fc2.weight.shape[-1]
+            ffn = expert.get_parameter("linear_fc2.weight").shape[-1]
             routed = tokens * self.topk
             total += routed * (2 * h + (4 if self.swiglu else 2) * ffn) * e + routed * 8
         shared = self.mlp.shared_experts
         if shared is not None:
-            ffn = shared.linear_fc2.weight.shape[1]
+            ffn = shared.get_parameter("linear_fc2.weight").shape[1]
             total += shape.residual(h) + shape.tensor((4 if self.swiglu else 2) * ffn)
         return total + shape.dropout_mask(h, self.hidden_dropout)
 

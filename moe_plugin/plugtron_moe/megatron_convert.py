@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import fields
 
 import torch
-from plugtron.api import ConfigError, load_plugin
+from plugtron.api import ConfigError, load_plugin, selected_driver
 
 from .options import MoEOptions, moe_layer_pattern
 
@@ -108,7 +108,7 @@ def _unstacked(tensors: dict, layers: int) -> dict:
                 flat[f"decoder.layers.{i}.{key[len('decoder.layers.'):]}"] = piece
         else:
             flat[_MTP.sub(r"mtp.layers.\1.mtp_model_layer.", key)] = t
-    out = {}
+    out: dict = {}
     for key, t in flat.items():
         if m := _STACKED_EXPERTS.match(key):
             for e, piece in enumerate(t.unbind(0)):
@@ -137,7 +137,7 @@ def _expected(o: dict, prefix: str, hidden: int, ffn: int, swiglu: bool, bias: b
     """{plugtron name: shape} of one MoE layer's MLP."""
     experts = o["num_experts"]
     moe_ffn = o.get("moe_ffn_hidden_size") or ffn
-    out = {f"{prefix}.mlp.router.weight": (experts, hidden)}
+    out: dict[str, tuple[int, ...]] = {f"{prefix}.mlp.router.weight": (experts, hidden)}
     if o.get("moe_router_enable_expert_bias"):
         out[f"{prefix}.mlp.router.expert_bias"] = (experts,)
 
@@ -254,7 +254,7 @@ def export_megatron(config, tensors: Mapping, padded_vocab: int):
     pattern = moe_layer_pattern(o.moe_layer_freq, m.num_layers)
     stacked = freq == 1  # Megatron: an int above 1 or a list saves layer by layer
     depth = getattr(getattr(config, "mtp", None), "mtp_num_layers", None) or 0
-    args, out = gpt_converter(config.plugins.model).export_megatron(
+    args, out = gpt_converter(selected_driver(config, "model")).export_megatron(
         config, _Without(tensors), padded_vocab, stacked=stacked)
     for name in MOE_ARGS:
         setattr(args, name, getattr(o, name))
@@ -279,7 +279,7 @@ def export_megatron(config, tensors: Mapping, padded_vocab: int):
                 continue
             layer[rest] = tensors[name]
         by_layer[prefix] = layer
-    modules = {}
+    modules: dict = {}
     for prefix, layer in by_layer.items():
         for rest in layer:
             if rest.endswith(".weight") and ".linear_fc" in rest:

@@ -18,6 +18,7 @@ from plugtron.api import (
     group_size,
     is_recomputing,
     linear,
+    mark_sequence_parallel,
     normal_init,
     sum_over_context_parallel,
 )
@@ -38,6 +39,10 @@ def _reported_whole(local: torch.Tensor, group) -> torch.Tensor:
 
 
 class TopKRouter(torch.nn.Module):
+    #: buffers (None when their option is off)
+    expert_bias: torch.Tensor | None
+    local_tokens_per_expert: torch.Tensor | None
+
     def __init__(self, config, parallel, prefix: str, seed: int, layer_number: int):
         super().__init__()
         m, o = config.model, config.moe
@@ -57,14 +62,15 @@ class TopKRouter(torch.nn.Module):
         self.cp_group = parallel.cp_group
         self.microbatch_groups = [self.tp_group, self.cp_group]
         if self.sequence_parallel:
-            self.weight.sequence_parallel = True
+            mark_sequence_parallel(self.weight)
         self.register_buffer("expert_bias", torch.zeros(o.num_experts, dtype=torch.float32)
                              if o.moe_router_enable_expert_bias else None)
         # Not persistent: counts since the last bias update (reset after each step).
         self.register_buffer("local_tokens_per_expert",
                              torch.zeros(o.num_experts, dtype=torch.float32)
                              if o.moe_router_enable_expert_bias else None, persistent=False)
-        self.global_tokens_per_expert = None  # global_aux_loss: counts over the global batch
+        # global_aux_loss: counts over the global batch
+        self.global_tokens_per_expert: torch.Tensor | None = None
         self.ga_steps = 0
         # global_aux_loss under activation recompute: a microbatch's rerun in backward uses the
         # counts its first run used (microbatches run backward in forward order, per layer).

@@ -90,7 +90,7 @@ def sinkhorn(cost: torch.Tensor, tol: float = 1e-4) -> torch.Tensor:
     while change > tol:
         row_scale = (1 / num_tokens) / (torch.sum(col_scale * kernel, 1) + 1e-8)
         new_col = (1 / num_experts) / (torch.sum(row_scale.unsqueeze(1) * kernel, 0) + 1e-8)
-        change = torch.mean(torch.abs(col_scale - new_col))
+        change = float(torch.mean(torch.abs(col_scale - new_col)))
         col_scale = new_col
     return col_scale * kernel * row_scale.unsqueeze(1)
 

@@ -9,8 +9,10 @@ Megatron's names: ``linear_fc1.weight``, ``linear_fc2.weight``, ``gate_weight [1
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from plugtron.api import linear, load_layer_types, normal_init
+from plugtron.api import linear, load_layer_types, mark_sequence_parallel, normal_init
 
 #: The symbol of the MLP layer type whose dense block the shared experts are.
 MLP_SYMBOL = "-"
@@ -20,7 +22,9 @@ class SharedExpertMLP(torch.nn.Module):
     def __init__(self, config, backend, prefix: str, seed: int):
         super().__init__()
         m, o = config.model, config.moe
-        dense = load_layer_types(MLP_SYMBOL)[MLP_SYMBOL].dense_block(
+        # plugtron-gpt's MLP layer type (a declared requirement of plugtron-moe) builds it
+        mlp_type: Any = load_layer_types(MLP_SYMBOL)[MLP_SYMBOL]
+        dense = mlp_type.dense_block(
             config, backend, prefix, seed, ffn=o.moe_shared_expert_intermediate_size)
         # The block's children are this module's own (no level in the names); it runs them.
         for name, child in dense.named_children():
@@ -31,11 +35,11 @@ class SharedExpertMLP(torch.nn.Module):
             self.gate_weight = torch.nn.Parameter(normal_init(
                 m.init_method_std, seed, f"{prefix}.gate_weight")((1, m.hidden_size)))
             if backend.sequence_parallel:
-                self.gate_weight.sequence_parallel = True
+                mark_sequence_parallel(self.gate_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[b, s, h]`` (sequence-sharded under SP) -> the same shape."""
-        out = self._dense(x)
+        out = self.__dict__["_dense"](x)
         if self.gate_weight is not None:
             out = out * torch.sigmoid(linear(x, self.gate_weight))
         return out

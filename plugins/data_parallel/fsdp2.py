@@ -42,7 +42,7 @@ try:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 except ImportError:  # a torch without FSDP2: refused before launch (plugtron_validate)
-    fully_shard = None
+    fully_shard = None  # type: ignore[assignment]  # the optional import's absence
 
 
 class AllReduceScatter:
@@ -179,7 +179,9 @@ class FSDP2Chunk(torch.nn.Module):
             # MoE ranks may leave an expert without tokens: reduce zeros, keep ranks in step.
             m.set_reduce_scatter_unused_params(True, recurse=False)
             if slow_reduce_scatter:
-                m.set_custom_reduce_scatter(AllReduceScatter())
+                # torch's ReduceScatter base class is private (fsdp._fully_shard._fsdp_api);
+                # AllReduceScatter has its allocate and __call__
+                m.set_custom_reduce_scatter(AllReduceScatter())  # type: ignore[arg-type]
         self.grad_shard_groups = ((parallel.dp_cp_group,), (parallel.edp_group,))
 
     # ------------------------------------------------------------------ the module API
@@ -192,7 +194,7 @@ class FSDP2Chunk(torch.nn.Module):
             return self.module(*args, **kwargs)
 
     def set_input_tensor(self, tensor) -> None:
-        self.module.set_input_tensor(tensor)
+        getattr(self.module, "set_input_tensor")(tensor)  # the model chunk's pipeline entry
 
     @contextlib.contextmanager
     def no_sync(self):

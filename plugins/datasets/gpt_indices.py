@@ -50,7 +50,9 @@ def split_bookends(split: str) -> list[tuple[float, float] | None]:
     if len(weights) != 3 or sum(weights) <= 0:
         raise ValueError(f"--split {split!r} must be up to three non-negative weights")
     vector = normalize(weights)
-    bounds = functools.reduce(lambda a, b: a + [a[-1] + b], [[0], *vector])
+    bounds = [0.0]
+    for weight in vector:
+        bounds.append(bounds[-1] + weight)
     return [(a, b) if b > a else None for a, b in zip(bounds[:-1], bounds[1:])]
 
 

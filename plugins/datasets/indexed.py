@@ -177,7 +177,7 @@ class IndexedDataset:
                                   "--valid-data-path/--test-data-path, not both")
             out = []
             for i, values in enumerate(per_split):
-                bookends = [None, None, None]
+                bookends: list[tuple[float, float] | None] = [None, None, None]
                 bookends[i] = (0.0, 1.0)
                 out.append(blend(values, bookends, i) if values and sizes[i] > 0 else None)
             return out

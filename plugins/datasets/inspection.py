@@ -52,7 +52,7 @@ def split_stats(dataset, needed: int) -> dict:
     """One split: the samples the run draws (``needed``) and what they come from."""
     if dataset is None:
         return {"samples": 0, "needed": needed}
-    out = {"samples": len(dataset), "needed": needed}
+    out: dict[str, object] = {"samples": len(dataset), "needed": needed}
     if hasattr(dataset, "dataset_index"):  # a blend
         drawn = np.asarray(dataset.dataset_index[:min(needed, len(dataset))])
         counts = np.bincount(drawn, minlength=len(dataset.datasets))

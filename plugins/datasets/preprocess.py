@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from plugtron.api import ConfigError, build_tokenizer
+from plugtron.api import ConfigError, Tokenizer, build_tokenizer
 from tqdm import tqdm
 
 from .indexed_format import IndexedWriter, bin_path, idx_path, optimal_dtype
@@ -32,7 +32,7 @@ CHUNK_SIZE = 64
 #: Bad lines printed one by one before only the count is kept.
 MAX_REPORTED = 20
 
-_tokenizer = None  # one per worker process
+_tokenizer: Tokenizer | None = None  # one per worker process
 
 
 @dataclass
@@ -58,6 +58,12 @@ class Summary:
 def _init_worker(tokenizer_args: tuple) -> None:
     global _tokenizer
     _tokenizer = build_tokenizer(*tokenizer_args)
+
+
+def _worker_tokenizer() -> Tokenizer:
+    if _tokenizer is None:
+        raise RuntimeError("the preprocessing worker was started without its tokenizer")
+    return _tokenizer
 
 
 def records(paths: Sequence[str]) -> Iterator[tuple]:
@@ -111,11 +117,12 @@ def encode(record: tuple, json_keys: Sequence[str], append_eod: bool):
             return file, number, None, size, f"no string field {missing[0]!r}"
         texts = {key: obj[key] for key in json_keys}
     out = {}
+    tokenizer = _worker_tokenizer()
     for key, text in texts.items():
-        ids = _tokenizer.tokenize(text)
+        ids = tokenizer.tokenize(text)
         # Megatron appends eod only to a document that has tokens.
         if append_eod and len(ids):
-            ids = [*ids, _tokenizer.eod]
+            ids = [*ids, tokenizer.eod]
         out[key] = ids
     return file, number, out, size, None
 
@@ -151,7 +158,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, tokenizer_type: str,
         raise ConfigError(f"--workers must be at least 1, got {workers}")
     tokenizer_args = (tokenizer_type, tokenizer_model, vocab_size)
     _init_worker(tokenizer_args)  # fails here, once, on a bad tokenizer
-    dtype = optimal_dtype(_tokenizer.vocab_size)
+    dtype = optimal_dtype(_worker_tokenizer().vocab_size)
     finals = {key: f"{output_prefix}_{key}_document" for key in json_keys}
     temps = {key: f"{final}.tmp{os.getpid()}" for key, final in finals.items()}
     writers = {key: IndexedWriter(temps[key], dtype) for key in json_keys}

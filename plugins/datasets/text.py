@@ -52,7 +52,7 @@ _SHUFFLE_TAG = 303
 
 def _walk(folder: Path, suffixes: frozenset[str], skipped: frozenset[str]) -> list[Path]:
     """Files under ``folder`` with one of ``suffixes``, in sorted order for determinism."""
-    found = []
+    found: list[Path] = []
     for directory, subdirectories, files in os.walk(folder):
         subdirectories[:] = sorted(d for d in subdirectories
                                    if d not in skipped and not d.startswith("."))

@@ -44,7 +44,7 @@ def attention_mask(q_len: int, k_len: int, *, document_ids: torch.Tensor | None 
     if document_ids is None and not windowed:
         return None
     mask = causal_mask(q_len, k_len, document_ids, device)
-    if windowed:
+    if window is not None and windowed:
         query_pos = torch.arange(k_len - q_len, k_len, device=mask.device)[:, None]
         key_pos = torch.arange(k_len, device=mask.device)[None, :]
         mask = mask & (query_pos - key_pos <= window[0])

@@ -128,7 +128,7 @@ class RowParallelLinear(_TPLayer):
         if bias:
             self.bias = torch.nn.Parameter(torch.zeros(output_size))
             if sequence_parallel:
-                self.bias.sequence_parallel = True
+                mark_sequence_parallel(self.bias)
         self.input_is_parallel, self.skip_bias_add = input_is_parallel, skip_bias_add
 
     def forward(self, x):

@@ -29,6 +29,7 @@ import torch
 from plugtron.api import (
     ConfigError,
     LayerBackend,
+    ParallelContext,
     PluginError,
     context_parallel_attention,
     copy_to_tensor_parallel_region,
@@ -82,7 +83,7 @@ class _TensorParallelSettings:
     """plugtron's view of one linear layer, kept in one attribute whose name TE does not use
     (TE's modules have their own ``sequence_parallel``, ``tp_size``, ``tp_group``, ...)."""
 
-    parallel: object
+    parallel: ParallelContext
     sequence_parallel: bool
     column: bool
     gather_output: bool
@@ -136,7 +137,7 @@ def _te_module_classes(te):
                 if column:
                     set_tensor_parallel(self.bias, 0, chunks)
                 elif settings.sequence_parallel:
-                    self.bias.sequence_parallel = True
+                    mark_sequence_parallel(self.bias)
 
         def forward(self, x):
             settings = self._plugtron_tp

@@ -162,10 +162,10 @@ class _Call:
             self.weight = self.bias = None  # nothing left to hand over: drop the references
         return grad
 
-    def weight_grad(self) -> torch.Tensor:
+    def weight_grad(self) -> torch.Tensor | None:
         return self._grad("weight")
 
-    def bias_grad(self) -> torch.Tensor:
+    def bias_grad(self) -> torch.Tensor | None:
         return self._grad("bias")
 
 

@@ -12,7 +12,7 @@ the end. Rank ``r`` thus defers ``r`` weight gradients into the cooldown, where 
 
 from __future__ import annotations
 
-from plugtron.api import Action, ActionListSchedule, ConfigError, hookimpl
+from plugtron.api import Action, ActionKind, ActionListSchedule, ConfigError, hookimpl
 
 
 def rounds_of(pp_size: int, num_microbatches: int) -> tuple[int, int]:
@@ -40,7 +40,7 @@ def interleaved_zero_bubble_actions(pp_rank: int, pp_size: int, num_chunks: int,
 
     next_mb = {"F": [0] * num_chunks, "I": [0] * num_chunks, "W": [0] * num_chunks}
 
-    def take(kind: str, chunk: int) -> Action:
+    def take(kind: ActionKind, chunk: int) -> Action:
         mb = next_mb[kind][chunk]
         next_mb[kind][chunk] += 1
         return Action(kind, mb, chunk)

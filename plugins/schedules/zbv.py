@@ -18,7 +18,7 @@ chunk-1 ``W``'s left and the chunk-0 ones. Fewer than ``2P - 1`` microbatches ru
 
 from __future__ import annotations
 
-from plugtron.api import Action
+from plugtron.api import Action, ActionKind
 
 from .v_shape import VShapeSchedule
 
@@ -28,7 +28,7 @@ def zbv_actions(pp_rank: int, pp_size: int, num_microbatches: int) -> list[Actio
     count = {(kind, chunk): 0 for kind in "FIW" for chunk in (0, 1)}
     actions: list[Action] = []
 
-    def add(kind: str, chunk: int, mb: int | None = None) -> None:
+    def add(kind: ActionKind, chunk: int, mb: int | None = None) -> None:
         if mb is None:
             mb = count[(kind, chunk)]
             count[(kind, chunk)] += 1

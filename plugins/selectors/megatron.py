@@ -61,7 +61,7 @@ class MegatronSelector:
                 return fallback("interleaved-1f1b")
             return fallback("1f1b")
         if role == "optimizer" and (flags.use_distributed_optimizer or strategy == "optim"):
-            if named.optimizer not in ("adam", "distributed-adam"):
+            if named.optimizer not in ("auto", "adam", "distributed-adam"):
                 flag = ("--use-distributed-optimizer" if flags.use_distributed_optimizer
                         else "--data-parallel-sharding-strategy optim")
                 raise ConfigError(f"{flag} means --optimizer distributed-adam and cannot be "

@@ -18,6 +18,8 @@ plugtron's names are Megatron-Core's (``decoder.layers.{i}.self_attention.linear
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from plugtron.api import ConfigError, TrainConfig
 from plugtron_gpt.gpt import hf_families
@@ -65,7 +67,11 @@ def split_qkv(qkv: torch.Tensor, heads: int, groups: int):
             x[:, per + 1].reshape(groups * d, *rest))
 
 
-def _take(tensors: dict, name: str) -> torch.Tensor:
+class _Readable(Protocol):
+    def __getitem__(self, name: str) -> torch.Tensor: ...
+
+
+def _take(tensors: _Readable, name: str) -> torch.Tensor:
     try:
         return tensors[name]
     except KeyError:
@@ -201,7 +207,7 @@ def gpt2_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
             raise ConfigError(f"GPT-2 {flag}=true is not supported by plugtron")
     if not c.get("tie_word_embeddings", True):
         raise ConfigError("an untied GPT-2 is not a GPT-2 layout plugtron converts")
-    hf = _Unprefixed(hf, "transformer.")
+    unprefixed = _Unprefixed(hf, "transformer.")
     layers, hidden, heads = c["n_layer"], c["n_embd"], c["n_head"]
     flags = {"num-layers": layers, "hidden-size": hidden,
              "ffn-hidden-size": c.get("n_inner") or 4 * hidden, "num-attention-heads": heads,
@@ -212,25 +218,25 @@ def gpt2_from_hf(c: dict, hf: dict) -> tuple[dict, dict]:
              "untie-embeddings-and-output-weights": False, "add-bias-linear": True,
              "hidden-dropout": float(c.get("resid_pdrop", 0.1)),
              "attention-dropout": float(c.get("attn_pdrop", 0.1))}
-    out = {EMBEDDING: _take(hf, "wte.weight"), POSITIONS: _take(hf, "wpe.weight"),
-           f"{FINAL_NORM}.weight": _take(hf, "ln_f.weight"),
-           f"{FINAL_NORM}.bias": _take(hf, "ln_f.bias")}
+    out = {EMBEDDING: _take(unprefixed, "wte.weight"), POSITIONS: _take(unprefixed, "wpe.weight"),
+           f"{FINAL_NORM}.weight": _take(unprefixed, "ln_f.weight"),
+           f"{FINAL_NORM}.bias": _take(unprefixed, "ln_f.bias")}
     for i in range(layers):
         src, layer, a, m = f"h.{i}", _layer(i), _attn(i), _mlp(i)
         for kind in ("weight", "bias"):
-            out[f"{layer}.input_layernorm.{kind}"] = _take(hf, f"{src}.ln_1.{kind}")
-            out[f"{layer}.pre_mlp_layernorm.{kind}"] = _take(hf, f"{src}.ln_2.{kind}")
+            out[f"{layer}.input_layernorm.{kind}"] = _take(unprefixed, f"{src}.ln_1.{kind}")
+            out[f"{layer}.pre_mlp_layernorm.{kind}"] = _take(unprefixed, f"{src}.ln_2.{kind}")
         # Conv1D weights are [in, out]: transpose to a linear layer's [out, in].
-        q, k, v = _take(hf, f"{src}.attn.c_attn.weight").t().chunk(3)
+        q, k, v = _take(unprefixed, f"{src}.attn.c_attn.weight").t().chunk(3)
         out[f"{a}.linear_qkv.weight"] = fuse_qkv(q, k, v, heads, heads)
-        q, k, v = _take(hf, f"{src}.attn.c_attn.bias").chunk(3)
+        q, k, v = _take(unprefixed, f"{src}.attn.c_attn.bias").chunk(3)
         out[f"{a}.linear_qkv.bias"] = fuse_qkv(q, k, v, heads, heads)
-        out[f"{a}.linear_proj.weight"] = _take(hf, f"{src}.attn.c_proj.weight").t()
-        out[f"{a}.linear_proj.bias"] = _take(hf, f"{src}.attn.c_proj.bias")
-        out[f"{m}.linear_fc1.weight"] = _take(hf, f"{src}.mlp.c_fc.weight").t()
-        out[f"{m}.linear_fc1.bias"] = _take(hf, f"{src}.mlp.c_fc.bias")
-        out[f"{m}.linear_fc2.weight"] = _take(hf, f"{src}.mlp.c_proj.weight").t()
-        out[f"{m}.linear_fc2.bias"] = _take(hf, f"{src}.mlp.c_proj.bias")
+        out[f"{a}.linear_proj.weight"] = _take(unprefixed, f"{src}.attn.c_proj.weight").t()
+        out[f"{a}.linear_proj.bias"] = _take(unprefixed, f"{src}.attn.c_proj.bias")
+        out[f"{m}.linear_fc1.weight"] = _take(unprefixed, f"{src}.mlp.c_fc.weight").t()
+        out[f"{m}.linear_fc1.bias"] = _take(unprefixed, f"{src}.mlp.c_fc.bias")
+        out[f"{m}.linear_fc2.weight"] = _take(unprefixed, f"{src}.mlp.c_proj.weight").t()
+        out[f"{m}.linear_fc2.bias"] = _take(unprefixed, f"{src}.mlp.c_proj.bias")
     return flags, out
 
 

@@ -5,6 +5,8 @@ scaling). The tensors are megatron_convert.py's."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from plugtron.api import ConfigError
 from plugtron_gpt.layers.attention_options import parse_window
 
@@ -96,7 +98,7 @@ def _mla(value, args, given, settings) -> dict:
         raise ConfigError("the Megatron checkpoint was trained with --mla-down-proj-fusion or "
                           "--cache-mla-latents (a fused linear_qkv_down_proj); plugtron maps "
                           "the separate down-projections only")
-    out = {"multi_latent_attention": True}
+    out: dict[str, Any] = {"multi_latent_attention": True}
     out.update({k: args[k] for k in MLA_ARGS if args.get(k) is not None})
     out["q_lora_rank"] = args.get("q_lora_rank")  # None: no query compression
     # Megatron's MLA config takes YaRN when --rope-type is not given (MLATransformerConfig).

@@ -222,7 +222,7 @@ def _layer_prefixes(s: dict) -> list[str]:
 
 def _attention_shapes(s: dict) -> dict:
     """{name under a layer: shape} of the attention's weights."""
-    heads, hidden = s.get("num_attention_heads"), s["hidden_size"]
+    heads, hidden = s["num_attention_heads"], s["hidden_size"]
     if s.get("multi_latent_attention"):
         q_dim = s.get("qk_head_dim", 128) + s.get("qk_pos_emb_head_dim", 64)
         kv_rank, q_rank = s.get("kv_lora_rank", 32), s.get("q_lora_rank")
@@ -363,7 +363,7 @@ def _feature_args(config) -> dict:
         raise ConfigError("--rope-type yarn without --multi-latent-attention cannot be exported "
                           "to Megatron-Core yet (its GPTModel takes YaRN as "
                           "--position-embedding-type yarn, which plugtron does not map)")
-    if getattr(mtp, "mtp_num_layers", None):
+    if mtp is not None and mtp.mtp_num_layers:
         out.update(mtp_num_layers=mtp.mtp_num_layers,
                    mtp_loss_scaling_factor=mtp.mtp_loss_scaling_factor)
     if o.use_rope_scaling:
@@ -458,7 +458,9 @@ def export_megatron(config, tensors: dict, padded_vocab: int,
     args.update(_feature_args(config))
     for name, plain in FEATURE_ARGS.items():
         args.setdefault(name, plain)
-    out, per_layer, mtp_layers = {}, {}, {}
+    out: dict = {}
+    per_layer: dict = {}
+    mtp_layers: dict = {}
     # The config's MTP depth, not the checkpoint's: ``--drop mtp`` leaves those layers out.
     depth = getattr(getattr(config, "mtp", None), "mtp_num_layers", None) or 0
     for name in tensors:  # names only: ``tensors`` may read each tensor when it is looked up

@@ -30,6 +30,7 @@ the tied output layer itself).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -148,8 +149,8 @@ class MultiTokenPrediction(torch.nn.Module):
         symbols = substitute_symbols(layer_pattern, config, [m.num_layers])[m.num_layers]
         self.layers = torch.nn.ModuleList(
             [MultiTokenPredictionLayer(config, backend, parallel, depth, seed, symbols)
-             for depth in range(o.mtp_num_layers)])
-        self.scale = o.mtp_loss_scaling_factor / o.mtp_num_layers
+             for depth in range(mtp_depth(config))])
+        self.scale = o.mtp_loss_scaling_factor / mtp_depth(config)
         self.cp_group = parallel.cp_group  # the shift and the losses span the whole sequence
 
     def forward(self, hidden, tokens, position_ids, labels, loss_mask, rotary, embed,
@@ -173,13 +174,13 @@ class MultiTokenPrediction(torch.nn.Module):
         return out
 
 
-def mtp_layer_bytes(layer: MultiTokenPredictionLayer, shape, normalization: str,
-                    vocab: int) -> int:
+def mtp_layer_bytes(layer: torch.nn.Module, shape, normalization: str, vocab: int) -> int:
     """What one depth keeps for backward per microbatch (``plugtron estimate``): its two input
     norms, ``eh_proj``'s input, its decoder layer, its final norm, and the output layer's input
     and fp32 softmax with the shifted labels and mask."""
-    h = layer.enorm.weight.shape[0]
+    h = layer.get_parameter("enorm.weight").shape[0]
     total = 2 * norm_bytes(shape, h, normalization) + shape.residual(2 * h)
-    total += int(layer.mtp_model_layer.activation_bytes(shape))  # a ComposedLayer
+    composed: Any = layer.get_submodule("mtp_model_layer")  # a ComposedLayer
+    total += int(composed.activation_bytes(shape))
     total += norm_bytes(shape, h, normalization) + shape.tensor(h)
     return total + shape.tensor(vocab, 4) + shape.tensor(3, 8)

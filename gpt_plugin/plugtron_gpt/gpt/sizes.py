@@ -3,6 +3,8 @@ a checkpoint must agree on to be resumed."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from plugtron.api import ConfigError
 from plugtron_gpt.gpt.mtp import mtp_depth
 from plugtron_gpt.layers.attention_options import attention_architecture
@@ -48,7 +50,7 @@ def architecture(config) -> dict:
     heads = m.num_attention_heads
     learned = m.position_embedding_type == "learned_absolute"
     # Only when set: checkpoints written before the option existed keep resuming.
-    activation = {"--squared-relu": True} if squared_relu(config) else {}
+    activation: dict[str, Any] = {"--squared-relu": True} if squared_relu(config) else {}
     if openai_gelu(config):
         activation["--openai-gelu"] = True
     if mtp_depth(config):

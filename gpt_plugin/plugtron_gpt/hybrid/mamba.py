@@ -66,7 +66,10 @@ class DepthwiseCausalConv(torch.nn.Conv1d):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``silu(conv(x))``, ``x``: ``[b, s, channels]`` (the SiLU fused, see causal_conv)."""
-        return causal_conv_silu(x, self.weight, self.bias)
+        bias = self.bias
+        if bias is None:  # Conv1d types it optional; __init__ always sets one
+            raise RuntimeError("DepthwiseCausalConv has no bias")
+        return causal_conv_silu(x, self.weight, bias)
 
 
 class MambaMixer(torch.nn.Module):

@@ -96,7 +96,7 @@ class SelfAttention(torch.nn.Module):
         q, k, v = qkv.split([self.heads_per_group, 1, 1], dim=3)
         q = q.reshape(b, s, self.num_heads, self.head_dim)
         k, v = k.squeeze(3), v.squeeze(3)
-        if self.q_layernorm is not None:
+        if self.q_layernorm is not None and self.k_layernorm is not None:
             q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q = apply_rotary(q, rotary, self.rotary_mscale)

@@ -7,12 +7,14 @@ tp/pp/vp layout: a chunk holding layers 4..7 has ``decoder.layers.4`` .. ``decod
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from plugtron.api import run_layers
 
 
 class Decoder(torch.nn.Module):
-    def __init__(self, layers: dict[int, torch.nn.Module],
+    def __init__(self, layers: Mapping[int, torch.nn.Module],
                  final_layernorm: torch.nn.Module | None = None, config=None):
         super().__init__()
         self.config = config  # --recompute-granularity full reads it
@@ -20,7 +22,7 @@ class Decoder(torch.nn.Module):
         self.final_layernorm = final_layernorm
 
     def forward(self, hidden: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = run_layers(self.layers.values(), hidden, rotary, config=self.config,
+        hidden = run_layers(list(self.layers.values()), hidden, rotary, config=self.config,
                             training=self.training)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)

@@ -39,6 +39,7 @@ from plugtron.api import (
     copy_to_tensor_parallel_region,
     current_forward_context,
     linear,
+    mark_sequence_parallel,
     normal_init,
     recompute,
     recompute_module,
@@ -57,7 +58,7 @@ class ReplicatedLinear(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(init_method((output_size, input_size)))
         if sequence_parallel:
-            self.weight.sequence_parallel = True
+            mark_sequence_parallel(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
