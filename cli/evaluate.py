@@ -9,7 +9,6 @@ from plugtron.core.config import CheckpointConfig, LoggingConfig, ParallelConfig
 from plugtron.core.config_freeze import freeze
 from plugtron.core.errors import ConfigError, PlugtronError
 from plugtron.core.parallel.distributed import launched_externally
-from plugtron.core.plugins.selection import selected_driver
 from plugtron.core.training.validate import validate
 
 from .errors import user_errors
@@ -23,7 +22,14 @@ from .options import (
     prescan,
 )
 from .preflight import check_memory, preflight
-from .train import HFLoad, check_data_paths, check_plugins, load_argument, ranks_on_node
+from .train import (
+    HFLoad,
+    check_data_paths,
+    check_plugins,
+    given_model,
+    load_argument,
+    ranks_on_node,
+)
 
 #: Tells launched ranks to print JSON lines (``--json``).
 JSON_ENV = "PLUGTRON_EVALUATE_JSON"
@@ -77,7 +83,7 @@ def evaluation_config(params: dict, config_file: str | None, declared=(),
 
 def make_evaluate_command(args: list[str]) -> click.Command:
     """``evaluate`` with the options of the plugins the checkpoint (and ``args``) select."""
-    hf = HFLoad(args, selected_driver(prescan(args), "model"))
+    hf = HFLoad(args, given_model(prescan(args)))
     try:
         base = hf.config_base() if hf.dir else checkpoint_base(load_argument(args))
     except PlugtronError:

@@ -129,12 +129,19 @@ def load_argument(args: list[str]) -> str | None:
     return None
 
 
+def given_model(config) -> str | None:
+    """The model the flags name, or None for ``auto``: an HF directory's converter is then
+    the one that reads its model_type (resolved at import, not while click builds the
+    command, so a missing model plugin is reported as a user error)."""
+    return None if config.plugins.model == "auto" else config.plugins.model
+
+
 class HFLoad:
     """``--load HF_DIR``: the imported model's config (``base``, whose --load is the cached
     checkpoint) and the settings the import fixed (``flags``); ``error`` if it cannot be
     imported (reported when the command runs, not while click builds it)."""
 
-    def __init__(self, args: list[str], model: str):
+    def __init__(self, args: list[str], model: str | None):
         from plugtron.core.errors import PlugtronError
         from plugtron.core.interchange import hf_load
 
@@ -172,7 +179,7 @@ class RunOptions:
     ``--preset`` and every section's options around the command's own function."""
 
     def __init__(self, args: list[str]):
-        self.hf = HFLoad(args, selected_driver(prescan(args), "model"))
+        self.hf = HFLoad(args, given_model(prescan(args)))
         selection = prescan(args, self.hf.base and copy.deepcopy(self.hf.base))
         self.declared = declared_sections(selection)
         self.presets = model_presets(selection)

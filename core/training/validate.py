@@ -93,7 +93,8 @@ def derive(config: TrainConfig) -> None:
     freezes the config (core/config_freeze.py), so nothing derives it again differently."""
     derive_driver_names(config)
     apply_schedule_placement(config)
-    if config.model.vocab_size is not None:
+    m = config.model
+    if m.vocab_size is not None and m.make_vocab_size_divisible_by >= 1:  # else refused below
         derive_padded_vocab_size(config, config.parallel.tensor_model_parallel_size)
 
 
