@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from plugtron.api import SampleOptions, sample_from_window
 from plugtron.cli.main import cli
-from plugtron.plugins.datasets.sample_options import SampleOptions, sample_from_window
 from plugtron.plugins.layer_backends.attention_mask import causal_mask
 
 from gpt_plugin.tests.test_gpt_model import build

@@ -49,7 +49,7 @@ def _rotary(model, config, shape):
     """The rotation's frequencies per sample (as with --reset-position-ids), or None."""
     if not model.use_rotary:
         return None
-    from plugtron_gpt.layers.rope import rotary_freqs_at
+    from plugtron.core.blocks.rotary import rotary_freqs_at
 
     positions = torch.arange(shape.seq_length).expand(shape.micro_batch_size, -1)
     return rotary_freqs_at(positions, model.head_dim, config.model.rotary_base, None)

@@ -19,6 +19,13 @@ from plugtron.core.blocks.forward_context import (
 from plugtron.core.blocks.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.blocks.layer_stack import ComposedLayer
 from plugtron.core.blocks.linear import linear
+from plugtron.core.blocks.rotary import (
+    apply_rotary,
+    rotary_freqs,
+    rotary_freqs_at,
+    yarn_attention_factor,
+    yarn_mscale,
+)
 from plugtron.core.checkpoint.saved_config import saved_config
 from plugtron.core.config import ConfigSection, TrainConfig, opt
 from plugtron.core.contracts.activations import (
@@ -137,6 +144,13 @@ from plugtron.core.training.optimizer import (
 )
 from plugtron.core.training.optimizer_shards import BucketShard, ParamShard
 from plugtron.core.training.recompute import is_recomputing, recompute, recompute_module, run_layers
+from plugtron.core.training.samples import (
+    SAMPLE_SECTION,
+    SampleOptions,
+    document_numbers,
+    sample_from_window,
+    validate_sample_options,
+)
 from plugtron.core.training.step_info import check_finite
 
 __all__ = [
@@ -167,6 +181,7 @@ __all__ = [
     "cpu_matrix_support",
     "set_tensor_parallel", "is_tensor_parallel", "shard_of", "block_sizes",
     "mark_sequence_parallel",
+    "apply_rotary", "rotary_freqs", "rotary_freqs_at", "yarn_attention_factor", "yarn_mscale",
     "VocabParallelEmbedding", "parallel_logits", "vocab_parallel_cross_entropy",
     "RNGStatesTracker", "model_parallel_rng_tracker", "EXPERT_PARALLEL_RNG",
     # context parallelism
@@ -188,4 +203,6 @@ __all__ = [
     "optimizer_takes_dtensor_params", "is_dtensor", "local_tensor", "full_tensor", "shard_like",
     # datasets and tokenizers
     "collate", "build_tokenizer", "tokenizer_for", "Tokenizer",
+    "SAMPLE_SECTION", "SampleOptions", "sample_from_window", "validate_sample_options",
+    "document_numbers",
 ]

@@ -128,12 +128,15 @@ class LayerBackend(ABC):
                                       parallel=self.parallel)
 
     def output_logits(self, hidden: torch.Tensor, weight: torch.Tensor,
-                      parallel_output: bool) -> torch.Tensor:
+                      parallel_output: bool, *, bias: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """Logits from the final hidden states (sequence-sharded under SP: gathered here) and
         the vocab-sharded output weight: this rank's columns ``[b, s, padded/tp]`` with
-        ``parallel_output``, else every column ``[b, s, padded]`` on every rank."""
+        ``parallel_output``, else every column ``[b, s, padded]`` on every rank. ``bias``: an
+        output layer's bias (GPT-J's), sharded like the weight's rows ``[padded/tp]`` (declare
+        it with ``set_tensor_parallel(bias, 0)``; its padding entries are never read)."""
         return parallel_logits(hidden, weight, self.parallel.tp_group, self.sequence_parallel,
-                               parallel_output)
+                               parallel_output, bias=bias)
 
     def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                       label_smoothing: float = 0.0) -> torch.Tensor:

@@ -89,7 +89,8 @@ def _embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, group, sequence_parallel: bool,
-                    parallel_output: bool = True) -> torch.Tensor:
+                    parallel_output: bool = True, *, bias: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """Logits of this rank's vocabulary shard (``weight`` ``[padded/tp, h]``).
 
     ``hidden`` is the final hidden state, sequence-sharded under SP (gathered here, the
@@ -97,9 +98,9 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, group, sequence_
     summed over tp). ``parallel_output=False`` gathers every column on every rank.
     """
     if sequence_parallel:
-        logits = tpc.sequence_parallel_linear(hidden, weight, None, group)
+        logits = tpc.sequence_parallel_linear(hidden, weight, bias, group)
     else:
-        logits = linear(tpc.copy_to_tensor_parallel_region(hidden, group), weight)
+        logits = linear(tpc.copy_to_tensor_parallel_region(hidden, group), weight, bias)
     if not parallel_output:
         logits = tpc.gather_from_tensor_parallel_region(logits, group)
     return logits

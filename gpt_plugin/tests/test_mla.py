@@ -13,11 +13,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
+from plugtron.core.blocks.rotary import rotary_freqs
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.training.loop import setup
 from plugtron.testing import make_config
 from plugtron_gpt.layers.attention_options import rope_scaling
-from plugtron_gpt.layers.rope import rotary_freqs
 
 HEADS, QK, POS, V, KV_RANK, Q_RANK = 4, 6, 4, 5, 8, 12
 MLA = {"multi-latent-attention": True, "kv-lora-rank": KV_RANK, "qk-head-dim": QK,

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 from plugtron.cli.main import cli
+from plugtron.core.blocks.rotary import rotary_freqs
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.training import aux_losses
 from plugtron.core.training.loop import setup
 from plugtron.testing import make_config
-from plugtron_gpt.layers.rope import rotary_freqs
 
 FLAGS = {"num-layers": 2, "mtp-num-layers": 2, "mtp-loss-scaling-factor": 0.3,
          "position-embedding-type": "rope", "normalization": "RMSNorm", "swiglu": True,

@@ -12,10 +12,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 from plugtron.cli.main import cli
+from plugtron.core.blocks.rotary import inv_frequencies, yarn_attention_factor, yarn_mscale
 from plugtron.testing import make_config
 from plugtron_gpt.layers.attention_options import rope_scaling
 from plugtron_gpt.layers.mla import mla_scales
-from plugtron_gpt.layers.rope import inv_frequencies, yarn_attention_factor, yarn_mscale
 
 
 def _yarn(**options):

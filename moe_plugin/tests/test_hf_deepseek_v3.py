@@ -125,8 +125,8 @@ def mtp_logits_pair(path: str, model, mtp, batch) -> list[tuple]:
     both compute (plugtron shifts the tokens in place, the last k places padded; transformers
     takes the k-times shifted tokens and hidden states, rotary at the shifted positions, which
     leaves attention unchanged)."""
+    from plugtron.core.blocks.rotary import rotary_freqs_at
     from plugtron_gpt.gpt.mtp import roll_left
-    from plugtron_gpt.layers.rope import rotary_freqs_at
 
     net = _network(path)
     s = batch.shape[1]

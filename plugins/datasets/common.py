@@ -16,9 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from plugtron.api import ConfigError
-
-from .sample_options import sample_from_window
+from plugtron.api import ConfigError, sample_from_window
 
 
 def seeded_rng(seed: int, *tags: int) -> np.random.Generator:

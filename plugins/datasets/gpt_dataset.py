@@ -9,11 +9,10 @@ from __future__ import annotations
 import os
 
 import numpy as np
-from plugtron.api import ConfigError
+from plugtron.api import ConfigError, sample_from_window
 
 from . import gpt_indices, index_cache
 from .indexed_format import IndexedCorpus, bin_path, idx_path
-from .sample_options import sample_from_window
 
 GPT_ARRAYS = ("document_index", "sample_index", "shuffle_index")
 BLEND_ARRAYS = ("dataset_index", "dataset_sample_index")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from plugtron.api import (
+    SAMPLE_SECTION,
     ConfigError,
     ConfigSection,
     build_tokenizer,
@@ -25,13 +26,13 @@ from plugtron.api import (
     opt,
     saved_config,
     tokenizer_for,
+    validate_sample_options,
 )
 
 from . import gpt_indices
 from .gpt_dataset import Tokens, build_blend, build_gpt_split
 from .indexed_format import IndexedCorpus, IndexedFormatError
 from .preprocess import format_summary, preprocess
-from .sample_options import SAMPLE_SECTION, validate_sample_options
 
 
 @dataclass

@@ -20,10 +20,9 @@ sequence length, the split and ``i``: not on ``--train-iters`` or any other run 
 from __future__ import annotations
 
 import numpy as np
-from plugtron.api import ConfigError, hookimpl
+from plugtron.api import SAMPLE_SECTION, ConfigError, hookimpl, validate_sample_options
 
 from .common import BlockWindowDataset, parse_split, seeded_rng, token_dtype
-from .sample_options import SAMPLE_SECTION, validate_sample_options
 
 DEFAULT_VOCAB_SIZE = 512
 #: Allowed successors per token in Markov documents.

@@ -16,7 +16,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from plugtron.api import ConfigError, build_tokenizer, hookimpl, tokenizer_for
+from plugtron.api import (
+    SAMPLE_SECTION,
+    ConfigError,
+    build_tokenizer,
+    hookimpl,
+    tokenizer_for,
+    validate_sample_options,
+)
 
 from .common import (
     TokenWindowDataset,
@@ -26,7 +33,6 @@ from .common import (
     split_documents,
     token_dtype,
 )
-from .sample_options import SAMPLE_SECTION, validate_sample_options
 
 #: Suffixes read when walking a folder; a file named directly is read whatever its suffix.
 TEXT_SUFFIXES = frozenset({

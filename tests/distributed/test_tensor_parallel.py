@@ -3,7 +3,7 @@
 * each autograd collective's forward and backward on known inputs;
 * vocab-parallel cross entropy against torch on the gathered logits (label smoothing, padded
   vocabulary, shards that are all padding) and its gradient;
-* the local backend's linear layers against a plain linear;
+* the local backend's linear layers, and its output layer with a bias, against a plain linear;
 * the model-parallel random stream: different across tp ranks, the default one shared;
 * training: tp {1, 2, 4} x SP x GQA/MHA x tied/untied, 10 iterations against the single-process
   tp 1 run with the same global batch (the remaining factor of the world is dp): losses within
@@ -268,6 +268,21 @@ def _linear_layers(rank, world_size):
     out["row input not parallel"] = (y - ref).abs().max().item()
     out["row input grad"] = (xin.grad - ref_in.grad).abs().max().item()
     out["row skip_bias_add returns the full bias"] = float(bias.shape != (16,))
+
+    # An output layer with a bias (GPT-J's lm_head): vocab-sharded weight rows and bias.
+    w, b = torch.randn(32, 16, generator=gen), torch.randn(32, generator=gen)
+    w_shard = _leaf(shard_of(w, 0, ctx.tp_rank, 4))
+    b_shard = _leaf(shard_of(b, 0, ctx.tp_rank, 4))
+    xin, ref_in, w_ref, b_ref = _leaf(x), _leaf(x), _leaf(w), _leaf(b)
+    logits = backend.output_logits(xin, w_shard, parallel_output=False, bias=b_shard)
+    ref = F.linear(ref_in, w_ref, b_ref)
+    grad = torch.randn(ref.shape, generator=gen)
+    logits.backward(grad)
+    ref.backward(grad)
+    out["output logits with bias"] = (logits - ref).abs().max().item()
+    out["output bias grad (this rank's shard)"] = \
+        (b_shard.grad - shard_of(b_ref.grad, 0, ctx.tp_rank, 4)).abs().max().item()
+    out["output input grad"] = (xin.grad - ref_in.grad).abs().max().item()
     return out
 
 

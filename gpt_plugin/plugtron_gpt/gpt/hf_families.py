@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import math
 
-from plugtron.api import ConfigError
+from plugtron.api import ConfigError, yarn_attention_factor, yarn_mscale
 from plugtron_gpt.layers.attention_options import attention_options, parse_window, rope_scaling
-from plugtron_gpt.layers.rope import yarn_attention_factor, yarn_mscale
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
@@ -186,6 +185,10 @@ def family_of(config) -> str:
     """Which family a plugtron run config is exported as, or ConfigError saying why none."""
     m, o = config.model, attention_options(config)
     qkv_only = o.add_qkv_bias and not m.add_bias_linear
+    if o.rotary_percent != 1.0:
+        raise ConfigError(f"--rotary-percent {o.rotary_percent}: none of the Hugging Face "
+                          f"families plugtron exports (Llama, Mistral, Qwen2, Qwen3) turns part "
+                          f"of a head; export-megatron writes it")
     if o.qk_layernorm:
         if m.add_bias_linear or qkv_only:
             raise ConfigError("--qk-layernorm exports as Qwen3, which has no MLP biases and no "

@@ -126,7 +126,7 @@ def _mtp(value, args, given, settings) -> dict:
 #: model's experts are not this converter's).
 MAPPED_FEATURES = ("add_qkv_bias", "qk_layernorm", "openai_gelu", "squared_relu", "window_size",
                    "use_rope_scaling", "rotary_seq_len_interpolation_factor",
-                   "multi_latent_attention", "mtp_num_layers")
+                   "multi_latent_attention", "mtp_num_layers", "rotary_percent")
 #: Megatron arg -> its plugtron settings, where the forms differ.
 FROM_MEGATRON = {"add_qkv_bias": _qkv_bias, "openai_gelu": _openai_gelu, "window_size": _window,
                   "use_rope_scaling": _rope_scaling, "qk_layernorm": _qk_layernorm,

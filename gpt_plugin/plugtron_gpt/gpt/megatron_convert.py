@@ -356,7 +356,7 @@ def _feature_args(config) -> dict:
            "qk_layernorm": o.qk_layernorm, "squared_relu": squared_relu(config),
            "window_size": parse_window(o.window_size),
            "rotary_seq_len_interpolation_factor": o.rotary_seq_len_interpolation_factor,
-           "use_rope_scaling": o.use_rope_scaling}
+           "use_rope_scaling": o.use_rope_scaling, "rotary_percent": o.rotary_percent}
     if o.multi_latent_attention:
         out.update(_mla_args(o))
     elif o.rope_type == "yarn":

@@ -25,6 +25,7 @@ from plugtron.api import (
     forward_context,
     load_layer_types,
     normal_init,
+    rotary_freqs_at,
     share_parameter,
     substitute_symbols,
 )
@@ -32,7 +33,6 @@ from plugtron_gpt.gpt.mtp import MultiTokenPrediction, mtp_depth, mtp_layer_byte
 from plugtron_gpt.layers.attention import dropout
 from plugtron_gpt.layers.attention_options import rope_scaling, rotary_dim
 from plugtron_gpt.layers.decoder import Decoder
-from plugtron_gpt.layers.rope import rotary_freqs_at
 
 #: The symbols of one GPT transformer layer: attention then MLP, under one layer index.
 GPT_LAYER = "*-"

@@ -23,12 +23,14 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from plugtron.api import (
+    apply_rotary,
     current_forward_context,
     mark_sequence_parallel,
     normal_init,
     recompute,
     recompute_module,
     scaled_normal_init,
+    yarn_attention_factor,
 )
 from plugtron_gpt.layers.activations import attention_layer_bytes, attention_weight_grad_bytes
 from plugtron_gpt.layers.attention_options import (
@@ -39,7 +41,6 @@ from plugtron_gpt.layers.attention_options import (
     validate_attention,
 )
 from plugtron_gpt.layers.mla import MultiLatentAttention
-from plugtron_gpt.layers.rope import apply_rotary, yarn_attention_factor
 from plugtron_gpt.layers.transformer_options import SECTION as TRANSFORMER
 from plugtron_gpt.layers.transformer_options import validate_transformer
 

@@ -39,6 +39,10 @@ class AttentionOptions:
     rope_scaling_original_max_position_embeddings: int = opt(
         8192, "--rope-scaling-original-max-position-embeddings",
         "Llama 3.x: the context length before scaling.")
+    rotary_percent: float = opt(1.0, "--rotary-percent",
+                                "Partial rotary: the share of each head's channels rope turns "
+                                "(the first int(head size x percent)); the rest pass through "
+                                "(GPT-NeoX, Phi; Megatron's flag).")
     rotary_seq_len_interpolation_factor: float | None = opt(
         None, "--rotary-seq-len-interpolation-factor",
         "Linear rotary scaling: positions divided by this (Hugging Face rope_type 'linear').")
@@ -145,11 +149,12 @@ def rope_scaling(config) -> dict | None:
 
 def rotary_dim(config) -> int:
     """Channels the rotary embedding turns per head: MLA's ``--qk-pos-emb-head-dim`` (its
-    decoupled rotary part), else the head size."""
+    decoupled rotary part), else the head size times ``--rotary-percent``."""
     o, m = attention_options(config), config.model
     if o.multi_latent_attention:
         return o.qk_pos_emb_head_dim
-    return m.kv_channels or m.hidden_size // m.num_attention_heads
+    head = m.kv_channels or m.hidden_size // m.num_attention_heads
+    return int(head * o.rotary_percent)  # Megatron's rotary_dim
 
 
 def validate_mla(config) -> None:
@@ -262,6 +267,20 @@ def validate_attention(config) -> None:
         if o.rope_scaling_original_max_position_embeddings < 1:
             raise ConfigError("--rope-scaling-original-max-position-embeddings must be at "
                               "least 1")
+    if o.rotary_percent != 1.0:
+        m = config.model
+        head = m.kv_channels or m.hidden_size // m.num_attention_heads
+        turned = int(head * o.rotary_percent)
+        if not 0.0 < o.rotary_percent <= 1.0 or turned < 2 or turned % 2:
+            raise ConfigError(f"--rotary-percent {o.rotary_percent}: rope turns "
+                              f"int({head} x {o.rotary_percent}) = {turned} channels of each "
+                              f"head; give a share in (0, 1] that makes an even number of at "
+                              f"least 2")
+        if o.multi_latent_attention:
+            raise ConfigError("--rotary-percent with --multi-latent-attention: MLA's rotary "
+                              "part is --qk-pos-emb-head-dim")
+        if m.position_embedding_type != "rope":
+            raise ConfigError("--rotary-percent needs --position-embedding-type rope")
     if (o.rotary_seq_len_interpolation_factor is not None
             and o.rotary_seq_len_interpolation_factor <= 0):
         raise ConfigError(f"--rotary-seq-len-interpolation-factor must be positive, got "
@@ -277,6 +296,8 @@ def attention_architecture(config) -> dict:
         out["--add-qkv-bias"] = True
     if o.qk_layernorm:
         out["--qk-layernorm"] = True
+    if o.rotary_percent != 1.0:
+        out["--rotary-percent"] = o.rotary_percent
     window = parse_window(o.window_size)
     if window is not None:
         out["--window-size"] = f"{window[0]},{window[1]}"

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 from plugtron.api import (
+    apply_rotary,
     copy_to_tensor_parallel_region,
     current_forward_context,
     linear,
@@ -44,9 +45,10 @@ from plugtron.api import (
     recompute,
     recompute_module,
     scaled_normal_init,
+    yarn_attention_factor,
+    yarn_mscale,
 )
 from plugtron_gpt.layers.attention_options import attention_options, parse_window, rope_scaling
-from plugtron_gpt.layers.rope import apply_rotary, yarn_attention_factor, yarn_mscale
 
 
 class ReplicatedLinear(torch.nn.Module):

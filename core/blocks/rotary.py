@@ -1,7 +1,14 @@
-"""Rotary position embeddings (rotate-half form, as Megatron-Core and Llama use), with the
-frequency scalings Hugging Face checkpoints carry: Llama 3.x (``llama3``), linear, and YaRN
-(``yarn``: frequencies blended between kept and interpolated by a ramp over the channels, and an
-attention factor on cos and sin, :func:`yarn_attention_factor`)."""
+"""Rotary position embeddings for any model plugin (``plugtron.api``): rotate-half form, as
+Megatron-Core and Llama use; partial rotary (Megatron's ``--rotary-percent``, GPT-J's and
+GPT-NeoX's ``rotary_dim``: angles for the first channels of a head, the rest pass through);
+DeepSeek's interleaved pairs; and the frequency scalings Hugging Face checkpoints carry: Llama
+3.x (``llama3``), linear, and YaRN (``yarn``: frequencies blended between kept and interpolated
+by a ramp over the channels, and an attention factor on cos and sin,
+:func:`yarn_attention_factor`).
+
+A model computes the angles once per forward (:func:`rotary_freqs_at` at the batch's positions,
+which under context parallelism are two distant chunks) and each attention layer turns its
+queries and keys with :func:`apply_rotary`."""
 
 from __future__ import annotations
 
@@ -102,13 +109,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0,
                  interleaved_pairs: bool = False) -> torch.Tensor:
-    """``x``: ``[b, s, heads, d]``; ``freqs``: ``[s, d]`` or per sample ``[b, s, d]``.
+    """``x``: ``[b, s, heads, d]``; ``freqs``: ``[s, r]`` or per sample ``[b, s, r]``, from
+    :func:`rotary_freqs` or :func:`rotary_freqs_at` with ``dim=r``. ``r < d`` is partial
+    rotary: the first ``r`` channels of each head are turned, the other ``d - r`` pass through
+    unchanged (Megatron's ``--rotary-percent``: ``r = int(d * percent)``).
 
     ``mscale``: cos and sin multiplied by it (YaRN's attention factor). ``interleaved_pairs``:
     the channels come as pairs ``(x0, x1), (x2, x3), ...`` each turned by one frequency
     (DeepSeek's layout, Megatron-Core's ``mla_rotary_interleaved``): they are first regrouped as
     ``[x0, x2, ..; x1, x3, ..]`` and the result stays in that order (queries and keys alike, so
     their products are those of the pairs)."""
+    turned = freqs.shape[-1]
+    if turned > x.shape[-1] or turned % 2:
+        raise ValueError(f"rotary angles for {turned} channels cannot turn a head of "
+                         f"{x.shape[-1]} (at most the head, an even number)")
+    if turned < x.shape[-1]:
+        return torch.cat([apply_rotary(x[..., :turned], freqs, mscale, interleaved_pairs),
+                          x[..., turned:]], dim=-1)
     if interleaved_pairs:
         x = torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
     freqs = freqs if freqs.dim() == 3 else freqs[None]

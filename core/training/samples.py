@@ -1,5 +1,8 @@
 """Megatron's per-sample flags: ``--reset-position-ids``, ``--reset-attention-mask``,
-``--eod-mask-loss``, and the function that applies them to one sample.
+``--eod-mask-loss``, and the function that applies them to one sample. Public
+(``plugtron.api``): a dataset of any distribution declares ``SAMPLE_SECTION`` among its config
+sections, calls ``validate_sample_options`` in its ``plugtron_validate`` and builds its samples
+with ``sample_from_window``, and the flags then work for it as for the built-in ones.
 
 They follow Megatron-Core's ``_get_ltor_masks_and_position_ids``: an end-of-document token at
 position ``i`` belongs to the document it ends, so the next document starts at ``i + 1``.
@@ -14,7 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from plugtron.api import ConfigError, ConfigSection, load_plugin, opt, selected_driver
+from plugtron.core.config import ConfigSection, opt
+from plugtron.core.errors import ConfigError
+from plugtron.core.plugins.registry import load
+from plugtron.core.plugins.selection import selected_driver
 
 
 @dataclass
@@ -45,7 +51,7 @@ def validate_sample_options(config) -> None:
                           f"{config.parallel.context_parallel_size}: context-parallel attention "
                           f"does not mask documents; use --cp 1")
     name = selected_driver(config, "layer_backend")
-    backend = load_plugin("layer_backend", name)
+    backend = load("layer_backend", name)
     if not getattr(backend, "supports_document_ids", False):
         raise ConfigError(f"--reset-attention-mask is not supported by --layer-backend {name}: "
                           f"its attention does not mask documents; use --layer-backend local")
