@@ -61,7 +61,7 @@ def _reduce_thawed(self: Any, protocol: Any) -> tuple:
 
 
 def _rebuild(cls: type, fields: dict) -> Any:
-    obj = cls.__new__(cls)
+    obj: Any = object.__new__(cls)
     obj.__dict__.update(fields)
     return obj
 

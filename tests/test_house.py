@@ -16,7 +16,10 @@ PACKAGES = {"core/api": "plugtron.api", "core/testing": "plugtron.testing", "cor
             "gpt_plugin/plugtron_gpt": "plugtron_gpt", "moe_plugin/plugtron_moe": "plugtron_moe"}
 #: What only a model or a built-in plugin knows: its package, its layers, its options, its
 #: checkpoint names.
-MODEL_WORDS = re.compile(r"plugtron_gpt|plugtron_moe|swiglu|\brotary|\bmamba|moe_dispatcher|"
+# Rotary position math is not on the list: like linear and init it is a model-agnostic piece
+# every attention model shares (GPT, Hybrid, a third party's GPT-J), so it lives in
+# core/blocks/rotary.py and plugtron.api rather than inside one model plugin.
+MODEL_WORDS = re.compile(r"plugtron_gpt|plugtron_moe|swiglu|\bmamba|moe_dispatcher|"
                          r"\bmoe_act\b|shared_experts|embed_tokens|lm_head|plugtron\.plugins",
                          re.IGNORECASE)
 MAX_MODULES = 15

@@ -26,6 +26,13 @@ from plugtron.core.blocks.rotary import (
     yarn_attention_factor,
     yarn_mscale,
 )
+from plugtron.core.blocks.samples import (
+    SAMPLE_SECTION,
+    SampleOptions,
+    document_numbers,
+    sample_from_window,
+    validate_sample_options,
+)
 from plugtron.core.checkpoint.saved_config import saved_config
 from plugtron.core.config import ConfigSection, TrainConfig, opt
 from plugtron.core.contracts.activations import (
@@ -144,13 +151,6 @@ from plugtron.core.training.optimizer import (
 )
 from plugtron.core.training.optimizer_shards import BucketShard, ParamShard
 from plugtron.core.training.recompute import is_recomputing, recompute, recompute_module, run_layers
-from plugtron.core.training.samples import (
-    SAMPLE_SECTION,
-    SampleOptions,
-    document_numbers,
-    sample_from_window,
-    validate_sample_options,
-)
 from plugtron.core.training.step_info import check_finite
 
 __all__ = [

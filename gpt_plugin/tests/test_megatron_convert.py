@@ -289,7 +289,7 @@ def test_damaged_files_and_unknown_features_are_clear_errors(tmp_path):
     for i, (extra, message) in enumerate([
             ({"window_size": (5, 2)}, "window_size=(5, 2)"),
             ({"window_size": (5, 0), "window_attn_skip_freq": 2}, "window_attn_skip_freq=2"),
-            ({"rotary_percent": 0.5}, "rotary_percent=0.5"),
+            ({"rotary_interleaved": True}, "rotary_interleaved=True"),
             ({"num_experts": 4}, "num_experts=4")]):
         with _megatron_names():
             write_torch_dist(str(tmp_path / f"f{i}"), 1, megatron_keys(params, 2),
@@ -297,6 +297,13 @@ def test_damaged_files_and_unknown_features_are_clear_errors(tmp_path):
         result = runner.invoke(cli, ["convert", "import-megatron", str(tmp_path / f"f{i}"),
                                      str(tmp_path / f"o{i}")])
         assert result.exit_code == 2 and message in result.output, result.output
+    # Partial rotary is a GPT option now (--rotary-percent): taken over, not refused.
+    with _megatron_names():
+        write_torch_dist(str(tmp_path / "partial"), 1, megatron_keys(params, 2),
+                         _args(GPT, rotary_percent=0.5))
+    result = runner.invoke(cli, ["convert", "import-megatron", str(tmp_path / "partial"),
+                                 str(tmp_path / "o-partial")])
+    assert result.exit_code == 0 and "--rotary-percent 0.5" in result.output, result.output
 
 
 def test_multi_latent_attention_and_mtp_export_and_import_keep_every_tensor(tmp_path):

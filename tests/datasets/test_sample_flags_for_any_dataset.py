@@ -63,7 +63,7 @@ def third_party_data(tmp_path):
 
 
 def _config(**flags):
-    return config_from_flags({"data": "windows", "vocab-size": 8, "seq-length": 6,
+    return config_from_flags({"data": "windows", "vocab-size": 8, "seq-length": 8,
                               "num-layers": 2, "hidden-size": 16, "num-attention-heads": 2,
                               **flags}, "test")
 
@@ -75,11 +75,11 @@ def test_a_third_party_dataset_gets_the_sample_flags(third_party_data):
                         "reset-attention-mask": True})
     assert config.samples.eod_mask_loss and config.samples.reset_position_ids
     dataset = load_plugin("dataset", "windows")().dataset_provider(config, (2, 0, 0))[0]
-    sample = dataset[0]  # tokens 5 6 0 5 6 0
-    assert sample["tokens"].tolist() == [5, 6, EOD, 5, 6, EOD]
-    assert sample["loss_mask"].tolist() == [1, 1, 0, 1, 1, 0]  # no loss after an EOD input
-    assert sample["position_ids"].tolist() == [0, 1, 2, 0, 1, 2]
-    assert torch.equal(sample["attention_mask"], torch.tensor([0, 0, 0, 1, 1, 1]))
+    sample = dataset[0]  # tokens 5 6 0 5 6 0 5 6
+    assert sample["tokens"].tolist() == [5, 6, EOD, 5, 6, EOD, 5, 6]
+    assert sample["loss_mask"].tolist() == [1, 1, 0, 1, 1, 0, 1, 1]  # none after an EOD input
+    assert sample["position_ids"].tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
+    assert torch.equal(sample["attention_mask"], torch.tensor([0, 0, 0, 1, 1, 1, 2, 2]))
 
 
 def test_its_sample_flags_are_validated_like_the_built_ins(third_party_data):
