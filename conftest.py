@@ -10,7 +10,7 @@ depends on another, so this changes nothing but the wall time."""
 from __future__ import annotations
 
 HEAVIEST_FIRST = (
-    "tests/test_plugin_new.py",
+    "tests/cli/test_plugin_new.py",
     "tests/reliability/test_ranks_and_signals.py",
     "tests/reliability/test_save_directory.py",
     "tests/distributed/test_zero_bubble.py",
@@ -19,24 +19,24 @@ HEAVIEST_FIRST = (
     "tests/distributed/test_fsdp2.py",
     "tests/reliability/test_elastic_restart.py",
     "moe_plugin/tests/test_moe_expert_parallel.py",
-    "tests/test_end_to_end.py",
+    "tests/cli/test_end_to_end.py",
     "tests/distributed/test_tensor_parallel.py",
-    "tests/test_testing_kit.py",
+    "tests/kit/test_testing_kit.py",
     "tests/distributed/test_context_parallel_training.py",
     "tests/reliability/test_preflight.py",
     "tests/distributed/test_pipeline.py",
     "moe_plugin/tests/test_deepseek_8_ranks.py",
     "gpt_plugin/tests/test_mtp_layouts.py",
-    "tests/checkpoint/test_reshard.py",
+    "tests/core/checkpoint/test_reshard.py",
     "tests/reliability/test_hostile_checkpoints.py",
     "gpt_plugin/tests/test_hybrid_layouts.py",
     "tests/distributed/test_recompute_layouts.py",
-    "tests/test_generate.py",
-    "tests/test_memory_estimate.py",
+    "tests/core/tools/test_generate.py",
+    "tests/core/tools/test_memory_estimate.py",
     "tests/reliability/test_slurm.py",
     "gpt_plugin/tests/test_mla_layouts.py",
     "moe_plugin/tests/test_moe_context_parallel.py",
-    "tests/test_rerun.py",
+    "tests/core/training/test_rerun.py",
 )
 
 

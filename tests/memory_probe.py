@@ -1,4 +1,4 @@
-"""Measured memory of a few training steps on CPU, for tests/test_memory_estimate.py.
+"""Measured memory of a few training steps on CPU, for tests/core/tools/test_memory_estimate.py.
 
 "Measured peak" is the resident-set high-water mark (``VmHWM``) of the rank's process during
 setup and the first steps, minus its resident set just before the datasets and the model are

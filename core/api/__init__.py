@@ -1,6 +1,6 @@
 """``plugtron.api``: every name a plugin may use, in one module.
 
-The built-in plugins import the core through this module only (tests/test_public_api.py
+The built-in plugins import the core through this module only (tests/contracts/test_public_api.py
 enforces it), so whatever they can do, a third-party package can do too. docs/api.md lists each
 name with its signature and stability. Names marked *stable* keep their signature within a major
 version; *provisional* ones may still change in a minor version, with a note in

@@ -6,7 +6,7 @@ microbatch defines ``activation_bytes(shape: ActivationShape) -> int``. The mode
 module ``model_provider`` returns) defines the same method for the whole chunk; it adds its own
 parts (embedding, output layer, loss) to its layers', which :func:`decoder_activations` sums
 with ``--recompute-granularity full`` applied. The numbers are the bytes of the tensors autograd
-saves (tests/test_memory_estimate.py checks them against ``saved_tensors_hooks``), under the
+saves (tests/core/tools/test_memory_estimate.py checks them against ``saved_tensors_hooks``), under the
 local layer backend's kernels.
 """
 

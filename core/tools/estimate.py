@@ -70,7 +70,7 @@ GIB = 2**30
 BACKWARD_TRANSIENT_FRACTION = 0.15
 #: On CPU only, in the same unit: freed activation memory glibc keeps resident, which the
 #: resident set shows (a CPU run is limited by it) and live tensors do not. With the transient,
-#: measured 0.44-0.56 at 1 rank and dp 2, 0.39-0.61 at tp 2 (tests/test_memory_estimate.py,
+#: measured 0.44-0.56 at 1 rank and dp 2, 0.39-0.61 at tp 2 (tests/core/tools/test_memory_estimate.py,
 #: default model, several runs).
 CPU_HEAP_SLACK_FRACTION = 0.35
 

@@ -17,8 +17,8 @@ from plugtron.core.checkpoint import checkpointer
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.training.loop import setup
 
-from tests.checkpoint.helpers import ckpt_config
-from tests.checkpoint.hf_models import (
+from tests.core.checkpoint.helpers import ckpt_config
+from tests.core.checkpoint.hf_models import (
     assert_exports_back,
     assert_same_checkpoint_tensors,
     convert,

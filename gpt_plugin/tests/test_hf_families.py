@@ -18,7 +18,7 @@ from plugtron.core.parallel.distributed import single_process
 from plugtron.core.plugins.options import config_from_dict
 from plugtron.core.training.loop import setup
 
-from tests.checkpoint.hf_models import (
+from tests.core.checkpoint.hf_models import (
     assert_exports_back,
     assert_same_checkpoint_tensors,
     convert,

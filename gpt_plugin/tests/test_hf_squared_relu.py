@@ -12,7 +12,7 @@ from plugtron.core.checkpoint import checkpointer
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.training.loop import setup
 
-from tests.checkpoint.helpers import ckpt_config
+from tests.core.checkpoint.helpers import ckpt_config
 
 
 def test_export_hf_refuses_squared_relu(tmp_path):

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint.hf_models import assert_exports_back, convert, logits_of, save_random, tokens
+from tests.core.checkpoint.hf_models import (
+    assert_exports_back,
+    convert,
+    logits_of,
+    save_random,
+    tokens,
+)
 
 transformers = pytest.importorskip("transformers")
 

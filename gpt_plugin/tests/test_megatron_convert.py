@@ -27,8 +27,8 @@ from plugtron.core.plugins.options import config_from_dict
 from plugtron.core.training.loop import setup
 from plugtron_gpt.layers.attention_options import AttentionOptions
 
-from tests.checkpoint.helpers import ckpt_config, params_of
-from tests.checkpoint.megatron_fixtures import megatron_keys, write_torch_dist
+from tests.core.checkpoint.helpers import ckpt_config, params_of
+from tests.core.checkpoint.megatron_fixtures import megatron_keys, write_torch_dist
 
 ONE = single_process()
 VOCAB, SEQ, MEGATRON_VOCAB = 100, 16, 128

@@ -87,7 +87,7 @@ class MoELayer(torch.nn.Module):
         norm, the router's input and fp32 logits and probabilities, the top-k routed copies of
         the tokens through an expert MLP (fc1 input, activation, fc2 input), the weighted
         combine, a shared expert like an MLP, the residual dropout mask. Routed tokens are
-        counted as k x this rank's tokens (even routing; tests/test_memory_estimate.py holds it
+        counted as k x this rank's tokens (even routing; tests/core/tools/test_memory_estimate.py holds it
         within 30% of autograd's saved tensors)."""
         h = self.pre_mlp_layernorm.weight.shape[0]
         tokens, e = shape.tokens, shape.dtype_bytes

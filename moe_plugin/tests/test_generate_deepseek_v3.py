@@ -12,7 +12,7 @@ import torch
 from plugtron.api import InferenceState, forward_context, generate, load_model
 
 from moe_plugin.tests.test_hf_deepseek_v3 import BASE, YARN, make_hf  # skips without transformers
-from tests.checkpoint.hf_models import convert
+from tests.core.checkpoint.hf_models import convert
 
 transformers = pytest.importorskip("transformers")
 

@@ -29,7 +29,7 @@ from plugtron.cli.main import cli
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoint.hf_models import (
+from tests.core.checkpoint.hf_models import (
     assert_exports_back,
     assert_same_checkpoint_tensors,
     convert,

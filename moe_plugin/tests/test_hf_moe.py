@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tests.checkpoint.hf_models import (
+from tests.core.checkpoint.hf_models import (
     assert_exports_back,
     assert_same_checkpoint_tensors,
     convert,

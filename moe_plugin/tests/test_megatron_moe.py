@@ -1,7 +1,7 @@
 """Megatron-Core torch_dist export and import of MoE models (plugtron-moe's converters), with
 multi-latent attention (query compression on and off) and multi-token prediction: plugtron ->
 torch_dist -> plugtron keeps every tensor bit for bit, under Megatron's key names and layouts
-(no megatron-core needed; where it is installed, tests/checkpoint/test_megatron_core_mla_moe.py
+(no megatron-core needed; where it is installed, tests/core/checkpoint/test_megatron_core_mla_moe.py
 has Megatron build its own model from the exported args, load the export and match plugtron's
 logits). Every tensor is drawn at random before the save (norms and the expert bias included),
 so a swapped name cannot pass."""

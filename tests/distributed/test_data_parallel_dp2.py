@@ -24,7 +24,7 @@ _one_thread = pytest.fixture(scope="module", autouse=True)(one_thread)
 
 #: fp32: only the order of the sums differs from one rank; measured <= 2e-6 on params.
 TOL = 1e-5
-#: bf16 against fp32 (see tests/test_mixed_precision.py for the 100-iteration measurement).
+#: bf16 against fp32 (see tests/core/training/test_mixed_precision.py for the 100-iteration measurement).
 BF16_REL_TOL = 5e-3
 
 

@@ -13,7 +13,7 @@ def mamba_layer_bytes(layer, shape) -> int:
     (fp32, over the sequence padded to whole chunks: the ``[chunk, chunk]`` score and decay
     matrices per head, the per-chunk states, the token-sized terms), gated norm, out_proj
     input, residual dropout. Approximate: the scan's intermediates are counted by kind, not
-    one by one (tests/test_memory_estimate.py holds it within 10% of autograd's)."""
+    one by one (tests/core/tools/test_memory_estimate.py holds it within 10% of autograd's)."""
     mixer = layer.mixer
     h = mixer.in_proj.weight.shape[1]
     heads, p, n, q = mixer.heads, mixer.head_dim, mixer.state, mixer.chunk_size

@@ -1,6 +1,6 @@
 """Bytes the GPT plugin's layers keep for backward for one microbatch (the ``activation_bytes``
 contract of ``plugtron.api.ActivationShape``), written from what the local backend's kernels
-save; tests/test_memory_estimate.py holds them to autograd's saved tensors.
+save; tests/core/tools/test_memory_estimate.py holds them to autograd's saved tensors.
 
 Notation: ``shape.residual(w)`` a residual-stream tensor (split over tp under sequence
 parallelism), ``shape.tensor(w)`` a tensor of this rank's tp share ``w``.
@@ -56,7 +56,7 @@ def mla_layer_bytes(layer, shape) -> int:
     """``*`` with multi-latent attention, approximately: norm, the down-projections' input,
     the latents (norm inputs and statistics, up-projection inputs), the rotary parts, core
     attention over the expanded q, k (both ``qk + pos`` wide) and v, output projection input,
-    residual dropout (tests/test_memory_estimate.py holds it within 5% of autograd's saved
+    residual dropout (tests/core/tools/test_memory_estimate.py holds it within 5% of autograd's saved
     tensors)."""
     attn = layer.self_attention
     h = attn.linear_kv_down_proj.weight.shape[1]

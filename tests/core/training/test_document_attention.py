@@ -1,0 +1,92 @@
+"""--reset-attention-mask: packed documents attend only within themselves. A packed sample of
+two documents gives exactly the logits of the two documents run separately (fp32, 1e-6); what
+cannot mask documents (context parallelism, the te backend) is refused before launch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from plugtron.api import SampleOptions, sample_from_window
+from plugtron.cli.main import cli
+from plugtron.plugins.layer_backends.attention_mask import causal_mask
+
+from gpt_plugin.tests.test_gpt_model import build
+
+EOD = 99
+
+
+def test_causal_mask_alone_and_with_documents():
+    assert torch.equal(causal_mask(3, 3)[0, 0], torch.tril(torch.ones(3, 3, dtype=torch.bool)))
+    # the last query of a generation step sees every key
+    assert causal_mask(1, 4)[0, 0].tolist() == [[True] * 4]
+    ids = torch.tensor([[0, 0, 1, 1]])
+    assert causal_mask(4, 4, ids)[0, 0].int().tolist() == [
+        [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("positions", ["learned_absolute", "rope"])
+def test_packed_documents_equal_the_documents_run_alone(positions):
+    config, model, gpt = build(position_embedding_type=positions, seq_length=16)
+    model.eval()
+    g = torch.Generator().manual_seed(1)
+    a = torch.cat([torch.randint(0, EOD, (5,), generator=g), torch.tensor([EOD])])
+    b = torch.randint(0, EOD, (11,), generator=g)
+    window = torch.cat([a, b])  # 17 tokens: a sample of 16 and its labels
+    options = SampleOptions(reset_position_ids=True, reset_attention_mask=True)
+    sample = sample_from_window(window.numpy(), options, EOD)
+    assert sample["attention_mask"].tolist() == [0] * 6 + [1] * 10
+    batch = {k: v[None] for k, v in sample.items()}
+    with torch.no_grad():
+        packed = model(batch["tokens"], batch["position_ids"],
+                       document_ids=batch["attention_mask"])
+        alone_a = model(a[None], torch.arange(6)[None])
+        alone_b = model(b[None, :10], torch.arange(10)[None])
+        unmasked = model(batch["tokens"], batch["position_ids"])
+        # the plugin's forward_step hands the batch's attention_mask to the model
+        losses, _ = gpt.forward_step(iter([batch]), model)
+    torch.testing.assert_close(packed[:, :6], alone_a, atol=1e-6, rtol=0)
+    torch.testing.assert_close(packed[:, 6:], alone_b, atol=1e-6, rtol=0)
+    assert (unmasked[:, 6:] - alone_b).abs().max() > 1e-3, "the mask must matter"
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(
+            packed[0, :, :config.model.vocab_size], batch["labels"][0], reduction="none")
+    torch.testing.assert_close(losses[0], expected, atol=1e-6, rtol=0)
+
+
+def _train(*flags):
+    args = ["train", "--data", "mock", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "1",
+            "--global-batch-size", "2", "--train-iters", "1", "--vocab-size", "64",
+            "--no-progress", "--eval-interval", "0", "--attention-dropout", "0",
+            "--reset-attention-mask", *flags]
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+def test_context_parallel_is_refused_with_exit_2():
+    result = _train("--cp", "2", "--nproc-per-node", "2")
+    assert result.exit_code == 2, result.output
+    assert "--reset-attention-mask is not supported with --cp 2" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_te_backend_is_refused_with_exit_2():
+    from plugtron.core.training.validate import validate
+
+    from tests.utils import tiny_config
+
+    config = tiny_config(reset_attention_mask=True, layer_backend="te")
+    from plugtron.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not supported by --layer-backend te"):
+        validate(config, 1)
+    result = _train("--layer-backend", "te")
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+
+
+def test_document_numbers_follow_megatrons_eod_rule():
+    sample = sample_from_window(np.array([1, EOD, 2, 3, EOD, 4]),
+                                SampleOptions(reset_attention_mask=True), EOD)
+    assert sample["attention_mask"].tolist() == [0, 0, 1, 1, 1]
