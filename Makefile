@@ -37,10 +37,9 @@ train: $(STAMP) $(BLEND)
 ## one thread per core, 23 s with one).
 ## Each part's timings go to build/test-*.xml: `python benchmarks/suite_costs.py` sums them by
 ## file (what each part of the suite costs).
-## Three workers on 2 cores: much of the suite waits (launchers, heartbeats, timeouts,
-## rendezvous) rather than computes, and a third worker fills those waits (2026-12-06: 2,300 s
-## of test time took 19.5 minutes with two workers).
-JOBS ?= 3
+## Two workers on 2 cores: a third was slower (2026-12-06: 20.7 minutes against 19.5 with
+## two), the ranks of each worker's pools already fill the cores.
+JOBS ?= 2
 test: $(STAMP) $(BLEND)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not serial" --durations=30 \
 		--junitxml=build/test-parallel.xml $(ARGS)
