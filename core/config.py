@@ -188,6 +188,20 @@ class TrainingConfig:
                                      is_flag=True)
     spiky_loss_factor: float = opt(10.0, "--spiky-loss-factor", "A loss over this many times the "
                                    "largest of the first 100 steps is a spike.")
+    check_for_nan_in_loss_and_grad: bool = opt(
+        True, "--check-for-nan-in-loss-and-grad",
+        "Never apply a step whose global gradient norm is NaN or Inf (fp32/bf16; under --fp16 "
+        "the loss scaler skips it): the run stops at that iteration (Megatron's default).",
+        is_flag=True, negative="--no-check-for-nan-in-loss-and-grad")
+    check_weight_hash_across_dp_replicas_interval: int | None = opt(
+        None, "--check-weight-hash-across-dp-replicas-interval",
+        "Every N iterations (and before the first), compare a hash of every parameter across "
+        "the data-parallel replicas; a replica that differs stops the run, naming the ranks "
+        "and the parameter.")
+    skip_nonfinite_steps: int = opt(
+        0, "--skip-nonfinite-steps",
+        "Skip up to this many steps with a NaN/Inf gradient norm over the run (counted in the "
+        "metrics as nonfinite_skips) before stopping; 0: stop at the first.")
     exit_signal_handler: bool = opt(False, "--exit-signal-handler",
                                     "Also stop cleanly (finish the step, save) on SIGUSR1.",
                                     is_flag=True)

@@ -22,6 +22,7 @@ from plugtron.core.monitoring import run_status
 from plugtron.core.monitoring.memory import step_memory_mb
 from plugtron.core.monitoring.metrics import MetricsLogger, Throughput
 from plugtron.core.monitoring.profiling import StepProfiler
+from plugtron.core.monitoring.replicas import check_replicas
 from plugtron.core.monitoring.straggler import StragglerLog
 from plugtron.core.parallel import comm, shared_params
 from plugtron.core.parallel.context import ParallelContext
@@ -39,7 +40,7 @@ from plugtron.core.training import aux_losses, data, grads, preemption, step_inf
 from plugtron.core.training.builder import build_model, model_dtype
 from plugtron.core.training.lr_schedule import LRScheduler
 from plugtron.core.training.optimizer import Optimizer, StepResult, checked_optimizer
-from plugtron.core.training.rerun import RerunStateMachine
+from plugtron.core.training.rerun import NonFiniteSteps, RerunStateMachine
 from plugtron.core.training.state import TrainState
 from plugtron.core.training.validate import apply_schedule_placement, validate_plugins
 
@@ -403,6 +404,8 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
     throughput = Throughput()
     profiler = StepProfiler(config, run.world.rank)
     stragglers = StragglerLog(config, run.world.device)
+    nonfinite = NonFiniteSteps(config)
+    check_replicas(run, state.iteration, at_start=True)
     losses: dict = {}
     start = time.perf_counter()
     while state.iteration < t.train_iters:
@@ -418,6 +421,7 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
             raise ConfigError(f"the training data ran out at iteration {iteration}; the dataset "
                               f"is smaller than --train-iters x --global-batch-size") from None
         step_time = time.perf_counter() - step_start
+        check_replicas(run, iteration)
         profiler.after_step(iteration)
         stragglers.add(run.forward_backward_s)
         state.iteration = iteration
@@ -435,14 +439,22 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
         record.update(stragglers.report(iteration))  # every rank: a gather when due
         if run.rerun is not None:
             record.update(run.rerun.report)
-        metrics.train_step(record)
+        try:
+            record.update(nonfinite.record(iteration, result, losses))
+        finally:
+            metrics.train_step(record)  # the refused step is logged before the run stops
         run.pm.hook.plugtron_step_end(iteration=iteration, metrics=record)
         if run.rerun is not None:
             run.rerun.stop()  # a reproducible NaN/Inf: an error, once the record says so
-        if t.eval_interval and iteration % t.eval_interval == 0:
+        # A signal or exit limit stops the run after this step. On a signal (a scheduler's
+        # deadline) nothing but the checkpoint follows: no validation, no interval save (the
+        # end-of-training save below writes this iteration).
+        stopping = preemption.check(run, iteration)
+        if t.eval_interval and iteration % t.eval_interval == 0 and not preemption.by_signal():
             run_evaluation(run, metrics, iteration)
-        after_step(run, iteration)
-        if preemption.check(run, iteration):  # a signal or exit limit: stop cleanly, save
+        if not stopping:
+            after_step(run, iteration)
+        if stopping:
             break
     profiler.finish()
     for chunk in run.model_chunks:  # whoever reads parameters next gets the gathered ones
@@ -491,7 +503,8 @@ def _train_and_report(run: Run) -> dict:
     try:
         summary = train(run, metrics)
         t = config.training
-        if t.eval_interval and run.state.iteration % t.eval_interval != 0:
+        if t.eval_interval and run.state.iteration % t.eval_interval != 0 and \
+                not preemption.by_signal():
             run_evaluation(run, metrics, run.state.iteration)
         metrics.summary(summary)
         run.pm.hook.plugtron_train_end(config=config, state=run.state, summary=summary)

@@ -31,6 +31,9 @@ class StepResult:
     stepped: bool
     grad_norm: float
     num_zeros: int | None
+    #: Not stepped because the global gradient norm was NaN or Inf without a loss scaler
+    #: (``--check-for-nan-in-loss-and-grad``): the loop stops the run, or counts a skip.
+    nonfinite: bool = False
 
 
 class Optimizer(ABC):
@@ -266,6 +269,11 @@ class MixedPrecisionOptimizer(Optimizer):
         counted = [(g, p) for g, p in pairs if grad_utils.counts_for_norm(p, self.parallel)]
         norm = grad_utils.total_norm(counted, self.parallel, self.norm_groups,
                                      self.expert_norm_groups)
+        if not math.isfinite(norm) and self.config.training.check_for_nan_in_loss_and_grad:
+            # No loss scaler to absorb it: the update must not reach the weights (the norm is
+            # global, so every rank decides alike).
+            self._clear_main_grads()
+            return StepResult(False, norm, None, nonfinite=True)
         grad_utils.clip_(grads, norm, self.config.training.clip_grad)
         num_zeros = None
         if self.config.logging.log_num_zeros_in_grad:

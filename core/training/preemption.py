@@ -85,6 +85,12 @@ def check(run, iteration: int) -> bool:
     return stopped is not None
 
 
+def by_signal() -> bool:
+    """Whether the run stopped for a signal (a scheduler's deadline: nothing but the save may
+    follow), not for --exit-interval or --exit-duration-in-mins."""
+    return stopped is not None and stopped[1] != 0
+
+
 def final_message(config) -> str:
     """The one line a stopped run ends with."""
     message = stopped[0] if stopped else "stopped"

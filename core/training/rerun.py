@@ -203,3 +203,32 @@ def _grads_finite(model_chunks) -> bool:
             if grad is not None and not bool(torch.isfinite(grad).all()):
                 return False
     return True
+
+
+class NonFiniteSteps:
+    """``--check-for-nan-in-loss-and-grad`` (on by default) outside ``--rerun-mode``: the
+    optimizer does not apply a step whose global gradient norm is NaN or Inf
+    (``StepResult.nonfinite``), and this stops the run at that iteration, or counts it as a
+    skip while ``--skip-nonfinite-steps`` allows more. The last checkpoint stays the last."""
+
+    def __init__(self, config):
+        self.allowed = config.training.skip_nonfinite_steps
+        self.skipped = 0
+
+    def record(self, iteration: int, result, losses: dict) -> dict:
+        """Metrics for this step's record; raises once the skips run out."""
+        if not result.nonfinite:
+            return {"nonfinite_skips": self.skipped} if self.skipped else {}
+        self.skipped += 1
+        if self.skipped > self.allowed:
+            loss = ", ".join(f"{k} {float(v):.4g}" for k, v in losses.items()) or "no loss"
+            skips = (f" (the {self.skipped}th such step; --skip-nonfinite-steps allows "
+                     f"{self.allowed})" if self.allowed else "")
+            raise step_info.NonFiniteLossError(
+                f"iteration {iteration}: the gradient norm is {result.grad_norm} ({loss}), so "
+                f"the step was not applied and the run stops{skips}; the weights and the last "
+                f"checkpoint are those before it. Lower --lr or clip gradients (--clip-grad), "
+                f"use --rerun-mode validate_results to tell a transient fault from a "
+                f"reproducible one, or --skip-nonfinite-steps N to skip a few such steps")
+        return {"nonfinite_skips": self.skipped}
+

@@ -9,6 +9,7 @@ from plugtron.core.config import TrainConfig, derive_padded_vocab_size, validate
 from plugtron.core.contracts.model_info import model_info_for
 from plugtron.core.errors import ConfigError
 from plugtron.core.monitoring.profiling import validate_profile
+from plugtron.core.monitoring.replicas import validate_replica_check
 from plugtron.core.monitoring.straggler import validate_straggler
 from plugtron.core.parallel.context import V_SHAPE, check_placement, validate_sizes
 from plugtron.core.parallel.context_parallel import check_support
@@ -77,6 +78,10 @@ def validate(config: TrainConfig, world_size: int) -> None:
     validate_profile(config)
     validate_straggler(config)
     validate_rerun(config)
+    validate_replica_check(config)
+    if config.training.skip_nonfinite_steps < 0:
+        raise ConfigError(f"--skip-nonfinite-steps must be >= 0 (0: stop at the first), got "
+                          f"{config.training.skip_nonfinite_steps}")
     validate_recompute(config)
     validate_plugins(config, world_size)
 

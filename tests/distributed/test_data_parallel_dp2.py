@@ -4,7 +4,9 @@ with the same global batch, on data with uneven loss masks."""
 import math
 
 import pytest
+from plugtron.api import hookimpl
 from plugtron.core.parallel.distributed import single_process
+from plugtron.testing.pool import RankFailure
 
 from tests.distributed.dp_helpers import (
     VARIANTS,
@@ -164,6 +166,74 @@ def test_fp16_overflow_on_one_rank_skips_the_step_everywhere(pool, distributed):
         assert all(math.isfinite(x) for x in result["losses"])
         assert max_param_diff(after_skip["params"], after_two["params"]) == 0.0
     assert max_param_diff(results[0]["params"], results[1]["params"]) == 0.0
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_a_non_finite_gradient_in_fp32_stops_the_run_before_the_step(pool, distributed):
+    """--check-for-nan-in-loss-and-grad (the default): an inf gradient on one replica at
+    iteration 3 makes the global norm inf; every rank refuses the step and stops there, naming
+    the iteration, with the weights of iteration 2."""
+    overrides = {"train_iters": 5, "use_distributed_optimizer": distributed}
+    with pytest.raises(RankFailure) as failed:
+        pool.run(pool_train, overrides, inject=(3, 1))
+    assert sorted(failed.value.tracebacks) == [0, 1]  # every rank, none left hanging
+    for text in failed.value.tracebacks.values():
+        assert "NonFiniteLossError: iteration 3: the gradient norm is" in text
+        assert "the step was not applied" in text
+
+
+def test_skip_nonfinite_steps_skips_a_bounded_number(pool):
+    overrides = {"train_iters": 5, "skip_nonfinite_steps": 1}
+    results = pool.run(pool_train, overrides, inject=(3, 1))
+    skipped = pool.run(pool_train, overrides, stop_after=3, inject=(3, 1))
+    before = pool.run(pool_train, overrides, stop_after=2)
+    for result, after_skip, after_two in zip(results, skipped, before):
+        assert result["skipped"] == [False, False, True, False, False]
+        assert math.isinf(result["grad_norm"][2])
+        assert max_param_diff(after_skip["params"], after_two["params"]) == 0.0
+    assert max_param_diff(results[0]["params"], results[1]["params"]) == 0.0
+
+
+def _flip_a_bit_on_rank_1(rank, world_size, overrides):
+    """Train with the replica check; after iteration 2 rank 1 flips one bit of one weight."""
+    import torch
+    from plugtron.core.training.optimizer import named_params
+
+    def flip(run):
+        class FlipAfter2:
+            @hookimpl
+            def plugtron_step_end(self, iteration, metrics):
+                if iteration == 2 and run.parallel.dp_rank == 1:
+                    name, param = named_params(run.model_chunks)[1]
+                    with torch.no_grad():
+                        bits = param.data.view(-1).view(torch.int32)
+                        bits[0] ^= 1  # the lowest mantissa bit of one element
+                    flipped.append(name)
+        run.pm.register(FlipAfter2())
+
+    flipped: list[str] = []
+    train_run(overrides, before_train=flip)
+    return flipped
+
+
+@pytest.mark.parametrize("distributed", [False, True])
+def test_replicas_that_agree_pass_the_hash_check(pool, distributed):
+    overrides = {"train_iters": 3, "check_weight_hash_across_dp_replicas_interval": 1,
+                 "use_distributed_optimizer": distributed}
+    for result in pool.run(pool_train, overrides):  # checked before and after every step
+        assert len(result["losses"]) == 3
+
+
+def test_a_flipped_bit_on_one_replica_stops_the_run_naming_it(pool):
+    """Without the distributed optimizer each replica steps its own copy, so the flipped bit
+    stays; the check at iteration 3 sees it."""
+    overrides = {"train_iters": 4, "check_weight_hash_across_dp_replicas_interval": 3}
+    with pytest.raises(RankFailure) as failed:
+        pool.run(_flip_a_bit_on_rank_1, overrides)
+    assert sorted(failed.value.tracebacks) == [0, 1]  # every rank stops, none hangs
+    for text in failed.value.tracebacks.values():
+        assert "ReplicasDiverged: data-parallel replicas differ: rank 0 and rank 1 hold " \
+               "different values of" in text
 
 
 RUN = {"train_iters": 4}

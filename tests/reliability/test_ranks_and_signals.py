@@ -4,6 +4,7 @@ preemption on one and two ranks, a second SIGINT. Every process is bounded in ti
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -141,6 +142,25 @@ def test_preemption_saves_and_exits_with_one_line(tmp_path, nproc, sig, to_all):
     assert "Traceback" not in done.out
     iteration = int(lines[0].split("after iteration ")[1].split(";")[0])
     intact(save, iteration)
+
+
+def test_sigterm_is_answered_by_the_save_alone(tmp_path):
+    """A scheduler's deadline: after SIGTERM the run finishes its step and saves; it runs no
+    validation (here one after every step, and another at the end of an unaligned run)."""
+    save = str(tmp_path / "save")
+    proc, metrics = _start(tmp_path, "--save", save, "--eval-interval", "1", "--eval-iters", "2",
+                           nproc=1)
+    _wait_training(proc, metrics, steps=2)
+    os.kill(proc.pid, signal.SIGTERM)
+    done = finish(proc, 60)
+    assert done.rc == 128 + signal.SIGTERM, done.out
+    line = next(line for line in done.out.splitlines() if "stopped by SIGTERM" in line)
+    stop = int(line.split("after iteration ")[1].split(";")[0])
+    with open(metrics) as f:
+        records = [json.loads(text) for text in f if text.strip()]
+    evaluated = [r["iteration"] for r in records if any(k.startswith("valid_") for k in r)]
+    assert evaluated and max(evaluated) < stop, (evaluated, stop)  # none at or after the stop
+    intact(save, stop)
 
 
 def test_second_sigint_aborts_at_once(tmp_path, saved_run):
