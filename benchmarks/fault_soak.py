@@ -117,6 +117,9 @@ class Fault:
     kind: str
     iteration: int
     injected_at: float = 0.0
+    #: The iteration training stood at when the fault took effect (a full disk: at the next
+    #: save, not when the marker was laid).
+    effect: int | None = None
     recovered_s: float | None = None
     note: str = ""
 
@@ -178,10 +181,15 @@ def storm(workdir: str, iterations: int, seed: int, kinds: tuple[str, ...] = FAU
                     raise TimeoutError(f"the soak ran past {max_minutes} minutes")
                 now, done = time.monotonic(), last_iteration(metrics)
                 for fault in list(active):
-                    if done > fault.iteration:
+                    if fault.effect is None and not (fault.kind == "disk_full"
+                                                     and os.path.exists(marker)):
+                        fault.effect = done
+                    if fault.effect is not None and done > fault.effect and \
+                            len(rank_pids(proc.pid)) == 4:
                         fault.recovered_s = now - fault.injected_at
                         active.remove(fault)
-                if pending and done >= pending[0].iteration:
+                # one fault at a time: the next waits until the job is past the last one
+                if pending and not active and done >= pending[0].iteration:
                     fault = pending[0]
                     fault.iteration, fault.injected_at = done, now
                     outcome = inject(fault, proc, marker)
@@ -268,8 +276,11 @@ def reference(workdir: str, iterations: int, save_interval: int, report: Report)
     mine = CheckpointReader(os.path.join(workdir, "soak", name))
     theirs = CheckpointReader(os.path.join(save, name))
     try:
-        names = sorted(set(mine.names("model/")) | set(mine.names("optim/")))
-        other = sorted(set(theirs.names("model/")) | set(theirs.names("optim/")))
+        def logical(reader) -> list[str]:
+            return sorted(f"{kind}{n}" for kind in ("model/", "optim/")
+                          for n in reader.names(kind))
+
+        names, other = logical(mine), logical(theirs)
         if names != other:
             report.differences.append("the two checkpoints hold different tensors")
         for logical in names:
@@ -288,8 +299,8 @@ def describe(report: Report) -> list[str]:
              f"{report.seconds:.0f} s"]
     for f in report.faults:
         took = f"{f.recovered_s:.1f} s" if f.recovered_s is not None else "-"
-        lines.append(f"  {f.kind:<9} at iteration {f.iteration:>4}: past it again after "
-                     f"{took} ({f.note})")
+        lines.append(f"  {f.kind:<9} at iteration {f.iteration:>4}: training past it again "
+                     f"after {took} ({f.note})")
     verdict = "bitwise equal" if report.equal else "DIFFERENT: " + ", ".join(
         report.differences[:5] or ["the final loss"])
     lines.append(f"final loss {report.final_loss} (uninterrupted: {report.reference_loss}); "
@@ -302,7 +313,7 @@ def write_results(report: Report, command: str) -> None:
 
     write_section("\n".join([
         f"## Fault storm ({datetime.date.today()})", "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores ({platform.processor() or '?'})."
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores."
         f" Command: `{command}`.", "", "```", *describe(report), "```"]))
 
 

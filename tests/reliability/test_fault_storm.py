@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fault_soak.py"
 
@@ -16,6 +17,7 @@ BENCH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "fault_soak
 def _soak():
     spec = importlib.util.spec_from_file_location("fault_soak", BENCH)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["fault_soak"] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 
