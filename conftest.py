@@ -18,6 +18,7 @@ HEAVIEST_FIRST = (
     "tests/reliability/test_elastic_nodes.py",
     "tests/distributed/test_fsdp2.py",
     "tests/reliability/test_elastic_restart.py",
+    "tests/reliability/test_fault_storm.py",
     "moe_plugin/tests/test_moe_expert_parallel.py",
     "tests/cli/test_end_to_end.py",
     "tests/distributed/test_tensor_parallel.py",
