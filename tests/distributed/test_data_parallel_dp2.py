@@ -194,7 +194,7 @@ def test_skip_nonfinite_steps_skips_a_bounded_number(pool):
     assert max_param_diff(results[0]["params"], results[1]["params"]) == 0.0
 
 
-def _flip_a_bit_on_rank_1(rank, world_size, overrides):
+def _flip_a_bit_on_rank_1(rank, world_size, overrides, part=""):
     """Train with the replica check; after iteration 2 rank 1 flips one bit of one weight."""
     import torch
     from plugtron.core.training.optimizer import named_params
@@ -204,7 +204,8 @@ def _flip_a_bit_on_rank_1(rank, world_size, overrides):
             @hookimpl
             def plugtron_step_end(self, iteration, metrics):
                 if iteration == 2 and run.parallel.dp_rank == 1:
-                    name, param = named_params(run.model_chunks)[1]
+                    name, param = [(n, p) for n, p in named_params(run.model_chunks)
+                                   if part in n][1]
                     with torch.no_grad():
                         bits = param.data.view(-1).view(torch.int32)
                         bits[0] ^= 1 << 20  # a high mantissa bit of one element
@@ -222,6 +223,22 @@ def test_replicas_that_agree_pass_the_hash_check(pool, distributed):
                  "use_distributed_optimizer": distributed}
     for result in pool.run(pool_train, overrides):  # checked before and after every step
         assert len(result["losses"]) == 3
+
+
+def test_expert_replicas_are_compared_over_expert_data_parallelism(pool):
+    """MoE at dp 2, ep 1: the experts are replicated over expert data parallelism and compared
+    there, the dense parameters over dp."""
+    overrides = {"train_iters": 2, "check_weight_hash_across_dp_replicas_interval": 1,
+                 "num_experts": 2}
+    for result in pool.run(pool_train, overrides):
+        assert any(".experts." in name for name in result["params"])
+    with pytest.raises(RankFailure) as failed:
+        pool.run(_flip_a_bit_on_rank_1, {**overrides, "train_iters": 4,
+                                         "check_weight_hash_across_dp_replicas_interval": 3},
+                 part=".experts.")
+    for text in failed.value.tracebacks.values():
+        assert "expert data-parallel replicas differ: rank 0 and rank 1" in text
+        assert ".experts." in text.split("hold different values of")[1].split("\n")[0]
 
 
 def test_a_flipped_bit_on_one_replica_stops_the_run_naming_it(pool):
