@@ -85,6 +85,8 @@ class Nodes:
     #: Elastic (``--nnodes MIN:MAX``): the fewest nodes a group may re-form with after a
     #: node is lost; ``count`` is the most. None: exactly ``count``.
     min_count: int | None = None
+    #: ``--rdzv-conf``: the rendezvous's own settings, ((key, value), ...)
+    rdzv_conf: tuple[tuple[str, str], ...] = ()
 
     @property
     def several(self) -> bool:
@@ -103,9 +105,12 @@ class Nodes:
         # No --node-rank: the c10d rendezvous assigns node ranks itself (torch ignores it and
         # warns); plugtron's own --node-rank only says which launcher takes the save lock.
         # Elastic (MIN:MAX): once MIN nodes have joined, torch waits its last call (30 s) for
-        # more, at the first start and after a node is lost, so slow starters are not left out.
+        # more, at the first start and after a node is lost, so slow starters are not left out
+        # (--rdzv-conf last_call_timeout=S changes that wait).
+        conf = ",".join(f"{key}={value}" for key, value in self.rdzv_conf)
         return [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id=plugtron-{self.endpoint}"]
+                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id=plugtron-{self.endpoint}",
+                *([f"--rdzv-conf={conf}"] if conf else [])]
 
 
 def torchrun_argv(nproc: int, command: str, config_path: str, parser=None,

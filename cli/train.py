@@ -88,11 +88,46 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     return lo, hi
 
 
+#: torch elastic's c10d rendezvous settings ``--rdzv-conf`` passes on: seconds, or counts
+RDZV_CONF_KEYS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout",
+                  "keep_alive_interval", "keep_alive_max_attempt", "read_timeout")
+#: ... and whether this node's launcher hosts the rendezvous's store (else: the endpoint's host)
+RDZV_CONF_FLAGS = ("is_host",)
+TRUE_FALSE = {"1": "1", "true": "1", "yes": "1", "0": "0", "false": "0", "no": "0"}
+
+
+def parse_rdzv_conf(text: str | None) -> tuple[tuple[str, str], ...]:
+    """``--rdzv-conf KEY=VALUE[,KEY=VALUE]`` (torchrun's form) -> ((key, value), ...)."""
+    if not text:
+        return ()
+    out = []
+    for item in text.split(","):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if key in RDZV_CONF_FLAGS:
+            if value.lower() not in TRUE_FALSE:
+                raise ConfigError(f"--rdzv-conf {text!r}: {key} is true or false (1 or 0)")
+            out.append((key, TRUE_FALSE[value.lower()]))
+            continue
+        if key not in RDZV_CONF_KEYS:
+            raise ConfigError(f"--rdzv-conf {text!r}: unknown setting {key!r}; allowed: "
+                              f"{', '.join(RDZV_CONF_KEYS + RDZV_CONF_FLAGS)}")
+        if not sep or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"--rdzv-conf {text!r}: {key} needs a whole number of at least "
+                              f"1 (seconds, or attempts), as {key}=10")
+        out.append((key, value))
+    return tuple(out)
+
+
 def node_layout(external: bool, nnodes: str | int, node_rank: int, master_addr: str | None,
-                master_port: int, rdzv_endpoint: str | None, max_restarts: int) -> Nodes:
+                master_port: int, rdzv_endpoint: str | None, max_restarts: int,
+                rdzv_conf: str | None = None) -> Nodes:
     """The ``--nnodes`` options, checked: what torchrun is told on this node."""
     min_nodes, nnodes = parse_nnodes(str(nnodes))
     several = nnodes > 1 or max_restarts > 0
+    conf = parse_rdzv_conf(rdzv_conf)
+    if conf and not several:
+        raise ConfigError("--rdzv-conf sets the rendezvous of several nodes or of restarts: "
+                          "give it with --nnodes or --max-restarts")
     if external and (several or node_rank):
         raise ConfigError("--nnodes, --node-rank and --max-restarts start ranks; under torchrun "
                           "(or srun with several tasks) the launcher already did: give them to "
@@ -117,7 +152,7 @@ def node_layout(external: bool, nnodes: str | int, node_rank: int, master_addr: 
     if min_nodes < nnodes and max_restarts == 0:
         raise ConfigError(f"--nnodes {min_nodes}:{nnodes}: the group re-forms without a lost node "
                           f"only by restarting; add --max-restarts K")
-    return Nodes(nnodes, node_rank, endpoint, max_restarts, min_nodes)
+    return Nodes(nnodes, node_rank, endpoint, max_restarts, min_nodes, conf)
 
 
 def load_argument(args: list[str]) -> str | None:
@@ -226,6 +261,12 @@ def make_train_command(args: list[str]) -> click.Command:
         click.option("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                      help="The rendezvous as torchrun names it (instead of --master-addr and "
                      "--master-port)."),
+        click.option("--rdzv-conf", default=None, metavar="KEY=VALUE[,...]",
+                     help="Settings of torch elastic's c10d rendezvous, as torchrun takes them "
+                     "(e.g. last_call_timeout=5: how long the survivors of a lost node wait for "
+                     "more nodes, 30 s by default; join_timeout, close_timeout, "
+                     "heartbeat_timeout, keep_alive_interval, keep_alive_max_attempt, "
+                     "read_timeout; is_host=0 on the nodes that do not hold the endpoint)."),
         click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
                      help="Restart the worker group this many times when a rank fails (torch "
                      "elastic); with --save and --load the run resumes from its latest "
@@ -235,7 +276,7 @@ def make_train_command(args: list[str]) -> click.Command:
                      "the memory of a rank."),
         config_options(run.declared), user_errors)
     def train(config_file, preset, nproc_per_node, nnodes, node_rank, master_addr, master_port,
-              rdzv_endpoint, max_restarts, no_memory_check, **params):
+              rdzv_endpoint, rdzv_conf, max_restarts, no_memory_check, **params):
         """Train a model. Under torchrun (or any launcher setting RANK/WORLD_SIZE) each rank
         joins that world; otherwise --nproc-per-node local ranks are started (on each of
         --nnodes nodes)."""
@@ -246,7 +287,7 @@ def make_train_command(args: list[str]) -> click.Command:
                               "several tasks: the launcher already started the ranks (one "
                               "plugtron launcher per node under SLURM: set PLUGTRON_SLURM=0)")
         nodes = node_layout(external, nnodes, node_rank, master_addr, master_port,
-                            rdzv_endpoint, max_restarts)
+                            rdzv_endpoint, max_restarts, rdzv_conf)
         world_size = int(os.environ["WORLD_SIZE"]) if external else nproc_per_node * nodes.count
         check_plugins(config)
         preflight(config, world_size, memory_check=False)

@@ -82,20 +82,36 @@ def acquire(save: str) -> bool:
 
 
 def hold_for_run(save: str | None, rank: int, world_size: int, device=None) -> bool:
-    """Called by every rank where a run opens its save directory (``pretrain``): rank 0 takes
-    the lock (and repairs crashed saves) while the others wait, then all agree, so a refusal
-    stops every rank with the same CheckpointError and nobody reads the directory before it is
-    repaired. True when this rank took the lock (release it at the run's end)."""
+    """Called by every rank where a run opens its save directory (``pretrain``): one rank
+    takes the lock (and repairs crashed saves) while the others wait, then all agree, so a
+    refusal stops every rank with the same CheckpointError and nobody reads the directory before
+    it is repaired. True when this rank took the lock (release it at the run's end).
+
+    The rank that tries is rank 0, unless a plugtron launcher holds the lock for the run: then
+    the first local rank under that launcher (it checks the lock is its parent's). With several
+    nodes that launcher is ``--node-rank 0``'s, and the rendezvous may place global rank 0 on
+    another node, where the lock is not held by its parent."""
 
     if not save:
         return False
+    under_launcher = os.environ.get(INHERITED_ENV) == os.path.abspath(save)
+    any_launcher = under_launcher
+    distributed = world_size > 1 and torch.distributed.is_initialized()
+    if distributed:
+        flag = torch.tensor([int(under_launcher)], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        any_launcher = bool(int(flag[0]))
+    if any_launcher:
+        tries = under_launcher and int(os.environ.get("LOCAL_RANK", 0)) == 0
+    else:
+        tries = rank == 0
     took, error = False, None
-    if rank == 0:
+    if tries:
         try:
             took = acquire(save)
         except CheckpointError as exc:
             error = exc
-    if world_size > 1 and torch.distributed.is_initialized():
+    if distributed:
         flag = torch.tensor([0 if error is None else 1], device=device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if error is None and int(flag[0]):

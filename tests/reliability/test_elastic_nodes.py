@@ -4,7 +4,9 @@ mid-run.
 
 * Elastic (``--nnodes 1:2 --max-restarts 1``): the survivors re-form as a group of one node
   (dp 4 -> dp 2), resume from the latest complete checkpoint and finish with one process's
-  losses (relative 1e-5: only the order of the sums changes with dp).
+  losses (relative 1e-5: only the order of the sums changes with dp). ``--rdzv-conf
+  last_call_timeout=5`` shortens torch's wait for more nodes (30 s) and shows the setting
+  reaches the rendezvous.
 * Fixed (``--nnodes 2``, no restarts): the survivors stop with an error naming the failure,
   well within the distributed timeout; nothing hangs.
 * The node whose launcher holds the c10d rendezvous lost: the others cannot re-form and stop
@@ -22,6 +24,7 @@ from .test_two_nodes import _close, _free_port
 from .tools import finish, kill_group, losses_of, run_cli, start_cli, tiny_flags, wait_for
 
 ITERS = 12
+LAST_CALL_S = 5
 FLAGS = tiny_flags(train_iters=ITERS, log_interval=1, eval_interval=0,
                    distributed_timeout_minutes=1)
 
@@ -50,15 +53,22 @@ def _iterations(paths) -> int:
 
 
 def _start_two_nodes(tmp_path, nnodes: str, *extra: str):
+    """Node 0's launcher hosts the rendezvous, as on a cluster; node 1 (``is_host=0``: on one
+    machine both would match the endpoint's host) starts first and waits for it, so the two
+    join within the short last call. Node 1 starting first also puts global rank 0 on the node
+    whose launcher does not hold the save lock (the rendezvous orders nodes as it likes)."""
     port = _free_port()
-    procs, metrics = [], []
-    for node in (0, 1):
-        metrics.append(tmp_path / f"node{node}.jsonl")
+    procs, metrics = [], [tmp_path / "node0.jsonl", tmp_path / "node1.jsonl"]
+    for node in (1, 0):
+        # a 1 s heartbeat: the lost node leaves the rendezvous after 3 s missed, not 15 s
+        conf = (f"last_call_timeout={LAST_CALL_S},keep_alive_interval=1"
+                + (",is_host=0" if node else ""))
         procs.append(start_cli(["train", *FLAGS, *extra, "--nnodes", nnodes, "--node-rank",
                                 str(node), "--nproc-per-node", "2", "--rdzv-endpoint",
-                                f"127.0.0.1:{port}", "--metrics-file", str(metrics[-1])]))
-        if node == 0:  # the first launcher hosts the rendezvous, as node 0 does on a cluster
-            assert wait_for(lambda: _listening(port), 60), "node 0 never opened the rendezvous"
+                                f"127.0.0.1:{port}", "--rdzv-conf", conf,
+                                "--metrics-file", str(metrics[node])]))
+    procs.reverse()
+    assert wait_for(lambda: _listening(port), 60), "node 0 never opened the rendezvous"
     # Global rank 0 (which the rendezvous may place on either node) writes its node's file.
     assert wait_for(lambda: _iterations(metrics) >= 4, 90), "the two nodes never trained"
     return procs, metrics
@@ -73,7 +83,9 @@ def test_survivors_of_a_lost_node_reform_and_finish(tmp_path, alone):
     done = finish(procs[0])
     assert done.rc == 0 and not done.timed_out, done.out
     assert "saved with tp 1 pp 1 cp 1 dp 4" in done.out  # resumed after re-forming
-    print(f"re-formed and finished {time.monotonic() - lost:.1f} s after the node was lost")
+    took = time.monotonic() - lost
+    print(f"re-formed and finished {took:.1f} s after the node was lost")
+    assert took < 30, "torch's default last call (30 s) was waited: --rdzv-conf did not reach it"
     # The survivors' rank 0 writes this node's file from its restart on.
     got = losses_of(metrics[0])
     assert max(got) == ITERS
@@ -113,6 +125,24 @@ def test_bad_elastic_node_counts_exit_2():
             (["--nnodes", "1:2", "--rdzv-endpoint", "h:1"], "add --max-restarts K"),
             (["--nnodes", "1:2", "--max-restarts", "1", "--rdzv-endpoint", "h:1",
               "--nproc-per-node", "2", "--tp", "4"],
-             "may re-form with 1 node(s) (2 ranks), where world size 2 is not divisible")):
+             "may re-form with 1 node(s) (2 ranks), where world size 2 is not divisible"),
+            (["--rdzv-conf", "last_call_timeout=3"], "give it with --nnodes or --max-restarts"),
+            (["--max-restarts", "1", "--rdzv-conf", "last_call=3"],
+             "unknown setting 'last_call'; allowed: join_timeout, last_call_timeout"),
+            (["--max-restarts", "1", "--rdzv-conf", "join_timeout=soon"],
+             "join_timeout needs a whole number of at least 1"),
+            (["--max-restarts", "1", "--rdzv-conf", "is_host=maybe"],
+             "is_host is true or false (1 or 0)")):
         done = CliRunner().invoke(cli, ["train", *tiny_flags(train_iters=1), *args])
         assert done.exit_code == 2 and message in done.output, (args, done.output)
+
+
+def test_rdzv_conf_reaches_torchrun():
+    from plugtron.cli.train import node_layout
+
+    nodes = node_layout(False, "1:2", 0, None, 29500, "h:1", 1,
+                        "last_call_timeout=3, join_timeout=60,is_host=false")
+    assert nodes.torchrun_options()[-1] == \
+        "--rdzv-conf=last_call_timeout=3,join_timeout=60,is_host=0"
+    assert not any(o.startswith("--rdzv-conf") for o in
+                   node_layout(False, "2", 0, None, 29500, "h:1", 0).torchrun_options())
