@@ -49,16 +49,19 @@ def list_plugins(check):
 
 
 @plugins.command("check")
-@click.argument("name", required=False)
-def check_plugins(name):
-    """Import every installed plugin (or those called NAME) and check its hooks against the
+@click.argument("names", nargs=-1, metavar="[NAME]...")
+def check_plugins(names):
+    """Import every installed plugin (or those called NAME...) and check its hooks against the
     hookspecs: unknown or misspelled hook names, hooks not marked @hookimpl, parameters the hook
     does not have, contract hooks a driver does not implement. Exits 2 on any problem; warnings
     (a layer type without activation_bytes) are printed and do not fail it."""
-    infos = plugin_check.installed_plugins([name] if name else ())
+    infos = plugin_check.installed_plugins(names)
+    missing = sorted(set(names) - {info.name for info in infos})
+    if missing:
+        raise UserError(f"no installed plugin is called {', '.join(map(repr, missing))}; "
+                        f"`plugtron plugins list` shows those that are")
     if not infos:
-        raise UserError(f"no installed plugin is called {name!r}; `plugtron plugins list` "
-                        f"shows those that are")
+        raise UserError("no plugin is installed: pip install plugtron-gpt, or a plugin package")
     results = plugin_check.check_plugins(infos)
     count = warnings = 0
     for info, problems in results:

@@ -26,14 +26,14 @@ the functions at the end of this module (:func:`local_tensor`, :func:`full_tenso
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from plugtron.core.parallel import comm
 
-try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # a torch built without distributed: nothing can be a DTensor
-    DTensor = None  # type: ignore[assignment,misc]
-    distribute_tensor = None  # type: ignore[assignment]
+#: Imported by whoever makes DTensors (``fsdp2``), not here: it costs about a second at every
+#: start, and until it is imported no tensor can be a DTensor.
+DTENSOR_MODULE = "torch.distributed.tensor"
 
 
 def block_sizes(total: int, chunks: int | tuple[int, ...] = 1) -> list[int]:
@@ -147,7 +147,8 @@ def full_named_tensors(module: torch.nn.Module, tp_group) -> dict[str, torch.Ten
 
 
 def is_dtensor(tensor) -> bool:
-    return DTensor is not None and isinstance(tensor, DTensor)
+    dtensor = getattr(sys.modules.get(DTENSOR_MODULE), "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local_tensor(tensor):
@@ -173,6 +174,8 @@ def shard_like(full: torch.Tensor, reference):
     ``reference`` is one (cut locally, no communication), else ``full`` itself."""
     if not is_dtensor(reference):
         return full
+    from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415 - see DTENSOR_MODULE
+
     full = full.to(device=reference.device, dtype=reference.dtype)
     return distribute_tensor(full, reference.device_mesh, reference.placements,
                              src_data_rank=None)
@@ -203,12 +206,9 @@ def forget_meshes() -> None:
     """Drop what DTensor cached about device meshes. Those caches compare meshes by their
     ranks, not their process groups: after the world is destroyed and formed again (a test
     pool, a notebook), a hit would hand back a mesh whose groups died with the old world."""
-    import importlib  # noqa: PLC0415 - only when a world is re-formed
-
     for module_name, path in _MESH_CACHES:
-        try:
-            target: object = importlib.import_module(module_name)
-        except ImportError:
+        target: object = sys.modules.get(module_name)
+        if target is None:  # never imported: nothing cached
             continue
         for part in path.split("."):
             target = getattr(target, part, None)

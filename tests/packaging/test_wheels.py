@@ -11,8 +11,11 @@ distribution's requirements are missing reported as not ok with the reason.
 from __future__ import annotations
 
 import configparser
+import importlib.metadata
 import os
 import pathlib
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -54,9 +57,9 @@ def installed(tmp_path_factory):
     venv = root / "venv"
     _run([sys.executable, "-m", "venv", str(venv)], cwd=root)
     python = str(venv / "bin" / "python")
-    # torch from the machine's wheel first: resolved through plugtron's requirements, pip
-    # would look at the index for it too
-    _run([python, "-m", "pip", "install", "-q", "torch==2.13.0"], cwd=root)
+    site = pathlib.Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
+                              "['purelib'])"], cwd=root).stdout.strip())
+    _link_installed("torch", site)
     _run([python, "-m", "pip", "install", "-q", *map(str, wheels)], cwd=root)
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("PYTHON", "PLUGTRON_", "VIRTUAL_ENV"))}
@@ -64,6 +67,43 @@ def installed(tmp_path_factory):
     work = root / "work"
     work.mkdir()
     return wheels, env, work
+
+
+def _requirement_names(dist: importlib.metadata.Distribution) -> list[str]:
+    return [re.split(r"[\s<>=!~;\[(]", req, maxsplit=1)[0] for req in dist.requires or ()
+            if "extra ==" not in req]
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _link_installed(name: str, site: pathlib.Path) -> None:
+    """``name`` and what it requires, as this environment has them installed, hard-linked into
+    ``site`` (copied where links cannot be made), as if pip had installed them there: torch is
+    what users have before they install plugtron, and unpacking its wheel again took 25-50 s
+    of this test. Distributions ``site`` already holds (pip, setuptools) are left alone."""
+    present = {_normal(p.name.split("-")[0]) for p in site.glob("*.dist-info")}
+    todo, seen = [name], set()
+    while todo:
+        dist = importlib.metadata.distribution(todo.pop())
+        key = _normal(dist.metadata["Name"])
+        if key in seen or key in present:
+            continue
+        seen.add(key)
+        todo += _requirement_names(dist)
+        base = pathlib.Path(str(dist.locate_file("")))
+        for relative in dist.files or ():
+            if ".." in relative.parts or relative.suffix == ".pyc":
+                continue  # console scripts (bin/) name this venv's python; bytecode is rebuilt
+            source, target = base / relative, site / relative
+            if not source.is_file():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copy2(source, target)
 
 
 def _packages_of(setup_dir: pathlib.Path) -> dict[str, pathlib.Path]:

@@ -238,6 +238,15 @@ def test_cli_list_check_exits_2_on_problems(fakes):
 def test_unknown_name():
     result = invoke(["plugins", "check", "nope"])
     assert result.exit_code == 2 and "no installed plugin is called 'nope'" in result.output
+    result = invoke(["plugins", "check", "adam", "nope", "sgd", "nix"])
+    assert result.exit_code == 2 and "called 'nix', 'nope';" in result.output
+
+
+def test_several_names_are_checked_in_one_run():
+    result = invoke(["plugins", "check", "adam", "1f1b"])
+    assert result.exit_code == 0, result.output
+    assert "ok  optimizer 'adam'" in result.output and "ok  schedule '1f1b'" in result.output
+    assert "2 plugin(s) checked, 0 problem(s)" in result.output
 
 
 def test_built_in_plugins_pass():
