@@ -32,11 +32,22 @@ def _cases(tmp_path):
 
 
 def test_refused_before_launch(tmp_path):
-    for extra, words in _cases(tmp_path):
-        done = run_cli(["train", *tiny_flags(), "--nproc-per-node", "2", *extra], timeout=60)
-        assert done.rc == 2, (extra, done.out)
-        assert words in done.out and "Traceback" not in done.out, (extra, done.out)
-        assert "iteration" not in done.out and done.seconds < 30, (extra, done.out)
+    """The first case as a user meets it (a process, its exit code), the others in this one:
+    each would pay a process start for a check that runs before any rank starts."""
+    from click.testing import CliRunner
+    from plugtron.cli.main import cli
+
+    (first, first_words), *others = _cases(tmp_path)
+    done = run_cli(["train", *tiny_flags(), "--nproc-per-node", "2", *first], timeout=60)
+    assert done.rc == 2, (first, done.out)
+    assert first_words in done.out and "Traceback" not in done.out, (first, done.out)
+    assert "iteration" not in done.out and done.seconds < 30, (first, done.out)
+    for extra, words in others:
+        result = CliRunner().invoke(cli, ["train", *tiny_flags(), "--nproc-per-node", "2",
+                                          *extra], catch_exceptions=False)
+        assert result.exit_code == 2, (extra, result.output)
+        assert words in result.output and "iteration" not in result.output, (extra,
+                                                                             result.output)
 
 
 @pytest.mark.parametrize("nan", [False, True])
