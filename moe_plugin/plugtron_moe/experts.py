@@ -138,8 +138,8 @@ _GROUPED_MM_RUNS: dict[tuple, bool] = {}
 def grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``torch._grouped_mm`` works here, found by trying it once per device and dtype
     (forward and backward on a tiny problem) rather than assumed from a version or a device
-    name: it exists only in recent torch, has kernels for some GPUs and dtypes only (bf16 on
-    recent NVIDIA parts), and on CPU (torch 2.13) runs forward but fails in backward."""
+    name: it exists only in recent torch and has kernels for some devices and dtypes only (CPU
+    fp32 and bf16 in torch 2.13, bf16 on recent NVIDIA parts)."""
     key = (device.type, device.index, dtype)
     if key not in _GROUPED_MM_RUNS:
         _GROUPED_MM_RUNS[key] = _try_grouped_mm(device, dtype)
@@ -154,10 +154,27 @@ def _try_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
         a = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
         b = torch.ones(2, 16, 16, device=device, dtype=dtype, requires_grad=True)
         offs = torch.tensor([8, 16], device=device, dtype=torch.int32)
-        mm(a, b, offs=offs).sum().backward()
+        _dense_grad(mm(a, b, offs=offs)).sum().backward()
         return a.grad is not None and b.grad is not None
     except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return False
+
+
+class _DenseGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient. The grouped mm's backward
+    refuses a broadcast one (stride 0, as ``out.sum()`` gives), where a plain matmul takes it."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad.contiguous()
+
+
+def _dense_grad(x: torch.Tensor) -> torch.Tensor:
+    return _DenseGrad.apply(x)
 
 
 def _aligned(*sizes: int) -> bool:
@@ -179,11 +196,11 @@ def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
     if (_aligned(w1.shape[1], w1.shape[2], w2.shape[1]) and not split_backward_expected()
             and grouped_mm_runs(tokens.device, tokens.dtype)):
         offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
-        h = torch._grouped_mm(tokens, w1.transpose(1, 2), offs=offs)
+        h = _dense_grad(torch._grouped_mm(tokens, w1.transpose(1, 2), offs=offs))
         if b1:
             h = h + torch.cat([b.expand(n, -1) for b, n in zip(b1, counts)])
         h = experts[0].activation(h)
-        out = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+        out = _dense_grad(torch._grouped_mm(h, w2.transpose(1, 2), offs=offs))
         if b2:
             out = out + torch.cat([b.expand(n, -1) for b, n in zip(b2, counts)])
         return out
