@@ -96,13 +96,17 @@ from plugtron.core.parallel.random import (
 from plugtron.core.parallel.sharding import (
     block_sizes,
     full_tensor,
+    fused_part_rows,
+    gather_tp_shards,
     is_dtensor,
     is_tensor_parallel,
     local_tensor,
+    mark_fused_parts,
     mark_sequence_parallel,
     set_tensor_parallel,
     shard_like,
     shard_of,
+    tp_split_of,
 )
 from plugtron.core.parallel.shared_params import share_parameter
 from plugtron.core.parallel.tensor_parallel import (
@@ -180,7 +184,8 @@ __all__ = [
     "affine", "batched_linear", "deferred_layer_norm",
     "cpu_matrix_support",
     "set_tensor_parallel", "is_tensor_parallel", "shard_of", "block_sizes",
-    "mark_sequence_parallel",
+    "mark_sequence_parallel", "mark_fused_parts", "fused_part_rows", "gather_tp_shards",
+    "tp_split_of",
     "apply_rotary", "rotary_freqs", "rotary_freqs_at", "yarn_attention_factor", "yarn_mscale",
     "VocabParallelEmbedding", "parallel_logits", "vocab_parallel_cross_entropy",
     "RNGStatesTracker", "model_parallel_rng_tracker", "EXPERT_PARALLEL_RNG",

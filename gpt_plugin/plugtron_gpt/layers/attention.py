@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from plugtron.api import (
     apply_rotary,
     current_forward_context,
+    mark_fused_parts,
     mark_sequence_parallel,
     normal_init,
     recompute,
@@ -65,6 +66,10 @@ class SelfAttention(torch.nn.Module):
             m.hidden_size, total_heads * self.head_dim,
             bias=m.add_bias_linear or options.add_qkv_bias,
             init_method=normal_init(m.init_method_std, seed, f"{prefix}.linear_qkv.weight"))
+        # Q, K and V per query group: a matrix optimizer (Muon) may take each as its own matrix
+        mark_fused_parts(self.linear_qkv.weight,
+                         (self.heads_per_group * self.head_dim, self.head_dim, self.head_dim),
+                         groups=m.num_query_groups or m.num_attention_heads, kind="qkv")
         self.q_layernorm = self.k_layernorm = None
         if options.qk_layernorm:
             self.q_layernorm = backend.norm(self.head_dim)
