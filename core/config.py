@@ -249,7 +249,8 @@ class PluginConfig:
     schedule: str = opt("auto", "--schedule",
                         "Pipeline schedule (plugtron.schedules), or auto from pp and vp.")
     optimizer: str = opt("auto", "--optimizer", "Optimizer (plugtron.optimizers); auto: adam, "
-                         "or distributed-adam under --use-distributed-optimizer.")
+                         "or distributed-adam under --use-distributed-optimizer (which "
+                         "another optimizer answers with its own sharded mode, if any).")
     data_parallel: str = opt("auto", "--data-parallel",
                              "Data-parallel wrapper (plugtron.data_parallel): ddp, fsdp2, or "
                              "auto from --use-torch-fsdp2 and --data-parallel-sharding-strategy.")

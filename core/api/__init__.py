@@ -130,11 +130,16 @@ from plugtron.core.pipeline.plan import Action, ActionKind
 from plugtron.core.pipeline.steps import backward_step as schedule_backward_step
 from plugtron.core.pipeline.steps import forward_step as schedule_forward_step
 from plugtron.core.pipeline.steps import sync_context
+from plugtron.core.plugins.manager import shards_layer_wise as optimizer_shards_layer_wise
 from plugtron.core.plugins.manager import takes_dtensor_params as optimizer_takes_dtensor_params
 from plugtron.core.plugins.manager import wants_sharded_gradients
 from plugtron.core.plugins.registry import PluginRole
 from plugtron.core.plugins.registry import load as load_plugin
-from plugtron.core.plugins.selection import selected_driver, selected_drivers
+from plugtron.core.plugins.selection import (
+    optimizer_sharding_requested,
+    selected_driver,
+    selected_drivers,
+)
 from plugtron.core.plugins.tokenizers import build_tokenizer, tokenizer_for
 from plugtron.core.tools.estimate import estimate_memory
 from plugtron.core.tools.generation import InferenceState, generate
@@ -153,7 +158,7 @@ from plugtron.core.training.optimizer import (
     no_weight_decay,
     param_groups_for,
 )
-from plugtron.core.training.optimizer_shards import BucketShard, ParamShard
+from plugtron.core.training.optimizer_shards import BucketShard, LayerWiseOptimizer, ParamShard
 from plugtron.core.training.recompute import is_recomputing, recompute, recompute_module, run_layers
 from plugtron.core.training.step_info import check_finite
 
@@ -203,7 +208,8 @@ __all__ = [
     # optimizers and data parallelism
     "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",
     "named_params", "no_weight_decay", "param_groups_for", "OPTIMIZER_STATE_KEY",
-    "DistributedDataParallel", "BucketShard", "ParamShard",
+    "DistributedDataParallel", "BucketShard", "ParamShard", "LayerWiseOptimizer",
+    "optimizer_shards_layer_wise", "optimizer_sharding_requested",
     "DataParallelChunk", "DataParallelMemory", "model_dtype", "wants_sharded_gradients",
     "optimizer_takes_dtensor_params", "is_dtensor", "local_tensor", "full_tensor", "shard_like",
     # datasets and tokenizers

@@ -358,7 +358,7 @@ class TorchOptimizer(MixedPrecisionOptimizer):
                               "such as distributed-adam")
         self.norm_groups, self.expert_norm_groups = shard_groups_of(model_chunks)
         every = named_params(model_chunks)
-        named = every
+        named = self.stepped_params(every)
         self.names = [n for n, _ in named]
         self.model_params = [p for _, p in named]
         self.mixed = any(p.dtype != torch.float32 for _, p in every)
@@ -372,7 +372,15 @@ class TorchOptimizer(MixedPrecisionOptimizer):
                         else weight_decay_groups(named, weight_decay))
         groups = [{**group, "params": [by_id[id(p)] for p in group["params"]]}
                   for group in model_groups if group["params"]]
+        if not groups:  # this rank steps no parameter (a layer-wise rank): nothing to step
+            groups = [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
         self.inner = make_inner(groups)
+
+    def stepped_params(self, named: list[tuple[str, torch.nn.Parameter]]
+                       ) -> list[tuple[str, torch.nn.Parameter]]:
+        """The ``(name, param)`` pairs this rank steps: every one (a subclass that shards by
+        whole parameters keeps its own: :class:`LayerWiseOptimizer`)."""
+        return named
 
     def zero_grad(self) -> None:
         for p in self.model_params:

@@ -2,11 +2,21 @@
 matrices, AdamW (or Lion) for the rest: embeddings, the output layer, norms, biases and every
 tensor that is not 2-D (Megatron-Core's split: a parameter marked
 ``is_embedding_or_output_parameter`` or ``use_muon = False`` goes to the scalar optimizer).
+
+With ``--use-distributed-optimizer`` it runs layer-wise (``plugtron.api.LayerWiseOptimizer``):
+each data-parallel rank steps whole parameters, balanced by size, and shares them after the
+step, so Muon still sees whole matrices while its state is split ~1/dp.
 """
 
 from __future__ import annotations
 
-from plugtron.api import TorchOptimizer, hookimpl, no_weight_decay
+from plugtron.api import (
+    LayerWiseOptimizer,
+    TorchOptimizer,
+    hookimpl,
+    no_weight_decay,
+    optimizer_sharding_requested,
+)
 
 from .adam_options import SECTION as ADAM_SECTION
 from .adam_options import adamw
@@ -73,6 +83,11 @@ class Muon:
         return 1  # the momentum of the matrices, most of the parameters (AdamW keeps 2)
 
     @hookimpl
+    def optimizer_shards_layer_wise(self, config):
+        return optimizer_sharding_requested(config)
+
+    @hookimpl
     def build_optimizer(self, config, model_chunks, parallel):
-        return TorchOptimizer(model_chunks, config, parallel, make_muon(config, parallel),
-                              groups_for=muon_groups(config.training.weight_decay))
+        kind = LayerWiseOptimizer if optimizer_sharding_requested(config) else TorchOptimizer
+        return kind(model_chunks, config, parallel, make_muon(config, parallel),
+                    groups_for=muon_groups(config.training.weight_decay))

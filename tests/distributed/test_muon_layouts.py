@@ -1,16 +1,24 @@
-"""``--optimizer muon`` under tensor and pipeline parallelism against one process (fp32, the
-Newton-Schulz iteration in fp32 too: ``--muon-fp32-matmul-prec high``), on one pool of 2 gloo
-ranks: tp 2 duplicated (with and without sequence parallelism) and pp 2; ``blockwise`` is the
-approximation it says it is.
+"""``--optimizer muon`` under every layout it supports against one process (fp32, the
+Newton-Schulz iteration in fp32 too: ``--muon-fp32-matmul-prec high``), on one pool of 4 gloo
+ranks: tp 2 duplicated (with and without sequence parallelism), the layer-wise sharded mode at
+dp 2 and dp 4 (state per rank ~1/dp), pp 2, and checkpoints that resume bitwise and into
+another dp size.
 
 Tolerance 1e-5 (relative on losses and grad norms, atol + rtol on every final parameter): only
 the order of fp32 sums differs from one process. In bf16 (``medium``, the default) the
-iteration rounds those differences to bf16 steps; the figures are in docs/plugins/optimizers.md.
+iteration rounds those differences to bf16 steps; the figure is in docs/plugins/optimizers.md.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
+from plugtron.core.checkpoint.layout import iteration_dirname
+from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.training.loop import setup, train
+from plugtron.testing import assert_checkpoint_reshards, make_config
 from plugtron.testing.compare import (
     assert_copies_match,
     assert_params_close,
@@ -20,12 +28,13 @@ from plugtron.testing.config import merge_flags
 from plugtron.testing.runs import train_run
 
 FLAGS = {"optimizer": "muon", "muon-fp32-matmul-prec": "high", "lr": 5e-3, "train-iters": 3}
+LAYER_WISE = {"use-distributed-optimizer": True}
 TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def pool(rank_pool_factory):
-    return rank_pool_factory(2, timeout=300)
+    return rank_pool_factory(4, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +42,33 @@ def reference(pool):
     return train_run(FLAGS, 1, pool, gather_params=True)
 
 
-@pytest.mark.parametrize("layout", [{"tp": 2}, {"tp": 2, "sequence-parallel": True}, {"pp": 2}],
-                         ids=["tp2", "tp2-sp", "pp2"])
+@pytest.mark.parametrize("layout", [
+    {"tp": 2}, {"tp": 2, "sequence-parallel": True}, {"dp": 2, **LAYER_WISE},
+    {"dp": 4, **LAYER_WISE}, {"pp": 2}, {"tp": 2, "dp": 2, **LAYER_WISE},
+], ids=["tp2", "tp2-sp", "dp2-layer-wise", "dp4-layer-wise", "pp2", "tp2-dp2-layer-wise"])
 def test_layout_steps_like_one_process(pool, reference, layout):
-    got = train_run(merge_flags(FLAGS, layout), None, pool, gather_params=True)
+    flags = merge_flags(FLAGS, layout)
+    got = train_run(flags, None, pool, gather_params=True)
     what = f"muon {layout} against one process"
     assert_records_close(got.records, reference.records, TOL, what)
     assert_params_close(assert_copies_match(got.params, TOL, TOL, what), reference.params, TOL,
                         TOL, what)
+
+
+def _state_bytes(rank, world_size, flags):
+    """Bytes of optimizer state on this rank after training (run in each rank of the pool)."""
+    config = make_config(flags)
+    run = setup(config)
+    train(run, MetricsLogger(config, rank=1))
+    return run.optimizer.state_bytes()
+
+
+def test_layer_wise_state_is_split_over_dp(pool):
+    whole, = pool.run(_state_bytes, merge_flags(FLAGS, {"train-iters": 1}), world_size=1)
+    split = pool.run(_state_bytes, merge_flags(FLAGS, LAYER_WISE, {"train-iters": 1}),
+                     world_size=4)
+    assert sum(split) == whole
+    assert max(split) < 1.35 * whole / 4, (split, whole)
 
 
 def test_blockwise_is_an_approximation(pool, reference):
@@ -48,3 +76,18 @@ def test_blockwise_is_an_approximation(pool, reference):
     assert got.records[-1]["lm_loss"] < got.records[0]["lm_loss"]
     assert got.records[-1]["lm_loss"] != pytest.approx(reference.records[-1]["lm_loss"],
                                                        rel=TOL)
+
+
+def test_layer_wise_resumes_bitwise(pool):
+    flags = merge_flags(FLAGS, LAYER_WISE, {"dp": 2, "train-iters": 4})
+    with tempfile.TemporaryDirectory() as save:
+        continuous = train_run(merge_flags(flags, {"save": save, "save-interval": 2}), 2, pool)
+        resumed = train_run(merge_flags(flags, {"load": os.path.join(
+            save, iteration_dirname(2))}), 2, pool)
+    assert [(r["lm_loss"], r["grad_norm"]) for r in resumed.records] == \
+        [(r["lm_loss"], r["grad_norm"]) for r in continuous.records[2:]]
+
+
+def test_layer_wise_state_reshards_across_dp(pool):
+    assert_checkpoint_reshards(merge_flags(FLAGS, LAYER_WISE), {"dp": 2}, {"dp": 4},
+                               pool=pool)

@@ -113,6 +113,12 @@ def test_refusals_exit_2(flags, message):
     assert message in result.output
 
 
+def test_an_optimizer_without_a_sharded_mode_is_refused_with_the_distributed_flag():
+    result = CliRunner().invoke(cli, ["train", "--optimizer", "sgd", "--data", "mock",
+                                      "--use-distributed-optimizer", "--train-iters", "1"])
+    assert result.exit_code == 2 and "does not offer" in result.output, result.output
+
+
 def test_a_resume_that_switches_optimizer_is_refused(tmp_path):
     train_in_process(tiny_config(train_iters=1, save=str(tmp_path), save_interval=1),
                      world=single_process())
