@@ -357,7 +357,8 @@ def optimizer_shards_layer_wise(config: TrainConfig) -> bool:
         ``optimizer_shards_gradients`` (ZeRO-1).
 
     Optional; implemented by the optimizer driver only. Called before launch, without process
-    groups, by the selector that owns the flag (the built-in ``megatron``).
+    groups, by the selector that owns the flag (the built-in ``megatron``) and by
+    ``plugtron estimate`` (which then counts the optimizer's state split over dp x cp).
     """
 
 

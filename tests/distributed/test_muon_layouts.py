@@ -1,8 +1,9 @@
 """``--optimizer muon`` under every layout it supports against one process (fp32, the
 Newton-Schulz iteration in fp32 too: ``--muon-fp32-matmul-prec high``), on one pool of 4 gloo
 ranks: tp 2 duplicated (with and without sequence parallelism), the layer-wise sharded mode at
-dp 2 and dp 4 (state per rank ~1/dp), pp 2, and checkpoints that resume bitwise and into
-another dp size.
+dp 2 and dp 4 (state per rank ~1/dp), pp 2, vp, cp, MoE experts over ep, MLA, Hybrid, bf16
+with fp32 main parameters, recompute with gradient accumulation and clipping, and checkpoints
+that resume bitwise and into another dp size.
 
 Tolerance 1e-5 (relative on losses and grad norms, atol + rtol on every final parameter): only
 the order of fp32 sums differs from one process. In bf16 (``medium``, the default) the
@@ -45,10 +46,50 @@ def reference(pool):
 @pytest.mark.parametrize("layout", [
     {"tp": 2}, {"tp": 2, "sequence-parallel": True}, {"dp": 2, **LAYER_WISE},
     {"dp": 4, **LAYER_WISE}, {"pp": 2}, {"tp": 2, "dp": 2, **LAYER_WISE},
-], ids=["tp2", "tp2-sp", "dp2-layer-wise", "dp4-layer-wise", "pp2", "tp2-dp2-layer-wise"])
+    {"pp": 2, "vp": 2}, {"cp": 2, "dp": 2, **LAYER_WISE},
+], ids=["tp2", "tp2-sp", "dp2-layer-wise", "dp4-layer-wise", "pp2", "tp2-dp2-layer-wise",
+        "pp2-vp2", "cp2-dp2-layer-wise"])
 def test_layout_steps_like_one_process(pool, reference, layout):
-    flags = merge_flags(FLAGS, layout)
-    got = train_run(flags, None, pool, gather_params=True)
+    _assert_like_one_process(pool, FLAGS, layout, reference)
+
+
+#: Models and training settings other than the kit's GPT, each under the layouts that matter
+#: for it: MoE experts over ep (whole per expert, over edp when layer-wise; over etp when
+#: duplicated), MLA, Hybrid (Mamba), bf16 with fp32 main parameters, full recompute with
+#: gradient accumulation and a clipping global norm.
+MOE = {"num-experts": 4, "moe-router-topk": 2, "moe-ffn-hidden-size": 16, "swiglu": True,
+       "moe-layer-freq": "([0]*1+[1]*3)"}
+MLA = {"multi-latent-attention": True, "kv-lora-rank": 8, "qk-head-dim": 6,
+       "qk-pos-emb-head-dim": 4, "v-head-dim": 5, "q-lora-rank": 12,
+       "position-embedding-type": "rope", "normalization": "RMSNorm", "add-bias-linear": False}
+HYBRID = {"model": "hybrid", "mamba-state-dim": 8, "mamba-head-dim": 8, "mamba-num-groups": 2,
+          "mamba-chunk-size": 6, "normalization": "RMSNorm", "hybrid-layer-pattern": "M*-M"}
+RECOMPUTE_CLIP = {"recompute-granularity": "full", "recompute-method": "uniform",
+                  "recompute-num-layers": 1, "clip-grad": 0.05, "micro-batch-size": 1}
+VARIANTS = {
+    "moe-ep2-dp2-layer-wise": (MOE, {"expert-model-parallel-size": 2, "dp": 2, **LAYER_WISE}),
+    "moe-tp2-ep2-dp2": (MOE, {"tp": 2, "expert-model-parallel-size": 2, "dp": 2}),
+    "mla-tp2": (MLA, {"tp": 2}),
+    "hybrid-tp2": (HYBRID, {"tp": 2}),
+    "hybrid-dp2-layer-wise": (HYBRID, {"dp": 2, **LAYER_WISE}),
+    "bf16-dp2-layer-wise": ({"bf16": True}, {"dp": 2, **LAYER_WISE}),
+    "recompute-clip-accumulate-dp2-layer-wise": (RECOMPUTE_CLIP, {"dp": 2, **LAYER_WISE}),
+}
+_references: dict = {}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_model_and_settings_step_like_one_process(pool, variant):
+    model, layout = VARIANTS[variant]
+    flags = merge_flags(FLAGS, model)
+    key = repr(sorted(flags.items()))
+    if key not in _references:
+        _references[key] = train_run(flags, 1, pool, gather_params=True)
+    _assert_like_one_process(pool, flags, layout, _references[key])
+
+
+def _assert_like_one_process(pool, flags, layout, reference):
+    got = train_run(merge_flags(flags, layout), None, pool, gather_params=True)
     what = f"muon {layout} against one process"
     assert_records_close(got.records, reference.records, TOL, what)
     assert_params_close(assert_copies_match(got.params, TOL, TOL, what), reference.params, TOL,

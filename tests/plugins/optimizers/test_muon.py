@@ -126,3 +126,12 @@ def test_a_resume_that_switches_optimizer_is_refused(tmp_path):
                 world=single_process())
     with pytest.raises(CheckpointError, match="momentum_buffer|exp_avg"):
         load_if_requested(run)
+
+
+def test_the_estimate_counts_the_layer_wise_state_split():
+    from plugtron.api import estimate_memory
+
+    whole = estimate_memory(tiny_config(optimizer="muon"), 2).ranks[0]
+    estimate = estimate_memory(tiny_config(optimizer="muon", use_distributed_optimizer=True), 2)
+    assert whole.optimizer_selected == 2 * estimate.ranks[0].optimizer_selected
+    assert any("layer-wise" in note for note in estimate.notes)
