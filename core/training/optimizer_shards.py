@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from plugtron.core.errors import PluginError
 from plugtron.core.parallel import comm
 from plugtron.core.parallel.grad_buffer import Bucket
-from plugtron.core.parallel.sharding import is_expert
+from plugtron.core.parallel.sharding import is_dtensor, is_expert
 from plugtron.core.training import grads as grad_utils
 from plugtron.core.training.optimizer import OPTIMIZER_STATE_KEY, TorchOptimizer, named_params
 
@@ -167,6 +168,9 @@ class LayerWiseOptimizer(TorchOptimizer):
 
     def __init__(self, model_chunks, config, parallel, make_inner, groups_for=None):
         self.every_param = named_params(model_chunks)
+        if any(is_dtensor(p) for _, p in self.every_param):
+            raise PluginError("the layer-wise optimizer steps whole parameters, but the "
+                              "data-parallel wrapper shards them (fsdp2): use ddp")
         self.owned = layer_wise_owners(self.every_param, parallel)
         super().__init__(model_chunks, config, parallel, make_inner, groups_for)
 
