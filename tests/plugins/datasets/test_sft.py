@@ -170,11 +170,24 @@ def test_the_cli_refuses_what_sft_cannot_do(pairs, tmp_path):
 # --------------------------------------------------------------------------- training
 
 
-def test_packed_and_one_record_per_sequence_train_alike(pairs, pool):
-    """All 8 records in each global batch: 4 packs, or 8 single sequences."""
-    packed = train_run(_flags(pairs, **{"global-batch-size": 4, "train-iters": 2}), 1, pool)
-    single = train_run(_flags(pairs, **{"global-batch-size": 8, "train-iters": 2,
-                                         "sft-packing": False}), 1, pool)
+MODELS = {
+    "gpt": {},
+    "rope-gqa": {"position-embedding-type": "rope", "num-query-groups": 2,
+                 "normalization": "RMSNorm", "swiglu": True},
+    "moe": {"num-experts": 4, "moe-router-topk": 2},
+    "mla": {"multi-latent-attention": True, "q-lora-rank": 12, "kv-lora-rank": 8,
+            "qk-head-dim": 6, "qk-pos-emb-head-dim": 4, "v-head-dim": 5,
+            "position-embedding-type": "rope", "normalization": "RMSNorm"},
+}
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_packed_and_one_record_per_sequence_train_alike(pairs, pool, model):
+    """All 8 records in each global batch: 4 packs, or 8 single sequences; a pack's loss is
+    its records' losses, each computed alone (positions restart, attention stays inside)."""
+    flags = _flags(pairs, **MODELS[model], **{"train-iters": 2})
+    packed = train_run({**flags, "global-batch-size": 4}, 1, pool)
+    single = train_run({**flags, "global-batch-size": 8, "sft-packing": False}, 1, pool)
     for a, b in zip(packed.records, single.records):
         assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
