@@ -10,7 +10,6 @@ from plugtron.api import (
     PluginError,
     TrainConfig,
     check_context_parallel_layers,
-    documents_masked,
     load_layer_types,
 )
 from plugtron_gpt.gpt.sizes import architecture as gpt_architecture
@@ -44,14 +43,6 @@ def validate_hybrid(config) -> None:
         layer_types = load_layer_types(symbols)
     except PluginError as exc:
         raise ConfigError(f"--hybrid-layer-pattern {pattern!r}: {exc}") from None
-    masked = documents_masked(config)
-    if "M" in symbols and masked is not None:
-        # The Mamba mixer's state and conv window run across document boundaries; accepting
-        # them would mask documents in the attention layers only.
-        raise ConfigError(f"{masked} is not supported with Mamba layers (M in "
-                          f"--hybrid-layer-pattern {pattern!r}): the Mamba-2 state does not "
-                          f"reset at document boundaries; drop it or use a pattern "
-                          f"without M")
     if m.num_layers not in (len(symbols), _DEFAULT_NUM_LAYERS):
         raise ConfigError(f"--num-layers {m.num_layers} differs from the {len(symbols)} layers "
                           f"of --hybrid-layer-pattern {pattern!r}")
