@@ -56,16 +56,12 @@ def documents_masked(config) -> str | None:
 
 def validate_sample_options(config) -> None:
     """Before launch: document numbers (``--reset-attention-mask``, or a dataset that packs)
-    need an attention that reads them. The local backend's does; TE's (fixed ``causal`` mask
-    type) and context-parallel attention (the mask would have to follow the ring) do not, so
-    they are refused rather than silently attending across documents."""
+    need an attention that reads them. The local backend's does, with context parallelism too
+    (every comm type); TE's (fixed ``causal`` mask type) does not, so it is refused rather than
+    silently attending across documents."""
     why = documents_masked(config)
     if why is None:
         return
-    if config.parallel.context_parallel_size > 1:
-        raise ConfigError(f"{why} is not supported with --cp "
-                          f"{config.parallel.context_parallel_size}: context-parallel attention "
-                          f"does not mask documents; use --cp 1")
     name = selected_driver(config, "layer_backend")
     backend = load("layer_backend", name)
     if not getattr(backend, "supports_document_ids", False):

@@ -207,11 +207,12 @@ class CoreAttention(torch.nn.Module):
             if window is not None:  # left padding shifts whole rows: index distance = distance
                 mask = mask & window
             return _masked_attention(q, k, v, mask, self.num_query_groups != self.num_heads)
-        if self._parallel is not None and self._parallel.cp_size > 1:
-            with self._dropout_rng():
-                return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p)
-        b, s = q.shape[0], q.shape[1]
         document_ids = context.document_ids
+        if self._parallel is not None and self._parallel.cp_size > 1:
+            with self._dropout_rng():  # the whole sequence's document numbers (not cp-split)
+                return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p,
+                                                  document_ids)
+        b, s = q.shape[0], q.shape[1]
         mask = attention_mask(s, k.shape[1], window=self.window_size, device=q.device,
                               document_ids=None if document_ids is None
                               else document_ids.to(q.device))

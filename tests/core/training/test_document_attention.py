@@ -64,13 +64,6 @@ def _train(*flags):
     return CliRunner().invoke(cli, args, catch_exceptions=False)
 
 
-def test_context_parallel_is_refused_with_exit_2():
-    result = _train("--cp", "2", "--nproc-per-node", "2")
-    assert result.exit_code == 2, result.output
-    assert "--reset-attention-mask is not supported with --cp 2" in result.output
-    assert "Traceback" not in result.output
-
-
 def test_te_backend_is_refused_with_exit_2():
     from plugtron.core.training.validate import validate
 

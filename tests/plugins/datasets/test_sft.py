@@ -155,14 +155,21 @@ def test_the_cli_refuses_what_sft_cannot_do(pairs, tmp_path):
             "NullTokenizer", "--vocab-size", str(VOCAB), "--seq-length", "32",
             "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
     for extra, message in (
-            (["--cp", "2", "--nproc-per-node", "2"],
-             "--data sft with packing (--no-sft-packing: one record per sequence) is not "
-             "supported with --cp 2"),
             (["--sft-prompt-template", "{question}"], "may hold only {prompt}"),
             (["--reset-attention-mask"], "--data sft keeps documents apart itself"),
             (["--data-path", str(tmp_path / "nope.jsonl")], "is not a file")):
         result = CliRunner().invoke(cli, [*base, *extra], catch_exceptions=False)
         assert result.exit_code == 2 and message in result.output, (extra, result.output)
+
+
+def test_packing_is_refused_where_attention_cannot_keep_records_apart(pairs):
+    from plugtron.core.training.validate import validate
+    from plugtron.testing import make_config
+
+    with pytest.raises(ConfigError, match=r"--data sft with packing \(--no-sft-packing: one "
+                                          r"record per sequence\) is not supported by "
+                                          r"--layer-backend te"):
+        validate(make_config(_flags(pairs, **{"layer-backend": "te"})), 1)
 
 
 # --------------------------------------------------------------------------- training
@@ -194,11 +201,17 @@ def test_packed_and_one_record_per_sequence_train_alike(pairs, pool, model):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
 
 
-@pytest.mark.parametrize("model", ["gpt", "hybrid"])
+LAYOUTS = ({"tp": 2, "sequence-parallel": True}, {"pp": 2}, {"dp": 2})
+#: Context parallelism: records cross the cp chunks; every comm type (attention models only:
+#: Mamba layers refuse cp).
+CP_LAYOUTS = tuple({"cp": 2, "cp-comm-type": comm} for comm in ("p2p", "allgather", "a2a"))
+
+
+@pytest.mark.parametrize("model", ["gpt", "hybrid", "mla"])
 def test_packed_layouts_train_like_one_process(pairs, pool, model):
+    layouts = LAYOUTS + (CP_LAYOUTS if model != "hybrid" else ())
     assert_layouts_match(_flags(pairs, **MODELS[model], **{"global-batch-size": 4}),
-                         layouts=({"tp": 2, "sequence-parallel": True}, {"pp": 2}, {"dp": 2}),
-                         pool=pool)
+                         layouts=layouts if model != "mla" else CP_LAYOUTS, pool=pool)
 
 
 def test_a_sample_depends_only_on_seed_split_and_index(pairs):
