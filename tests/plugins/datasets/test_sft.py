@@ -226,3 +226,22 @@ def test_a_sample_depends_only_on_seed_split_and_index(pairs):
         assert all(torch.equal(short[i][k], long[i][k]) for k in short[i])
     assert {tuple(long[i]["tokens"].tolist()) for i in range(4)} == \
         {tuple(long[i]["tokens"].tolist()) for i in range(4, 8)}  # the next epoch: reordered
+
+
+def test_data_inspect_shows_each_record_and_what_it_learns(tmp_path):
+    path = tmp_path / "two.jsonl"
+    path.write_text('{"prompt": "1 2 3", "response": "4 5"}\n{"prompt": "6", "response": "7"}\n')
+    result = CliRunner().invoke(cli, ["data", "inspect", "--data", "sft", "--data-path",
+                                      str(path), "--tokenizer-type", "NullTokenizer",
+                                      "--vocab-size", str(VOCAB), "--seq-length", "16",
+                                      "--split", "100,0,0", "--sft-packing-order", "in-order"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert "sample 0: loss on 5 of 16 tokens, 3 document(s)" in lines
+    # the records in their seeded order, each with the labels that carry loss, then padding
+    assert "  document 0, positions 0-1: '6 7'" in lines
+    assert "    loss on 2 token(s): '7 127'" in lines
+    assert "  document 1, positions 2-6: '1 2 3 4 5'" in lines
+    assert "    loss on 3 token(s): '4 5 127'" in lines
+    assert "    loss on 0 token(s): ''" in lines
