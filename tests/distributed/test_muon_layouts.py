@@ -129,6 +129,8 @@ def test_layer_wise_resumes_bitwise(pool):
         [(r["lm_loss"], r["grad_norm"]) for r in continuous.records[2:]]
 
 
-def test_layer_wise_state_reshards_across_dp(pool):
-    assert_checkpoint_reshards(merge_flags(FLAGS, LAYER_WISE), {"dp": 2}, {"dp": 4},
-                               pool=pool)
+@pytest.mark.parametrize("save,load", [({"dp": 2, **LAYER_WISE}, {"dp": 4, **LAYER_WISE}),
+                                       ({"tp": 2}, {"dp": 2, **LAYER_WISE})],
+                         ids=["dp2-to-dp4-layer-wise", "tp2-to-dp2-layer-wise"])
+def test_muon_state_reshards_across_layouts(pool, save, load):
+    assert_checkpoint_reshards(FLAGS, save, load, pool=pool)
