@@ -79,6 +79,10 @@ class Muon:
         validate_muon(config)
 
     @hookimpl
+    def optimizer_takes_dtensor_params(self, config):
+        return True  # fsdp2's shards: each matrix is gathered whole for its update
+
+    @hookimpl
     def optimizer_state_per_param(self, config):
         return 1  # the momentum of the matrices, most of the parameters (AdamW keeps 2)
 

@@ -1,6 +1,10 @@
 """What Muon orthogonalizes: whole matrices under tensor parallelism, and each part of a fused
 projection on its own.
 
+Under fsdp2 the update is a DTensor sharded over data parallelism: its rank's (tensor-parallel)
+matrix is gathered whole first and this data-parallel rank's shard of the result kept, a
+gather per matrix and step that the layer-wise mode (ddp) does without.
+
 A tensor-parallel rank holds a shard of each matrix. ``--muon-tp-mode duplicated`` (the
 default) gathers the whole matrix over the parameter's tensor-parallel group (etp for experts),
 orthogonalizes it on every rank alike and keeps this rank's shard: the update is the single
@@ -17,9 +21,12 @@ from __future__ import annotations
 
 import torch
 from plugtron.api import (
+    full_tensor,
     fused_part_rows,
     gather_tp_shards,
+    is_dtensor,
     is_tensor_parallel,
+    shard_like,
     shard_of,
     tp_split_of,
 )
@@ -41,6 +48,12 @@ class Orthogonalizer:
         self.split = {"qkv": options.muon_split_qkv, "gate_up": options.muon_split_gate_up}
 
     def __call__(self, param: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        if is_dtensor(update):  # fsdp2's shard over dp: gather the rank's matrix, cut it again
+            return shard_like(self._tp_local(param, full_tensor(update)), update)
+        return self._tp_local(param, update)
+
+    def _tp_local(self, param: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """The orthogonalized update of this tensor-parallel rank's piece of ``param``."""
         group, rank, size = tp_split_of(param, self.parallel)
         if not (is_tensor_parallel(param) and size > 1):
             return self._orthogonalize(update, self._parts(param, update.size(0)))

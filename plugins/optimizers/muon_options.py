@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plugtron.api import ConfigError, ConfigSection, opt
+from plugtron.api import (
+    ConfigError,
+    ConfigSection,
+    opt,
+    optimizer_sharding_requested,
+    selected_driver,
+)
 
 from .newton_schulz import COEFFICIENTS, PRECISIONS, SCALE_MODES, schedule
 
@@ -58,6 +64,11 @@ def validate_muon(config) -> None:
     if config.training.fp16:
         raise ConfigError("--optimizer muon with --fp16: not offered (Megatron-Core refuses "
                           "it too); use --bf16")
+    if optimizer_sharding_requested(config) and \
+            selected_driver(config, "data_parallel") == "fsdp2":
+        raise ConfigError("--optimizer muon with --use-distributed-optimizer under fsdp2: fsdp2 "
+                          "already shards the state over data parallelism; drop one (the "
+                          "layer-wise mode needs the ddp wrapper)")
     if options.muon_tp_mode == "distributed":
         raise ConfigError("--muon-tp-mode distributed is not offered: duplicated computes the "
                           "same update (the whole matrix); blockwise is the approximation "

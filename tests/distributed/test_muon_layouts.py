@@ -46,9 +46,10 @@ def reference(pool):
 @pytest.mark.parametrize("layout", [
     {"tp": 2}, {"tp": 2, "sequence-parallel": True}, {"dp": 2, **LAYER_WISE},
     {"dp": 4, **LAYER_WISE}, {"pp": 2}, {"tp": 2, "dp": 2, **LAYER_WISE},
-    {"pp": 2, "vp": 2}, {"cp": 2, "dp": 2, **LAYER_WISE},
+    {"pp": 2, "vp": 2}, {"cp": 2, "dp": 2, **LAYER_WISE}, {"dp": 2, "use-torch-fsdp2": True},
+    {"tp": 2, "dp": 2, "use-torch-fsdp2": True},
 ], ids=["tp2", "tp2-sp", "dp2-layer-wise", "dp4-layer-wise", "pp2", "tp2-dp2-layer-wise",
-        "pp2-vp2", "cp2-dp2-layer-wise"])
+        "pp2-vp2", "cp2-dp2-layer-wise", "fsdp2-dp2", "tp2-fsdp2-dp2"])
 def test_layout_steps_like_one_process(pool, reference, layout):
     _assert_like_one_process(pool, FLAGS, layout, reference)
 

@@ -104,7 +104,8 @@ def test_a_tiny_gpt_learns_with_muon():
     (["--muon-tp-mode", "distributed"], "--muon-tp-mode distributed is not offered"),
     (["--fp16"], "--optimizer muon with --fp16"),
     (["--muon-num-ns-steps", "4"], "quintic needs a multiple of 5 steps"),
-    (["--use-torch-fsdp2", "--nproc-per-node", "2"], "DTensor"),
+    (["--use-torch-fsdp2", "--use-distributed-optimizer", "--nproc-per-node", "2"],
+     "already shards the state"),
 ])
 def test_refusals_exit_2(flags, message):
     result = CliRunner().invoke(cli, ["train", "--optimizer", "muon", "--data", "mock",
