@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pluggy
 import torch
 from plugtron.core import checkpoint
+from plugtron.core.blocks.qk_clip import clip_qk
 from plugtron.core.checkpoint import dir_lock
 from plugtron.core.checkpoint.saver import Checkpointer
 from plugtron.core.config import TrainConfig, derive_padded_vocab_size, num_microbatches
@@ -363,6 +364,12 @@ def optimizer_step(run: Run) -> StepResult:
     if result.stepped:
         for chunk in run.model_chunks:
             chunk.start_param_sync()
+        t = run.config.training
+        if t.qk_clip:  # on the parameters every rank now holds (the gathers done)
+            for chunk in run.model_chunks:
+                chunk.finish_param_sync()
+            clip_qk(run.model_chunks, run.optimizer, run.parallel, t.qk_clip_threshold,
+                    t.qk_clip_alpha)
     return result
 
 

@@ -322,6 +322,15 @@ class MixedPrecisionOptimizer(Optimizer):
             entries["step"] = torch.tensor(float(self.num_steps))
         return entries
 
+    def scale_rows_(self, param: torch.nn.Parameter, scale: torch.Tensor) -> None:
+        """After the caller multiplied row ``i`` of model parameter ``param`` by ``scale[i]``
+        (QK-clip), do the same to its main copy and take the model parameter from it again.
+        Nothing to do where the main parameters are the model's; an optimizer that keeps
+        copies overrides it."""
+        if self.main_param_bytes():
+            raise PluginError(f"{type(self).__name__} keeps fp32 main copies but does not "
+                              f"implement scale_rows_, which --qk-clip needs")
+
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (moments, and main params where they are
         copies)."""
@@ -406,6 +415,15 @@ class TorchOptimizer(MixedPrecisionOptimizer):
         if self.mixed:
             with torch.no_grad():
                 torch._foreach_copy_(self.main_params, self.model_params)
+
+    def scale_rows_(self, param: torch.nn.Parameter, scale: torch.Tensor) -> None:
+        if not self.mixed:
+            return  # the main parameters are the model's, already scaled
+        for model_p, main_p in zip(self.model_params, self.main_params):
+            if model_p is param:
+                with torch.no_grad():  # every rank holds the same copy: the same rounding
+                    main_p.mul_(scale.view(-1, *([1] * (main_p.dim() - 1))))
+                    model_p.copy_(main_p)
 
     def main_param_bytes(self) -> int:
         if not self.mixed:

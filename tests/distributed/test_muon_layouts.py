@@ -57,7 +57,7 @@ def test_layout_steps_like_one_process(pool, reference, layout):
 #: Models and training settings other than the kit's GPT, each under the layouts that matter
 #: for it: MoE experts over ep (whole per expert, over edp when layer-wise; over etp when
 #: duplicated), MLA, Hybrid (Mamba), bf16 with fp32 main parameters, full recompute with
-#: gradient accumulation and a clipping global norm.
+#: gradient accumulation and a clipping global norm, QK-clip (its q and k rows scaled every step).
 MOE = {"num-experts": 4, "moe-router-topk": 2, "moe-ffn-hidden-size": 16, "swiglu": True,
        "moe-layer-freq": "([0]*1+[1]*3)"}
 MLA = {"multi-latent-attention": True, "kv-lora-rank": 8, "qk-head-dim": 6,
@@ -67,6 +67,8 @@ HYBRID = {"model": "hybrid", "mamba-state-dim": 8, "mamba-head-dim": 8, "mamba-n
           "mamba-chunk-size": 6, "normalization": "RMSNorm", "hybrid-layer-pattern": "M*-M"}
 RECOMPUTE_CLIP = {"recompute-granularity": "full", "recompute-method": "uniform",
                   "recompute-num-layers": 1, "clip-grad": 0.05, "micro-batch-size": 1}
+#: Low enough that every step clips (the tiny model's logits are small).
+QK_CLIP = {"qk-clip": True, "qk-clip-threshold": 0.01}
 VARIANTS = {
     "moe-ep2-dp2-layer-wise": (MOE, {"expert-model-parallel-size": 2, "dp": 2, **LAYER_WISE}),
     "moe-tp2-ep2-dp2": (MOE, {"tp": 2, "expert-model-parallel-size": 2, "dp": 2}),
@@ -75,6 +77,8 @@ VARIANTS = {
     "hybrid-dp2-layer-wise": (HYBRID, {"dp": 2, **LAYER_WISE}),
     "bf16-dp2-layer-wise": ({"bf16": True}, {"dp": 2, **LAYER_WISE}),
     "recompute-clip-accumulate-dp2-layer-wise": (RECOMPUTE_CLIP, {"dp": 2, **LAYER_WISE}),
+    "qk-clip-tp2": (QK_CLIP, {"tp": 2}),
+    "qk-clip-pp2-dp2-layer-wise": (QK_CLIP, {"pp": 2, "dp": 2, **LAYER_WISE}),
 }
 _references: dict = {}
 
