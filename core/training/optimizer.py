@@ -34,6 +34,9 @@ class StepResult:
     #: Not stepped because the global gradient norm was NaN or Inf without a loss scaler
     #: (``--check-for-nan-in-loss-and-grad``): the loop stops the run, or counts a skip.
     nonfinite: bool = False
+    #: With ``--qk-clip``: the step's largest attention logit over this pipeline stage's
+    #: layers (the core sets it after the step, before clipping).
+    max_attention_logit: float | None = None
 
 
 class Optimizer(ABC):

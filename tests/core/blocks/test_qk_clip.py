@@ -64,6 +64,7 @@ def test_a_bf16_run_scales_the_master_copies_with_the_weights():
                          train_iters=3)
     records, run = train_in_process(config, world=single_process())
     assert all(math.isfinite(r["lm_loss"]) for r in records)
+    assert all(r["max_attention_logit"] > 0.05 for r in records)  # each step clipped
     weight = run.model_chunks[0].module.decoder.layers["0"].self_attention.linear_qkv.weight
     main = dict(zip(map(id, run.optimizer.model_params), run.optimizer.main_params))[id(weight)]
     assert torch.equal(main.to(torch.bfloat16), weight)  # clipped, then published alike
