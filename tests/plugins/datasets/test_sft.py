@@ -272,3 +272,14 @@ def test_a_run_resumed_mid_epoch_reads_and_learns_what_the_whole_run_did(tmp_pat
     resumed = run("--load", save, name="resumed")
     assert sorted(resumed) == [3, 4, 5]
     assert all(resumed[i] == whole[i] for i in resumed), (resumed, whole)
+
+
+def test_parquet_records_read_like_jsonl(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+
+    rows = [{"prompt": "1 2", "response": "3"}, {"prompt": "4", "response": "5 6"}]
+    pq.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "r.parquet")
+    got = list(read_records(str(tmp_path / "r.parquet")))
+    assert [record for _, record in got] == rows
+    assert got[1][0].endswith("r.parquet:row 2")
