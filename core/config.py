@@ -258,6 +258,11 @@ class PluginConfig:
                              "the built-in local layers.")
     data: str = opt("auto", "--data", "Dataset provider (plugtron.datasets); auto: text files "
                     "or folders given with --data-path.")
+    model_transforms: list = opt([], "--model-transforms",
+                                 "Model transforms (plugtron.model_transforms) applied to every "
+                                 "built model chunk, in this order (several values or "
+                                 "comma-separated); a transform whose own flags turn it on "
+                                 "follows those named here.")
     disabled: list = opt([], "-p", "Disable an extension plugin: -p no:NAME (repeatable).")
 
 

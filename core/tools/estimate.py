@@ -56,7 +56,7 @@ from plugtron.core.plugins.objects import PluginObject, call_declared
 from plugtron.core.plugins.options import with_plugin_sections
 from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule, selected_driver
 from plugtron.core.plugins.tokenizers import build_tokenizer
-from plugtron.core.training.builder import build_model, model_provider_of
+from plugtron.core.training.builder import build_model, model_plugins_of
 from plugtron.core.training.validate import apply_schedule_placement
 
 GIB = 2**30
@@ -207,14 +207,14 @@ def _no_random_init():
             setattr(torch.nn.init, name, function)
 
 
-def _meta_chunks(config, parallel, provider) -> list:
+def _meta_chunks(config, parallel, plugins) -> list:
     """The rank's model chunks on the meta device (shapes, no storage)."""
 
     dtype = {2: torch.bfloat16 if config.training.bf16 else torch.float16}.get(
         _dtype_bytes(config), torch.float32)
     with torch.device("meta"), _no_random_init():
         return [chunk.to(dtype=dtype) for chunk in build_model(config, parallel,
-                                                               provider=provider)]
+                                                               plugins=plugins)]
 
 
 def activation_shape(config, cuda: bool) -> ActivationShape:
@@ -290,7 +290,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
                   p.context_parallel_size)
     dp = max(1, world_size // (tp * pp * cp))
     microbatches = max(1, num_microbatches(config, dp))
-    provider = model_provider_of(config)
+    plugins = model_plugins_of(config)
     schedule_name = resolve_schedule(config)
     schedule = registry.instantiate(registry.load("schedule", schedule_name))
     chunks_per_rank = p.virtual_pipeline_model_parallel_size or 1
@@ -314,7 +314,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
                             f"parameter (Adam)")
     for (pp_rank, tp_rank, ep_rank, _), (ctx, ranks) in sorted(_contexts(config,
                                                                          world_size).items()):
-        chunks = _meta_chunks(config, ctx, provider)
+        chunks = _meta_chunks(config, ctx, plugins)
         numel = sum(param.numel() for chunk in chunks for param in chunk.parameters())
         per_chunk, complete = zip(*(_chunk_activations(chunk, shape) for chunk in chunks))
         if not all(complete) and not any("activation_bytes" in n for n in result.notes):
