@@ -316,18 +316,21 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
                                                                          world_size).items()):
         chunks = _meta_chunks(config, ctx, plugins)
         numel = sum(param.numel() for chunk in chunks for param in chunk.parameters())
+        # A frozen parameter (a model transform's) is a weight only: no gradient, no state.
+        trainable = sum(param.numel() for chunk in chunks for param in chunk.parameters()
+                        if param.requires_grad)
         per_chunk, complete = zip(*(_chunk_activations(chunk, shape) for chunk in chunks))
         if not all(complete) and not any("activation_bytes" in n for n in result.notes):
             result.notes.append(f"model {selected_driver(config, 'model')!r} defines no activation_bytes: "
                                 f"only its layers that do are counted")
         stored = [c.stored for c in per_chunk]
         held, in_flight = _held_peak(actions[pp_rank], list(per_chunk))
-        optimizer = numel * (4 * state_values + (4 if mixed else 0))
+        optimizer = trainable * (4 * state_values + (4 if mixed else 0))
         counted = data_parallel_memory(config, chunks=chunks, dp_cp=dp * cp,
                                        edp=ctx.edp_size, state_per_param=state_values,
                                        shard_gradients=distributed)
         if counted is None:  # the wrapper does not count itself: whole tensors, as ddp
-            counted = DataParallelMemory(numel * e, numel * grad_e, -(-optimizer // (dp * cp))
+            counted = DataParallelMemory(numel * e, trainable * grad_e, -(-optimizer // (dp * cp))
                                          if distributed else optimizer)
             note = (f"data-parallel wrapper {wrapper!r} does not implement "
                     f"data_parallel_memory: counted as whole parameters and gradients (ddp)")

@@ -57,6 +57,19 @@ def test_the_estimate_builds_through_the_transforms_on_the_meta_device(transform
     assert transforms.CALLS == [("record", None, "meta")]
 
 
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_the_estimate_counts_frozen_parameters_as_weights_only(transforms, wrapper):
+    """The frozen embedding keeps its weights in the count, not its gradients or its Adam
+    state (two fp32 values per element): ddp and fsdp2 count the same way."""
+    flags = {"data_parallel": wrapper}
+    plain = estimate_memory(tiny_config(**flags), 1).ranks[0]
+    frozen = estimate_memory(tiny_config(freeze_embedding=True, **flags), 1).ranks[0]
+    embedding = (104 + 16) * 32  # word (padded vocabulary) and position embeddings x hidden
+    assert frozen.param_bytes == plain.param_bytes
+    assert plain.grad_bytes - frozen.grad_bytes == 4 * embedding
+    assert plain.optimizer_selected - frozen.optimizer_selected == 2 * 4 * embedding
+
+
 def test_load_model_builds_the_transformed_model_of_a_checkpoint(transforms, tmp_path):
     pretrain(tiny_config(model_transforms=["record"], train_iters=1, save=str(tmp_path / "ck"),
                          log_interval=0), world=single_process())
