@@ -277,6 +277,15 @@ class CheckpointConfig:
         "scratch, also when --load is --save (Megatron's flag).", is_flag=True)
     async_save: bool = opt(False, "--async-save", "Write checkpoints in the background.",
                            is_flag=True)
+    pretrained_checkpoint: str | None = opt(
+        None, "--pretrained-checkpoint",
+        "The checkpoint (or directory of them) a fine-tune starts from, with --finetune. A "
+        "fine-tune whose model transforms add tensors saves only what it trains, naming this "
+        "base; resuming it needs the same base here again.")
+    finetune: bool = opt(False, "--finetune",
+                         "Start from --pretrained-checkpoint's model weights only: iteration 0, "
+                         "a fresh optimizer and LR schedule (Megatron's semantics). A --load "
+                         "that holds a checkpoint resumes instead.", is_flag=True)
 
 
 @dataclass

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import pluggy
 import torch
 from plugtron.core.errors import PluginError
+from plugtron.core.parallel.sharding import added_by_transform, mark_added_by_transform
 from plugtron.core.pipeline.layout import building_for
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import (
@@ -70,6 +71,7 @@ def build_model(config: TrainConfig, parallel: ParallelContext, *,
                 post_process=parallel.is_pipeline_last_stage(stage), vp_stage=vp_stage,
                 layer_backend=layer_backend, parallel=parallel)
             for name in names:
+                before = set(module.state_dict(keep_vars=True))
                 changed = transform_caller(plugins, name, names)(
                     config=config, module=module, vp_stage=vp_stage,
                     layer_backend=layer_backend, parallel=parallel)
@@ -78,6 +80,10 @@ def build_model(config: TrainConfig, parallel: ParallelContext, *,
                                       f"returned {type(changed).__qualname__}, not the "
                                       f"torch.nn.Module chunk to use")
                 module = changed
+                # What the transform added: a checkpoint of the plain model loads without it.
+                for key, tensor in module.state_dict(keep_vars=True).items():
+                    if key not in before and added_by_transform(tensor) is None:
+                        mark_added_by_transform(tensor, name)
             chunks.append(module)
     return chunks
 

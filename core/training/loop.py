@@ -68,6 +68,8 @@ class Run:
     forward_backward_s: float = 0.0
     #: --rerun-mode validate_results (core/training/rerun.py); made by setup.
     rerun: RerunStateMachine | None = None
+    #: The base checkpoint a fine-tune started from (core/checkpoint/base.py), once loaded.
+    base_checkpoint: dict | None = None
 
     @property
     def num_microbatches(self) -> int:
