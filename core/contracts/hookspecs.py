@@ -25,7 +25,7 @@ that only needs ``config`` and ``pre_process`` declares just those.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -63,6 +63,8 @@ OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
     "optimizer_takes_dtensor_params": "optimizer",
     "data_parallel_memory": "data_parallel",
     "dataset_vocab_size": "dataset",
+    # absent: a checkpoint of a run with the transform cannot be exported merged
+    "transform_merged_tensors": "model_transform",
 }
 
 #: Hooks that every selected model transform implements (the core calls one transform at a time,
@@ -187,6 +189,26 @@ def transform_model_chunk(config: TrainConfig, module: torch.nn.Module, vp_stage
     ``model_provider`` and before the chunk moves to the run's device and is wrapped for data
     parallelism (``wrap_model_chunk``). Raise ``plugtron.api.ConfigError`` for a model the
     transform cannot change (a target the model lacks).
+    """
+
+
+@hookspec(firstresult=True)
+def transform_merged_tensors(config: TrainConfig, tensors: Mapping[str, torch.Tensor]
+                             ) -> Mapping[str, torch.Tensor]:
+    """Fold this transform back into the plain model's tensors, for export.
+
+    :param config: the ``TrainConfig`` the checkpoint was saved with.
+    :param tensors: the whole model's tensors by global name, full (not sharded over tp), read
+        on demand: the plain model's, this transform's own, and those of the transforms
+        applied before it (a fine-tune's checkpoint and its base together).
+    :returns: a mapping without this transform's tensors whose values make the plain model
+        compute what the transformed one did (LoRA: ``W + alpha / r * B @ A``); read lazily is
+        best (the export writes one tensor at a time).
+
+    Optional; implemented by model transforms. Called by ``plugtron convert export-hf`` in one
+    process without process groups, once per transform the checkpoint's run applied, the last
+    applied first, before the model's converter maps the tensors. A checkpoint of a transform
+    without it is refused by the export, naming the transform.
     """
 
 

@@ -25,7 +25,8 @@ from plugtron.core.plugins.selection import (
 )
 
 __all__ = ["build_plugin_manager", "data_parallel_memory", "new_plugin_manager", "optimizer_state_per_param",
-           "register_transforms", "takes_dtensor_params", "transform_caller", "verify_contracts",
+           "implements", "register_transforms", "takes_dtensor_params", "transform_caller",
+           "verify_contracts",
            "wants_sharded_gradients"]
 
 def new_plugin_manager() -> pluggy.PluginManager:
@@ -62,12 +63,18 @@ def register_transforms(pm: pluggy.PluginManager, config) -> list[str]:
     return names
 
 
-def transform_caller(pm: pluggy.PluginManager, name: str, names: list[str]):
-    """Hook ``transform_model_chunk`` of transform ``name`` alone among the run's ``names``:
-    the other transforms left out, every wrapper (an extension's) kept."""
+def transform_caller(pm: pluggy.PluginManager, name: str, names: list[str],
+                     hook: str = "transform_model_chunk"):
+    """Transform hook ``hook`` of transform ``name`` alone among the run's ``names``: the
+    other transforms left out, every wrapper (an extension's) kept."""
     others = [pm.get_plugin(f"{TRANSFORM_ROLE}:{other}") for other in names if other != name]
-    return pm.subset_hook_caller("transform_model_chunk",
-                                 remove_plugins=[p for p in others if p is not None])
+    return pm.subset_hook_caller(hook, remove_plugins=[p for p in others if p is not None])
+
+
+def implements(pm: pluggy.PluginManager, plugin_name: str, hook: str) -> bool:
+    """Whether plugin ``plugin_name`` of ``pm`` implements ``hook`` (not only wraps it)."""
+    return any(impl.plugin_name == plugin_name and not (impl.hookwrapper or impl.wrapper)
+               for impl in getattr(pm.hook, hook).get_hookimpls())
 
 
 def build_plugin_manager(config, extra_plugins=()) -> pluggy.PluginManager:
@@ -88,7 +95,9 @@ def build_plugin_manager(config, extra_plugins=()) -> pluggy.PluginManager:
 
 
 def verify_contracts(pm: pluggy.PluginManager) -> None:
-    """Each contract hook must have exactly one (non-wrapper) implementation."""
+    """Each contract hook must have exactly one (non-wrapper) implementation, an optional
+    driver hook at most one; each model transform implements the transform hooks, and only
+    transforms implement them (extensions may wrap them)."""
     problems = []
     for hook_name, role in hookspecs.CONTRACT_HOOKS.items():
         impls = [impl for impl in getattr(pm.hook, hook_name).get_hookimpls()
@@ -101,6 +110,8 @@ def verify_contracts(pm: pluggy.PluginManager) -> None:
             problems.append(f"{hook_name!r} is implemented by more than one plugin: "
                             f"{', '.join(names)}; exactly one may implement a contract hook")
     for hook_name, role in hookspecs.OPTIONAL_DRIVER_HOOKS.items():
+        if role == TRANSFORM_ROLE:
+            continue  # one per transform: checked below
         impls = [impl for impl in getattr(pm.hook, hook_name).get_hookimpls()
                  if not (impl.hookwrapper or impl.wrapper)]
         if len(impls) > 1:
@@ -109,11 +120,13 @@ def verify_contracts(pm: pluggy.PluginManager) -> None:
                             f"driver may")
     transforms = {name for name, _ in pm.list_name_plugin()
                   if name.startswith(f"{TRANSFORM_ROLE}:")}
-    for hook_name in hookspecs.TRANSFORM_HOOKS:
+    optional = [h for h, role in hookspecs.OPTIONAL_DRIVER_HOOKS.items() if role == TRANSFORM_ROLE]
+    for hook_name in [*hookspecs.TRANSFORM_HOOKS, *optional]:
         impls = [impl for impl in getattr(pm.hook, hook_name).get_hookimpls()
                  if not (impl.hookwrapper or impl.wrapper)]
         owners = {impl.plugin_name for impl in impls}
-        for name in sorted(transforms - owners):
+        required = hook_name in hookspecs.TRANSFORM_HOOKS
+        for name in sorted(transforms - owners) if required else []:
             problems.append(f"model transform {name.split(':', 1)[1]!r} does not implement "
                             f"{hook_name!r}")
         for name in sorted(owners - transforms):

@@ -13,6 +13,7 @@ Megatron-Bridge names them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from plugtron.api import ConfigError, ConfigSection, hookimpl, opt
@@ -123,3 +124,42 @@ class LoRA:
             if id(param) not in trained:
                 param.requires_grad_(False)
         return module
+
+    @hookimpl
+    def transform_merged_tensors(self, config, tensors):
+        o = lora_options(config)
+        return MergedLoRA(tensors, o.lora_alpha / o.lora_rank)
+
+
+#: Names of an adapter's matrices after their linear's module name.
+A_SUFFIX, B_SUFFIX = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
+
+
+class MergedLoRA(Mapping):
+    """The plain model's tensors: each adapted linear's weight with ``alpha / r * B @ A``
+    added (in fp32, then its own dtype), the adapters left out; read as asked for."""
+
+    def __init__(self, tensors: Mapping, scale: float):
+        self.tensors, self.scale = tensors, scale
+        self.names = [n for n in tensors if not n.endswith((A_SUFFIX, B_SUFFIX))]
+        self.adapted = {n.removesuffix(A_SUFFIX) + ".weight" for n in tensors
+                        if n.endswith(A_SUFFIX)}
+
+    def __getitem__(self, name):
+        if name.endswith((A_SUFFIX, B_SUFFIX)):
+            raise KeyError(name)
+        weight = self.tensors[name]
+        if name not in self.adapted:
+            return weight
+        linear = name.removesuffix(".weight")
+        a, b = self.tensors[linear + A_SUFFIX], self.tensors[linear + B_SUFFIX]
+        return (weight.float() + self.scale * (b.float() @ a.float())).to(weight.dtype)
+
+    def __contains__(self, name):
+        return name in self.tensors and not str(name).endswith((A_SUFFIX, B_SUFFIX))
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)

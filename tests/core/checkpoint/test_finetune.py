@@ -11,6 +11,7 @@ import torch
 from plugtron.api import CheckpointError, ConfigError, load_model
 from plugtron.core import checkpoint
 from plugtron.core.checkpoint import CheckpointReader
+from plugtron.core.interchange.hf_export import export_hf
 from plugtron.core.monitoring.metrics import MetricsLogger
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.training.loop import pretrain, setup, train
@@ -116,3 +117,15 @@ def test_the_cli_refuses_finetune_without_a_base_with_exit_2():
                                       "--train-iters", "1"])
     assert result.exit_code == 2, result.output
     assert "--finetune needs --pretrained-checkpoint" in result.output
+
+
+def test_export_hf_merges_a_fine_tunes_adapters_into_its_base(bases, tmp_path, monkeypatch):
+    """A checkpoint without its base exports as the whole plain model: the base's tensors
+    with the adapters merged in, computing what the fine-tuned model does."""
+    monkeypatch.setenv("PLUGTRON_HF_CACHE", str(tmp_path / "cache"))
+    save = str(tmp_path / "ft")
+    _finetune(bases, stop_at=2, save=save)
+    export_hf(save, str(tmp_path / "hf"))
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(load_model(str(tmp_path / "hf"))(tokens), load_model(save)(tokens),
+                               rtol=1e-5, atol=1e-5)

@@ -5,18 +5,23 @@ buffers or optimizer state); the refusals before launch (exit 2)."""
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 import torch.nn.functional as F
-from plugtron.api import ConfigError
+from plugtron.api import ConfigError, load_model
+from plugtron.core.interchange.hf_export import export_hf
 from plugtron.core.monitoring.metrics import MetricsLogger
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.tools.estimate import estimate_memory
 from plugtron.core.training.builder import build_model
-from plugtron.core.training.loop import setup, train
+from plugtron.core.training.loop import pretrain, setup, train
 from plugtron.core.training.optimizer import named_params
 from plugtron.core.training.validate import validate
+from plugtron.testing.checkpoints import read_checkpoint
+from safetensors.torch import load_file
 
 from tests.utils import tiny_config
 
@@ -94,3 +99,27 @@ def test_a_target_the_model_lacks_is_refused_naming_its_linears():
     with pytest.raises(ConfigError, match="--lora-target-modules linear_nope: the model has no "
                                           "such linear; its linears are linear_fc1, linear_fc2"):
         estimate_memory(config, 1)
+
+
+#: A Llama-shaped tiny model, which Hugging Face export maps.
+LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
+         "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
+
+
+def test_hook_transform_merged_tensors(tmp_path, monkeypatch):
+    """export-hf folds the adapters into their linears (W + alpha/r B A): the exported plain
+    model computes what the LoRA model did (fp32, 1e-5)."""
+    monkeypatch.setenv("PLUGTRON_HF_CACHE", str(tmp_path / "cache"))
+    ckpt, hf_dir = str(tmp_path / "ck"), str(tmp_path / "hf")
+    pretrain(tiny_config(train_iters=3, save=ckpt, lora_rank=4, lora_alpha=8.0, **LLAMA),
+             world=single_process())
+    b = read_checkpoint(ckpt)["tensors"][
+        "model/decoder.layers.0.mlp.linear_fc1.adapter.linear_out.weight"]
+    assert b.abs().max() > 0  # trained: the merge has something to add
+    export_hf(ckpt, hf_dir)
+    exported = [key for file in pathlib.Path(hf_dir).glob("*.safetensors")
+                for key in load_file(str(file))]
+    assert exported and not [key for key in exported if "adapter" in key or "lora" in key]
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(load_model(hf_dir)(tokens), load_model(ckpt)(tokens),
+                               rtol=1e-5, atol=1e-5)
