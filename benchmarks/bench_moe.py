@@ -236,8 +236,8 @@ def main() -> None:
     grouped = layers["grouped"][1] / layers["looped"][1]
     lines += [f"\nMoE (looped) / dense with the same active parameters: "
               f"**{layers['looped'][1]:.2f}x** (goal <= 1.3x); grouped: "
-              f"{layers['grouped'][1]:.2f}x, grouped / looped {grouped:.2f} (CPU: the padded "
-              f"batched matmul; torch's grouped mm is selected where it runs, CUDA).\n",
+              f"{layers['grouped'][1]:.2f}x, grouped / looped {grouped:.2f} (torch's grouped mm, "
+              f"which on CPU loops matmuls over the experts itself).\n",
               f"Dispatchers at ep 2 (2 gloo ranks, {TOKENS // 2} tokens each, slower rank, "
               f"alternating): " + ", ".join(f"{d} {ms:.1f} ms ({r:.2f}x allgather)"
                                            for d, (ms, r) in dispatch.items()) + ".\n",

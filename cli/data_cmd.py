@@ -181,6 +181,12 @@ def _inspect(config, as_json, split_name, num_samples, start):
         click.echo(f"  ids:  {record['tokens']}")
         if "text" in record:
             click.echo(f"  text: {record['text']!r}")
+        for number, document in enumerate(record.get("documents", [])):
+            first, last = document["positions"]
+            shown = document.get("text", document.get("ids"))
+            click.echo(f"  document {number}, positions {first}-{last}: {shown!r}")
+            click.echo(f"    loss on {document['loss_tokens']} token(s): "
+                       f"{document['learns']!r}")
 
 
 def _stats(config, as_json):

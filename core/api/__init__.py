@@ -30,6 +30,7 @@ from plugtron.core.blocks.samples import (
     SAMPLE_SECTION,
     SampleOptions,
     document_numbers,
+    documents_masked,
     sample_from_window,
     validate_sample_options,
 )
@@ -204,5 +205,5 @@ __all__ = [
     # datasets and tokenizers
     "collate", "build_tokenizer", "tokenizer_for", "Tokenizer",
     "SAMPLE_SECTION", "SampleOptions", "sample_from_window", "validate_sample_options",
-    "document_numbers",
+    "document_numbers", "documents_masked",
 ]

@@ -38,23 +38,35 @@ class SampleOptions:
 SAMPLE_SECTION = ConfigSection("samples", SampleOptions, title="Sample masks and positions")
 
 
-def validate_sample_options(config) -> None:
-    """Before launch: ``--reset-attention-mask`` needs an attention that reads the document
-    numbers. The local backend's does; TE's (fixed ``causal`` mask type) and context-parallel
-    attention (the mask would have to follow the ring) do not, so they are refused rather than
-    silently attending across documents."""
+def documents_masked(config) -> str | None:
+    """What makes this run's samples carry document numbers (``attention_mask``), or None: the
+    flag ``--reset-attention-mask``, or the selected dataset packing several documents into a
+    sequence (its driver's ``packs_documents(config)`` names the option that does). Models and
+    backends that cannot keep documents apart refuse the run when this is not None."""
     options = getattr(config, "samples", None)
-    if options is None or not options.reset_attention_mask:
+    if options is not None and options.reset_attention_mask:
+        return "--reset-attention-mask"
+    try:
+        dataset = load("dataset", selected_driver(config, "dataset"))
+    except Exception:  # noqa: BLE001 - an unknown dataset is refused where it is selected
+        return None
+    packs = getattr(dataset, "packs_documents", None)
+    return packs(config) if callable(packs) else None
+
+
+def validate_sample_options(config) -> None:
+    """Before launch: document numbers (``--reset-attention-mask``, or a dataset that packs)
+    need an attention that reads them. The local backend's does, with context parallelism too
+    (every comm type); TE's (fixed ``causal`` mask type) does not, so it is refused rather than
+    silently attending across documents."""
+    why = documents_masked(config)
+    if why is None:
         return
-    if config.parallel.context_parallel_size > 1:
-        raise ConfigError(f"--reset-attention-mask is not supported with --cp "
-                          f"{config.parallel.context_parallel_size}: context-parallel attention "
-                          f"does not mask documents; use --cp 1")
     name = selected_driver(config, "layer_backend")
     backend = load("layer_backend", name)
     if not getattr(backend, "supports_document_ids", False):
-        raise ConfigError(f"--reset-attention-mask is not supported by --layer-backend {name}: "
-                          f"its attention does not mask documents; use --layer-backend local")
+        raise ConfigError(f"{why} is not supported by --layer-backend {name}: its attention "
+                          f"does not mask documents; use --layer-backend local")
 
 
 def document_numbers(tokens: np.ndarray, eod: int) -> np.ndarray:

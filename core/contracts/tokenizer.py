@@ -1,6 +1,11 @@
 """What a tokenizer plugin (group ``plugtron.tokenizers``) is: the members the core, the
 built-in datasets, ``plugtron data preprocess`` and ``plugtron generate`` use. Its class is
-built as ``cls(model=--tokenizer-model, vocab_size=--vocab-size)``."""
+built as ``cls(model=--tokenizer-model, vocab_size=--vocab-size)``.
+
+Optional, for chat data (``--data sft`` with ``messages``): ``render_chat(messages,
+add_generation_prompt=False) -> list[int]``, the ids of a conversation (a list of ``{"role",
+"content"}`` dicts) in the tokenizer's own chat template, and ``has_chat_template`` (bool). A
+tokenizer without them cannot render conversations, and chat data is refused with it."""
 
 from __future__ import annotations
 

@@ -92,36 +92,47 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, groups, heads // groups, s, d).sum(2)
 
 
+def _rows(doc, rows):
+    return None if doc is None else doc[:, rows]
+
+
 def _row_tiles(q: torch.Tensor, sk: int):
     b, heads, sq = q.shape[:3]
     step = max(1, TILE_ELEMENTS // max(1, b * heads * sk))
     return [slice(i, min(i + step, sq)) for i in range(0, sq, step)]
 
 
-def _probs(q, k_e, lse, q_pos, k_pos, scale, causal):
+def _probs(q, k_e, lse, q_pos, k_pos, scale, causal, q_doc=None, k_doc=None):
     """Softmax probabilities of the rows of ``q`` given their (final or own) log-sum-exp, or
     their own log-sum-exp when ``lse`` is None. In place on the one score matrix of the tile
     (these kernels run outside autograd): each out-of-place step would add a tile-sized
-    temporary to the transient peak."""
+    temporary to the transient peak. ``q_doc``/``k_doc`` (``[b, rows]``, ``[b, keys]``):
+    document numbers, a row seeing only keys of its own document; a row that sees no key of
+    this block gets probabilities 0 and a log-sum-exp of -inf."""
     scores = torch.matmul(q, k_e.transpose(-1, -2)).mul_(scale)
     if causal:
         scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    if q_doc is not None:
+        scores.masked_fill_((q_doc[:, :, None] != k_doc[:, None, :])[:, None], float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
+        if q_doc is not None:  # rows without a key here: exp(-inf - 0) = 0, not NaN
+            return scores.sub_(lse.nan_to_num(neginf=0.0)[..., None]).exp_(), lse
     return scores.sub_(lse[..., None]).exp_(), lse
 
 
 def block_forward(q, k, v, q_pos, k_pos, scale: float, causal: bool,
-                  dropout: Dropout | None = None):
+                  dropout: Dropout | None = None, q_doc=None, k_doc=None):
     """(output ``[b, heads, sq, d]``, log-sum-exp ``[b, heads, sq]``) of the rows of ``q``
-    against this block of keys alone (fp32). Every row must see at least one key."""
+    against this block of keys alone (fp32). Without document numbers every row must see at
+    least one key; with them (``q_doc``, ``k_doc``) a row that sees none gives 0 and -inf."""
     b, heads, sq, d = q.shape
     k_e, v_e = _expand(k.float(), heads), _expand(v.float(), heads)
     out = torch.empty(b, heads, sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.empty(b, heads, sq, dtype=torch.float32, device=q.device)
     for rows in _row_tiles(q, k.shape[2]):
         probs, lse[:, :, rows] = _probs(q[:, :, rows].float(), k_e, None, q_pos[rows], k_pos,
-                                        scale, causal)
+                                        scale, causal, _rows(q_doc, rows), k_doc)
         if dropout is not None:
             keep = keep_mask(dropout, b, heads, q_pos[rows], k_pos)
             probs.mul_(keep).div_(1.0 - dropout.p)
@@ -130,7 +141,7 @@ def block_forward(q, k, v, q_pos, k_pos, scale: float, causal: bool,
 
 
 def block_backward(q, k, v, out, lse, grad_out, q_pos, k_pos, scale: float, causal: bool,
-                   dropout: Dropout | None = None):
+                   dropout: Dropout | None = None, q_doc=None, k_doc=None):
     """(dq, dk, dv) of one block (fp32; dk and dv per group, shaped like k and v), given the
     final ``out`` and ``lse`` of these query rows over all blocks."""
     b, heads, sq, d = q.shape
@@ -142,7 +153,8 @@ def block_backward(q, k, v, out, lse, grad_out, q_pos, k_pos, scale: float, caus
     for rows in _row_tiles(q, k.shape[2]):
         q_t, go = q[:, :, rows].float(), grad_out[:, :, rows].float()
         delta = (go * out[:, :, rows].float()).sum(-1)
-        probs, _ = _probs(q_t, k_e, lse[:, :, rows], q_pos[rows], k_pos, scale, causal)
+        probs, _ = _probs(q_t, k_e, lse[:, :, rows], q_pos[rows], k_pos, scale, causal,
+                          _rows(q_doc, rows), k_doc)
         grad_probs = torch.matmul(go, v_e.transpose(-1, -2))
         if dropout is not None:  # out = (P * keep / (1-p)) V: the mask scales both products
             keep = keep_mask(dropout, b, heads, q_pos[rows], k_pos) / (1.0 - dropout.p)

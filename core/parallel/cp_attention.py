@@ -32,6 +32,9 @@ Shapes are the layer backend's: q ``[b, s_local, heads, d]``, k and v ``[b, s_lo
 (grouped-query attention: ``heads`` a multiple of ``groups``), result ``[b, s_local, heads * d]``.
 Values may be narrower than queries and keys (multi-latent attention): a2a takes them as they
 are, p2p and all-gather pad them with zeros to the key size and drop those channels after.
+
+Packed documents: ``document_ids`` (``[b, seq]``, the whole sequence's document numbers, which
+the cp split leaves whole) restrict each query to keys of its own document in all three.
 """
 
 from __future__ import annotations
@@ -51,26 +54,38 @@ GRAD_TAG = 11  # their dK/dV accumulators (backward)
 
 
 def context_parallel_attention(q, k, v, parallel, comm_type: str = "p2p",
-                               dropout_p: float = 0.0) -> torch.Tensor:
+                               dropout_p: float = 0.0,
+                               document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries over the whole sequence, by ``comm_type``
     (``p2p``, ``allgather`` or ``a2a``); plain causal attention without cp. Dropout randomness
-    is drawn from the current random stream (the caller's dropout stream)."""
+    is drawn from the current random stream (the caller's dropout stream).
+
+    ``document_ids``: ``[b, seq]`` document numbers of the WHOLE sequence in sequence order
+    (packed documents; the batch's ``attention_mask``, which the cp split leaves whole): a token
+    then sees only earlier tokens of its own document, wherever they live."""
     if comm_type not in COMM_TYPES:
         raise ValueError(f"cp comm type {comm_type!r} is not one of {', '.join(COMM_TYPES)}")
     if parallel.cp_size == 1:
-        return _local_causal(q, k, v, dropout_p)
+        return _local_causal(q, k, v, dropout_p, document_ids)
+    if document_ids is not None:
+        document_ids = document_ids.to(q.device)
+        if document_ids.shape[1] != q.shape[1] * parallel.cp_size:
+            raise ValueError(f"document_ids cover {document_ids.shape[1]} positions, the "
+                             f"sequence {q.shape[1] * parallel.cp_size}")
     if comm_type != "a2a" and v.shape[-1] != k.shape[-1]:
-        return _padded_values(q, k, v, parallel, comm_type, dropout_p)
+        return _padded_values(q, k, v, parallel, comm_type, dropout_p, document_ids)
     if comm_type == "p2p":
         return ring_attention(q, k, v, parallel.cp_group, parallel.cp_ranks, parallel.cp_rank,
-                              dropout_p)
+                              dropout_p, document_ids)
     if comm_type == "allgather":
         return all_gather_attention(q, k, v, parallel.cp_group, parallel.cp_rank,
-                                    parallel.cp_size, dropout_p)
-    return all_to_all_attention(q, k, v, parallel.cp_group, parallel.cp_size, dropout_p)
+                                    parallel.cp_size, dropout_p, document_ids)
+    return all_to_all_attention(q, k, v, parallel.cp_group, parallel.cp_size, dropout_p,
+                                document_ids)
 
 
-def _padded_values(q, k, v, parallel, comm_type: str, dropout_p: float) -> torch.Tensor:
+def _padded_values(q, k, v, parallel, comm_type: str, dropout_p: float,
+                   document_ids=None) -> torch.Tensor:
     """Values narrower than the keys (multi-latent attention: 128 value channels against 192
     query/key ones): the ring and all-gather paths move keys and values as one tensor, so the
     values travel zero-padded to the key size. Zero channels of v give zero channels of the
@@ -81,15 +96,25 @@ def _padded_values(q, k, v, parallel, comm_type: str, dropout_p: float) -> torch
         raise ValueError(f"cp comm type {comm_type!r} needs value heads ({dv}) no wider than "
                          f"key heads ({dk}); a2a takes any")
     padded = F.pad(v, (0, dk - dv))
-    out = context_parallel_attention(q, k, padded, parallel, comm_type, dropout_p)
+    out = context_parallel_attention(q, k, padded, parallel, comm_type, dropout_p,
+                                     document_ids)
     b, s, heads = q.shape[:3]
     return out.view(b, s, heads, dk)[..., :dv].reshape(b, s, heads * dv)
 
 
-def _local_causal(q, k, v, dropout_p=0.0):
+def _document_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, 1, s, s]``: causal, and within each document (``document_ids`` ``[b, s]``)."""
+    s = document_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    return (causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
+
+
+def _local_causal(q, k, v, dropout_p=0.0, document_ids=None):
     b, s = q.shape[:2]
+    mask = None if document_ids is None else _document_mask(document_ids.to(q.device))
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                         is_causal=True, dropout_p=dropout_p,
+                                         is_causal=mask is None, attn_mask=mask,
+                                         dropout_p=dropout_p,
                                          enable_gqa=q.shape[2] != k.shape[2])
     return out.transpose(1, 2).reshape(b, s, -1)
 
@@ -135,23 +160,25 @@ class _AllGatherAttention(torch.autograd.Function):
     v, the output and the log-sum-exp only; the gathered K/V lives for one pass at a time."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, cp_rank, cp_size, dropout):
+    def forward(ctx, q, k, v, group, cp_rank, cp_size, dropout, docs):
         chunk = q.shape[2] // 2
         seq = 2 * chunk * cp_size
         scale = 1.0 / math.sqrt(q.shape[-1])
         kv = _gather_kv(torch.stack([k, v]), group, cp_size)
         q_pos = local_positions(seq, cp_rank, cp_size, q.device)
         k_pos = torch.arange(seq, device=q.device)
+        q_doc = None if docs is None else docs[:, q_pos]
         out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         for i, chunk_id in enumerate(local_chunk_ids(cp_rank, cp_size)):
             rows, end = slice(i * chunk, (i + 1) * chunk), (chunk_id + 1) * chunk
             out[:, :, rows], lse[:, :, rows] = block_forward(
                 q[:, :, rows], kv[0][:, :, :end], kv[1][:, :, :end], q_pos[rows], k_pos[:end],
-                scale, True, dropout)
+                scale, True, dropout, _part(q_doc, rows), _part(docs, slice(0, end)))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.cp_rank, ctx.cp_size, ctx.dropout = group, cp_rank, cp_size, dropout
+        ctx.docs = docs
         ctx.scale = scale
         return out
 
@@ -164,6 +191,8 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = _gather_kv(torch.stack([k, v]), ctx.group, cp_size)
         q_pos = local_positions(seq, cp_rank, cp_size, q.device)
         k_pos = torch.arange(seq, device=q.device)
+        docs = ctx.docs
+        q_doc = None if docs is None else docs[:, q_pos]
         grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for i, chunk_id in enumerate(local_chunk_ids(cp_rank, cp_size)):
@@ -171,27 +200,31 @@ class _AllGatherAttention(torch.autograd.Function):
             grad_q[:, :, rows], dk, dv = block_backward(
                 q[:, :, rows], kv[0][:, :, :end], kv[1][:, :, :end], out[:, :, rows],
                 lse[:, :, rows], grad_out[:, :, rows], q_pos[rows], k_pos[:end], ctx.scale,
-                True, ctx.dropout)
+                True, ctx.dropout, _part(q_doc, rows), _part(docs, slice(0, end)))
             grad_kv[0][:, :, :end] += dk
             grad_kv[1][:, :, :end] += dv
         del kv
         grad_kv = _scatter_kv_grad(grad_kv, ctx.group, cp_size)
         return (grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
+
+
+def _part(docs, index):
+    return None if docs is None else docs[:, index]
 
 
 def all_gather_attention(q, k, v, group, cp_rank: int, cp_size: int,
-                         dropout_p: float = 0.0) -> torch.Tensor:
+                         dropout_p: float = 0.0, document_ids=None) -> torch.Tensor:
     """K/V gathered over cp, each local chunk attending causally to the sequence up to its end;
     backward gathers K/V again and reduce-scatters their gradients."""
     if q.shape[1] % 2:
         raise ValueError(f"all-gather cp attention needs an even local sequence (two chunks), "
                          f"got {q.shape[1]}")
     if comm.group_size(group) == 1:
-        return _local_causal(q, k, v, dropout_p)
+        return _local_causal(q, k, v, dropout_p, document_ids)
     dropout = draw_dropout(dropout_p, q.device)
     return _sequence_first(_AllGatherAttention.apply(*_heads_first(q, k, v), group, cp_rank,
-                                                     cp_size, dropout))
+                                                     cp_size, dropout, document_ids))
 
 
 # --------------------------------------------------------------------------- all-to-all
@@ -264,7 +297,8 @@ def _head_block_dropout_stream(dropout_p: float, device, cp_rank: int):
         yield
 
 
-def all_to_all_attention(q, k, v, group, cp_size: int, dropout_p: float = 0.0) -> torch.Tensor:
+def all_to_all_attention(q, k, v, group, cp_size: int, dropout_p: float = 0.0,
+                         document_ids=None) -> torch.Tensor:
     """Ulysses: all-to-all to whole sequences of ``1/cp`` of the heads (and groups: rank j gets
     head block j, which is query-group block j since heads are laid out group-major), causal
     attention, all-to-all back."""
@@ -277,10 +311,11 @@ def all_to_all_attention(q, k, v, group, cp_size: int, dropout_p: float = 0.0) -
     order = torch.argsort(positions)
     q_all, k_all, v_all = (_SeqToHeads.apply(t, group, cp_size).index_select(1, order)
                            for t in (q, k, v))
+    mask = None if document_ids is None else _document_mask(document_ids)
     with _head_block_dropout_stream(dropout_p, q.device, comm.group_rank(group)):
         out = F.scaled_dot_product_attention(q_all.transpose(1, 2), k_all.transpose(1, 2),
-                                             v_all.transpose(1, 2), is_causal=True,
-                                             dropout_p=dropout_p,
+                                             v_all.transpose(1, 2), is_causal=mask is None,
+                                             attn_mask=mask, dropout_p=dropout_p,
                                              enable_gqa=q_all.shape[2] != k_all.shape[2])
     # Back to rank order (the inverse permutation of ``order`` is ``positions``).
     out = out.transpose(1, 2).index_select(1, positions)
@@ -326,23 +361,28 @@ class _RingAttention(torch.autograd.Function):
     v, the output and the log-sum-exp only: no received block outlives its ring step."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, ranks, rank, dropout):
+    def forward(ctx, q, k, v, group, ranks, rank, dropout, docs):
         cp, chunk = len(ranks), q.shape[2] // 2
         seq = 2 * chunk * cp
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         q_pos = local_positions(seq, rank, cp, q.device)
+        q_doc = _part(docs, q_pos)
         kv = torch.stack([k, v])
         for step in range(cp):
             # Post the next block's transfer first: it travels while this block is computed.
             pending = _RingExchange(kv, ranks, rank, group, KV_TAG) if step < cp - 1 else None
             src = (rank - step) % cp
             k_pos = local_positions(seq, src, cp, q.device)
+            k_doc = _part(docs, k_pos)
             for rows, cols, causal in _visible(step, src, rank, chunk):
                 block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols],
                                                      kv[1][:, :, cols], q_pos[rows],
-                                                     k_pos[cols], scale, causal, dropout)
+                                                     k_pos[cols], scale, causal, dropout,
+                                                     _part(q_doc, rows), _part(k_doc, cols))
+                # Every row saw its own key at step 0, so ``merged`` is finite from then on
+                # (a block a row sees nothing of, across documents, adds exp(-inf) = 0).
                 merged = torch.logaddexp(lse[:, :, rows], block_lse)
                 out[:, :, rows] = (out[:, :, rows]
                                    * torch.exp(lse[:, :, rows] - merged)[..., None]
@@ -353,6 +393,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.ranks, ctx.rank, ctx.scale, ctx.dropout = group, ranks, rank, scale, dropout
+        ctx.docs = docs
         return out
 
     @staticmethod
@@ -362,6 +403,7 @@ class _RingAttention(torch.autograd.Function):
         cp, chunk = len(ranks), q.shape[2] // 2
         seq = 2 * chunk * cp
         q_pos = local_positions(seq, rank, cp, q.device)
+        q_doc = _part(ctx.docs, q_pos)
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         returning = None  # the dK/dV accumulator arriving with the current block
@@ -369,12 +411,14 @@ class _RingAttention(torch.autograd.Function):
             pending = _RingExchange(kv, ranks, rank, group, KV_TAG) if step < cp - 1 else None
             src = (rank - step) % cp
             k_pos = local_positions(seq, src, cp, q.device)
+            k_doc = _part(ctx.docs, k_pos)
             parts = []
             for rows, cols, causal in _visible(step, src, rank, chunk):
                 dq, dk, dv = block_backward(q[:, :, rows], kv[0][:, :, cols],
                                             kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
                                             grad_out[:, :, rows], q_pos[rows], k_pos[cols],
-                                            scale, causal, ctx.dropout)
+                                            scale, causal, ctx.dropout, _part(q_doc, rows),
+                                            _part(k_doc, cols))
                 grad_q[:, :, rows] += dq
                 parts.append((cols, dk, dv))
             grad_kv = (torch.zeros(2, *k.shape, dtype=torch.float32, device=k.device)
@@ -388,18 +432,18 @@ class _RingAttention(torch.autograd.Function):
                 kv = pending.wait()
         grad_kv = returning.wait()
         return (grad_q.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype),
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def ring_attention(q, k, v, group, ranks: list[int], rank: int,
-                   dropout_p: float = 0.0) -> torch.Tensor:
+                   dropout_p: float = 0.0, document_ids=None) -> torch.Tensor:
     """Ring attention over the cp group (``ranks``: its global ranks, ``rank``: this rank's
     index in it). Layer-backend shapes (see the module docstring)."""
     s = q.shape[1]
     if s % 2:
         raise ValueError(f"ring attention needs an even local sequence (two chunks), got {s}")
     if comm.group_size(group) == 1:
-        return _local_causal(q, k, v, dropout_p)
+        return _local_causal(q, k, v, dropout_p, document_ids)
     dropout = draw_dropout(dropout_p, q.device)
     return _sequence_first(_RingAttention.apply(*_heads_first(q, k, v), group, list(ranks),
-                                                rank, dropout))
+                                                rank, dropout, document_ids))

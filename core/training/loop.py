@@ -485,6 +485,7 @@ def after_step(run: Run, iteration: int) -> None:
 
 def pretrain(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None) -> dict:
     """Build everything for this rank and train; returns the summary record."""
+    preemption.begin_run()
     run = setup(config, extra_plugins, world)
     # The save directory is this run's from here to the end, whichever entry point started it.
     locked = dir_lock.hold_for_run(config.checkpoint.save, run.world.rank, run.world.world_size,

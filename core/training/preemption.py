@@ -48,6 +48,17 @@ def _handler(signum, frame) -> None:
     _received, _received_at = signum, time.monotonic()
 
 
+def begin_run() -> None:
+    """A run starts (``pretrain``): an earlier run's stop in this process (a notebook, a sweep,
+    a test pool's rank) is forgotten, and the signal that caused it with it (a signal not yet
+    acted on stays); ``--exit-duration-in-mins`` counts from here, as Megatron's from the start
+    of ``pretrain``. Without it a second run in one process stopped after its first step."""
+    global stopped, _started, _received
+    if stopped is not None and stopped[1] != 0:
+        _received = None
+    stopped, _started = None, time.monotonic()
+
+
 def install(extra: bool = False) -> None:
     """Handle the stop signals in this process (main thread only)."""
     for sig in STOP_SIGNALS + ((signal.SIGUSR1,) if extra else ()):

@@ -80,8 +80,6 @@ def test_pattern_segments_place_layers():
     ({"hybrid-layer-pattern": "MM", "tp": 3, "mamba-num-groups": 1},
      "Mamba heads 8 are not divisible by --tp 3"),
     ({"hybrid-layer-pattern": "M*", "cp": 2}, "context parallelism is not supported with Mamba"),
-    ({"hybrid-layer-pattern": "M*", "reset-attention-mask": True},
-     "--reset-attention-mask is not supported with Mamba layers"),
 ])
 def test_refusals(flags, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):

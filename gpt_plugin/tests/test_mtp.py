@@ -106,10 +106,6 @@ TINY = ["--preset", "tiny", "--data", "mock", "--vocab-size", "64", "--train-ite
     (["--mtp-num-layers", "1"], "--mtp-num-layers needs --position-embedding-type rope"),
     (["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--mtp-loss-scaling-factor",
       "-1"], "--mtp-loss-scaling-factor must be at least 0"),
-    # MTP runs under cp (test_mtp_layouts.py); packed documents do not, with or without MTP.
-    (["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--nproc-per-node", "2",
-      "--cp", "2", "--attention-dropout", "0", "--reset-attention-mask"],
-     "--reset-attention-mask is not supported with --cp 2"),
 ])
 def test_bad_settings_exit_2_before_launch(args, message):
     result = CliRunner().invoke(cli, ["train", *TINY, *args], catch_exceptions=False)

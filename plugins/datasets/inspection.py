@@ -18,8 +18,33 @@ def sample_records(dataset, start: int, count: int, tokenizer=None) -> list[dict
         record = {"index": index, **{key: value.tolist() for key, value in sample.items()}}
         if tokenizer is not None:
             record["text"] = tokenizer.detokenize(record["tokens"])
+        if "attention_mask" in record:
+            record["documents"] = document_views(record, tokenizer)
         out.append(record)
     return out
+
+
+def document_views(record: dict, tokenizer=None) -> list[dict]:
+    """A sample's documents (runs of one number in ``attention_mask``; the whole sample without
+    it): positions, inputs and what the loss learns there (the labels with loss), as text when
+    a tokenizer is given, else ids."""
+    numbers = record.get("attention_mask") or [0] * len(record["tokens"])
+    views, start = [], 0
+    for end in range(1, len(numbers) + 1):
+        if end < len(numbers) and numbers[end] == numbers[start]:
+            continue
+        inputs = record["tokens"][start:end]
+        learned = [label for label, loss in zip(record["labels"][start:end],
+                                                record["loss_mask"][start:end]) if loss]
+        view = {"positions": [start, end - 1], "loss_tokens": len(learned)}
+        if tokenizer is not None:
+            view["text"], view["learns"] = tokenizer.detokenize(inputs), \
+                tokenizer.detokenize(learned)
+        else:
+            view["ids"], view["learns"] = inputs, learned
+        views.append(view)
+        start = end
+    return views
 
 
 def length_histogram(lengths: np.ndarray) -> list[dict]:

@@ -207,14 +207,18 @@ class CoreAttention(torch.nn.Module):
             if window is not None:  # left padding shifts whole rows: index distance = distance
                 mask = mask & window
             return _masked_attention(q, k, v, mask, self.num_query_groups != self.num_heads)
-        if self._parallel is not None and self._parallel.cp_size > 1:
-            with self._dropout_rng():
-                return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p)
-        b, s = q.shape[0], q.shape[1]
         document_ids = context.document_ids
-        mask = attention_mask(s, k.shape[1], window=self.window_size, device=q.device,
-                              document_ids=None if document_ids is None
-                              else document_ids.to(q.device))
+        if self._parallel is not None and self._parallel.cp_size > 1:
+            with self._dropout_rng():  # the whole sequence's document numbers (not cp-split)
+                return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p,
+                                                  document_ids)
+        b, s = q.shape[0], q.shape[1]
+        runs = None
+        if document_ids is not None and self.window_size is None and q.device.type == "cpu":
+            runs = document_runs(document_ids)
+        mask = None if runs is not None else attention_mask(
+            s, k.shape[1], window=self.window_size, device=q.device,
+            document_ids=None if document_ids is None else document_ids.to(q.device))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         v_dim = v.shape[-1]
         if v_dim < q.shape[-1]:
@@ -222,11 +226,80 @@ class CoreAttention(torch.nn.Module):
             # kernels want one head dim, else it builds the whole score matrix. Zero channels
             # give zero outputs, sliced off; the gradient of the padding is dropped.
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))
+        gqa = self.num_query_groups != self.num_heads
         with self._dropout_rng():
-            out = _training_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                      dropout_p=p,
-                                      enable_gqa=self.num_query_groups != self.num_heads)
+            if runs is not None and sum(map(len, runs)) * MIN_DOCUMENT_RUN <= b * s:
+                out = _per_document(q, k, v, runs, p, gqa)
+            elif runs is not None:  # many short documents: a call each would cost more
+                out = _banded(q, k, v, runs, document_ids.to(q.device), p, gqa)
+            else:
+                out = _training_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                          dropout_p=p, enable_gqa=gqa)
         return out[..., :v_dim].transpose(1, 2).reshape(b, s, -1)
+
+
+#: Documents shorter than this on average go through :func:`_banded` instead of a kernel call
+#: each (CPU, 2048 tokens: in 128 documents of 16 a call each was 1.2x one masked kernel).
+MIN_DOCUMENT_RUN = 64
+#: Query rows per call of :func:`_banded`.
+BAND_ROWS = 128
+
+
+def document_runs(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per sample, ``(start, end)`` of each run of one document number."""
+    ids = document_ids.to("cpu")
+    changes = (ids[:, 1:] != ids[:, :-1]).nonzero().tolist()
+    cuts: list[list[int]] = [[] for _ in range(ids.shape[0])]
+    for row, at in changes:
+        cuts[row].append(at + 1)
+    length = ids.shape[1]
+    return [list(zip([0, *c], [*c, length])) for c in cuts]
+
+
+def _banded(q, k, v, runs, document_ids, dropout_p: float, gqa: bool) -> torch.Tensor:
+    """Attention of many short documents (``[b, heads, s, d]``): each tile of ``BAND_ROWS``
+    queries against the keys from the start of its first query's document to its end, masked
+    to the causal and same-document pairs: about ``s x (tile + document)`` scores instead of
+    ``s^2`` for one masked kernel."""
+    s = q.shape[2]
+    rows = []
+    for row, spans in enumerate(runs):
+        start_of = torch.empty(s, dtype=torch.long)
+        for a, e in spans:
+            start_of[a:e] = a
+        ids = document_ids[row]
+        parts = []
+        for a in range(0, s, BAND_ROWS):
+            e = min(a + BAND_ROWS, s)
+            first = int(start_of[a])
+            query, key = ids[a:e], ids[first:e]
+            pos_q = torch.arange(a, e, device=ids.device)
+            pos_k = torch.arange(first, e, device=ids.device)
+            mask = (pos_k[None, :] <= pos_q[:, None]) & (key[None, :] == query[:, None])
+            parts.append(_training_attention(q[row:row + 1, :, a:e], k[row:row + 1, :, first:e],
+                                             v[row:row + 1, :, first:e], attn_mask=mask,
+                                             dropout_p=dropout_p, enable_gqa=gqa))
+        rows.append(torch.cat(parts, dim=2))
+    return torch.cat(rows)
+
+
+def _per_document(q, k, v, runs, dropout_p: float, gqa: bool) -> torch.Tensor:
+    """Causal attention of each document alone (``[b, heads, s, d]``): the fast causal kernel
+    on each run instead of a masked kernel over the whole sequence, so packed documents cost
+    the sum of their squares, not the square of their sum (0.35x causal attention at 2048
+    tokens in 8 documents, against 1.9x with the mask; CPU)."""
+    rows = []
+    for row, spans in enumerate(runs):
+        if len(spans) == 1:
+            parts = [_training_attention(q[row:row + 1], k[row:row + 1], v[row:row + 1],
+                                         is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)]
+        else:
+            parts = [_training_attention(q[row:row + 1, :, a:e], k[row:row + 1, :, a:e],
+                                         v[row:row + 1, :, a:e], is_causal=True,
+                                         dropout_p=dropout_p, enable_gqa=gqa)
+                     for a, e in spans]
+        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    return torch.cat(rows) if len(rows) > 1 else rows[0]
 
 
 _HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

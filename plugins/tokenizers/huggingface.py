@@ -70,6 +70,18 @@ class HuggingFaceTokenizer:
             ids = ids.tolist()
         return self._tokenizer.decode([int(i) for i in ids])
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """The conversation's ids in the tokenizer's chat template (transformers'
+        ``apply_chat_template``; newer versions hand back a mapping with ``input_ids``)."""
+        out = self._tokenizer.apply_chat_template(messages, tokenize=True,
+                                                  add_generation_prompt=add_generation_prompt)
+        ids = out["input_ids"] if hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+
     def save(self, directory: str) -> None:
         """Write the tokenizer files (for an HF export next to the weights)."""
         self._tokenizer.save_pretrained(directory)

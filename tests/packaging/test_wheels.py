@@ -42,7 +42,16 @@ def _run(argv, cwd, env=None, timeout=600, check=True) -> subprocess.CompletedPr
 def _build_sdist(source: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
     code = ("import sys; from setuptools import build_meta; "
             "print(build_meta.build_sdist(sys.argv[1]))")
-    name = _run([sys.executable, "-c", code, str(out)], cwd=source).stdout.strip().splitlines()[-1]
+    before = set(source.glob("*.egg-info"))
+    try:
+        name = _run([sys.executable, "-c", code, str(out)],
+                    cwd=source).stdout.strip().splitlines()[-1]
+    finally:
+        # setuptools leaves NAME.egg-info in the tree; at the repository root it would stand
+        # for the installed plugtron's metadata (entry points too) in every later process
+        # started there, and go stale with the next setup.cfg change.
+        for made in set(source.glob("*.egg-info")) - before:
+            shutil.rmtree(made, ignore_errors=True)
     return out / name
 
 

@@ -152,3 +152,22 @@ def test_a_second_sigint_within_a_second_is_the_same_stop():
     assert not is_abort(signal.SIGINT, now)  # direct + forwarded copy of one stop
     assert is_abort(signal.SIGINT, now - ABORT_AFTER_S - 0.1)  # Ctrl-C again: abort
     assert not is_abort(signal.SIGTERM, now - 10)  # only SIGINT aborts
+
+
+def test_a_new_run_in_the_same_process_forgets_the_last_ones_stop(monkeypatch):
+    """A notebook's second run (or a test pool rank's): the earlier stop, and the signal that
+    caused it, are forgotten when pretrain starts; a signal not yet acted on is kept."""
+    import signal
+
+    from plugtron.core.training import preemption
+
+    monkeypatch.setattr(preemption, "_received", None)
+    monkeypatch.setattr(preemption, "stopped", ("stopped after iteration 2: --exit-interval 2", 0))
+    preemption.begin_run()
+    assert preemption.stopped is None
+    preemption.request_stop(signal.SIGTERM)  # arrives while the next run sets up: kept
+    preemption.begin_run()
+    assert preemption._received == signal.SIGTERM
+    monkeypatch.setattr(preemption, "stopped", ("stopped by SIGTERM after iteration 3", 143))
+    preemption.begin_run()  # that signal stopped a run: consumed
+    assert preemption._received is None and preemption.stopped is None

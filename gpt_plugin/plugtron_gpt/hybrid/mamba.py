@@ -115,7 +115,15 @@ class MambaMixer(torch.nn.Module):
         # Generation: left padding becomes a no-op (zero conv input, as the conv's own causal
         # padding; dt = 0: no decay, no input), and with the cache the conv window and SSM
         # state of the tokens so far continue instead of starting from zero.
-        inference = current_forward_context().inference
+        context = current_forward_context()
+        inference = context.inference
+        documents = context.document_ids if inference is None else None
+        if documents is not None and bool((documents[:, 1:] != documents[:, :-1]).any()):
+            # Packed documents: the conv window and the state start afresh at each boundary,
+            # as each document alone would (Megatron's packed sequences for Mamba).
+            y = self._per_document(xbc, dt, documents)
+            out, _ = self.out_proj(self.norm(y.to(hidden.dtype).flatten(2), z))
+            return out
         cached, valid = None, None
         if inference is not None:
             valid = inference.valid(length)
@@ -148,6 +156,37 @@ class MambaMixer(torch.nn.Module):
         y = y.to(hidden.dtype)
         out, _ = self.out_proj(self.norm(y.flatten(2), z))
         return out
+
+
+    def _per_document(self, xbc: torch.Tensor, dt_raw: torch.Tensor,
+                      documents: torch.Tensor) -> torch.Tensor:
+        """The conv and scan of each run of equal document numbers on its own (from a zero
+        window and state), put back in place: ``[b, l, heads, head_dim]`` in fp32."""
+        bc = self.groups * self.state
+        A = -torch.exp(self.A_log.float())
+        D = self.D.float()
+        rows = []
+        for row, ids in enumerate(documents.tolist()):
+            parts = []
+            for start, end in _runs(ids):
+                x, B, C = self.conv1d(xbc[row:row + 1, start:end]).split(
+                    [self.inner, bc, bc], dim=-1)
+                n = end - start
+                dt = F.softplus(dt_raw[row:row + 1, start:end].float() + self.dt_bias.float())
+                if self.dt_limit_min > 0:
+                    dt = dt.clamp(min=self.dt_limit_min)
+                parts.append(ssd_scan(
+                    x.reshape(1, n, self.heads, self.head_dim).float(), dt, A,
+                    B.reshape(1, n, self.groups, self.state).float(),
+                    C.reshape(1, n, self.groups, self.state).float(), self.chunk_size, D))
+            rows.append(torch.cat(parts, dim=1))
+        return torch.cat(rows)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """``(start, end)`` of each run of equal values in ``ids``."""
+    cuts = [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]]
+    return list(zip([0, *cuts], [*cuts, len(ids)]))
 
 
 class MambaLayer(torch.nn.Module):

@@ -43,14 +43,6 @@ def validate_hybrid(config) -> None:
         layer_types = load_layer_types(symbols)
     except PluginError as exc:
         raise ConfigError(f"--hybrid-layer-pattern {pattern!r}: {exc}") from None
-    samples = getattr(config, "samples", None)  # the datasets' section, when installed
-    if "M" in symbols and samples is not None and samples.reset_attention_mask:
-        # The Mamba mixer's state and conv window run across end-of-document tokens; accepting
-        # the flag would mask documents in the attention layers only.
-        raise ConfigError(f"--reset-attention-mask is not supported with Mamba layers (M in "
-                          f"--hybrid-layer-pattern {pattern!r}): the Mamba-2 state does not "
-                          f"reset at document boundaries; drop the flag or use a pattern "
-                          f"without M")
     if m.num_layers not in (len(symbols), _DEFAULT_NUM_LAYERS):
         raise ConfigError(f"--num-layers {m.num_layers} differs from the {len(symbols)} layers "
                           f"of --hybrid-layer-pattern {pattern!r}")

@@ -1,6 +1,7 @@
 """--reset-attention-mask: packed documents attend only within themselves. A packed sample of
-two documents gives exactly the logits of the two documents run separately (fp32, 1e-6); what
-cannot mask documents (context parallelism, the te backend) is refused before launch."""
+two documents gives exactly the logits of the two documents run separately (fp32, 1e-6), by
+the masked kernel and by the per-document path; what cannot mask documents (the te backend) is
+refused before launch."""
 
 from __future__ import annotations
 
@@ -24,6 +25,45 @@ def test_causal_mask_alone_and_with_documents():
     ids = torch.tensor([[0, 0, 1, 1]])
     assert causal_mask(4, 4, ids)[0, 0].int().tolist() == [
         [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+
+
+@pytest.mark.parametrize("lengths", [(70, 1, 185), (100, 156), (20, 30, 206)])
+@pytest.mark.parametrize("heads,groups", [(4, 4), (4, 2)])
+def test_the_cpu_document_paths_equal_one_masked_kernel(lengths, heads, groups):
+    """On CPU packed documents take a kernel call per document (64 tokens or more on average)
+    or, for many short ones, tiles of queries against the keys back to their document's start
+    (here 48 rows a tile, so documents cross tiles). Both give the masked kernel's output and
+    gradients: a one-token document between long ones; the second row's documents differ."""
+    import contextlib
+
+    from plugtron.api import forward_context
+    from plugtron.plugins.layer_backends import local
+
+    gen = torch.Generator().manual_seed(3)
+    s = sum(lengths)
+    q = torch.randn(2, s, heads, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, s, groups, 8, generator=gen, requires_grad=True) for _ in range(2))
+    grad = torch.randn(2, s, heads * 8, generator=gen)
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
+                       torch.repeat_interleave(torch.tensor([0, 1]), torch.tensor([s // 2,
+                                                                                   s - s // 2]))])
+    mask = causal_mask(s, s, ids)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask, enable_gqa=heads != groups)
+    want = want.transpose(1, 2).reshape(2, s, -1)
+    want = (want, *torch.autograd.grad(want, (q, k, v), grad))
+    attention = local.CoreAttention(heads, groups, 8, 0.0, contextlib.nullcontext)
+    for floor in (1, 10 ** 9):  # a call per document; tiles
+        kept = local.MIN_DOCUMENT_RUN, local.BAND_ROWS
+        local.MIN_DOCUMENT_RUN, local.BAND_ROWS = floor, 48
+        try:
+            with forward_context(document_ids=ids):
+                out = attention(q, k, v)
+        finally:
+            local.MIN_DOCUMENT_RUN, local.BAND_ROWS = kept
+        got = (out, *torch.autograd.grad(out, (q, k, v), grad))
+        for g, w, name in zip(got, want, ("out", "dq", "dk", "dv")):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6, msg=f"{floor}: {name}")
 
 
 @pytest.mark.parametrize("positions", ["learned_absolute", "rope"])
@@ -62,13 +102,6 @@ def _train(*flags):
             "--no-progress", "--eval-interval", "0", "--attention-dropout", "0",
             "--reset-attention-mask", *flags]
     return CliRunner().invoke(cli, args, catch_exceptions=False)
-
-
-def test_context_parallel_is_refused_with_exit_2():
-    result = _train("--cp", "2", "--nproc-per-node", "2")
-    assert result.exit_code == 2, result.output
-    assert "--reset-attention-mask is not supported with --cp 2" in result.output
-    assert "Traceback" not in result.output
 
 
 def test_te_backend_is_refused_with_exit_2():

@@ -83,6 +83,7 @@ def test_a_third_party_dataset_gets_the_sample_flags(third_party_data):
 
 
 def test_its_sample_flags_are_validated_like_the_built_ins(third_party_data):
-    config = _config(**{"reset-attention-mask": True, "cp": 2})
-    with pytest.raises(ConfigError, match="--reset-attention-mask is not supported with --cp 2"):
-        validate(config, world_size=2)
+    config = _config(**{"reset-attention-mask": True, "layer-backend": "te"})
+    with pytest.raises(ConfigError, match="--reset-attention-mask is not supported by "
+                                          "--layer-backend te"):
+        validate(config, world_size=1)
