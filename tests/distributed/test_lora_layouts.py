@@ -2,13 +2,13 @@
 row-parallel bases), tp 2 with sequence parallelism, pp 2 and dp 2 with the distributed
 optimizer train like one process (relative 1e-5 on losses and grad norms over 3 iterations);
 the merged plain model computes the LoRA model's logits (1e-5); a checkpoint round trip resumes
-bitwise. With a fused [gate; up] fc1 (SwiGLU), dropout 0, fp32; and the adapters trained under
+bitwise. So do pp 2 x vp 2, cp 2, fsdp2, full recompute at tp 2, zb-h1 and zbv. With a fused [gate; up] fc1 (SwiGLU), dropout 0, fp32; and the adapters trained under
 tp 2 with sequence parallelism equal one process's within 1e-5. One pool of 2 ranks."""
 
 from __future__ import annotations
 
 import pytest
-from plugtron.testing import assert_transform_conforms, train_run
+from plugtron.testing import assert_layouts_match, assert_transform_conforms, train_run
 
 from tests.distributed.dp_helpers import max_param_diff
 
@@ -34,3 +34,14 @@ def test_the_adapters_trained_under_tp_and_sp_are_those_of_one_process(pool):
     assert len(adapters) == 2 * 4 * 2  # 2 layers x 4 linears x (A, B)
     assert max_param_diff({n: split[n] for n in adapters}, {n: one[n] for n in adapters}) < 1e-5
     assert max_param_diff(split, one) < 1e-5
+
+
+def test_lora_under_the_other_layouts_matches_one_process(pool):
+    """Interleaving, context parallelism, fsdp2 (the frozen base sharded, no gradient for it),
+    full recompute under tp 2, and the split-backward schedules (the adapters' weight gradients
+    deferred to W): one reference, each layout named when it differs."""
+    assert_layouts_match({**FLAGS, "num-layers": 4}, pool=pool, layouts=[
+        {"pp": 2, "vp": 2}, {"cp": 2}, {"dp": 2, "use-torch-fsdp2": True},
+        {"tp": 2, "recompute-granularity": "full", "recompute-method": "uniform",
+         "recompute-num-layers": 1},
+        {"pp": 2, "schedule": "zb-h1"}, {"pp": 2, "schedule": "zbv"}])
