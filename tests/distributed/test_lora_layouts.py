@@ -45,3 +45,16 @@ def test_lora_under_the_other_layouts_matches_one_process(pool):
         {"tp": 2, "recompute-granularity": "full", "recompute-method": "uniform",
          "recompute-num-layers": 1},
         {"pp": 2, "schedule": "zb-h1"}, {"pp": 2, "schedule": "zbv"}])
+
+
+MLA = {"model": "gpt", "multi-latent-attention": True, "q-lora-rank": 12, "kv-lora-rank": 8,
+       "qk-head-dim": 6, "qk-pos-emb-head-dim": 4, "v-head-dim": 5,
+       "position-embedding-type": "rope", "normalization": "RMSNorm", "swiglu": True,
+       "add-bias-linear": False, "num-layers": 2, "lora-rank": 4,
+       "lora-target-modules": "linear_q_up_proj,linear_kv_up_proj,linear_proj,linear_fc1,"
+                              "linear_fc2"}
+
+
+def test_lora_on_mla_projections_matches_one_process(pool):
+    """MLA's up-projections are column-parallel linears of the backend like any other."""
+    assert_layouts_match(MLA, layouts=[{"tp": 2, "sequence-parallel": True}], pool=pool)

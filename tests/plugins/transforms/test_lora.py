@@ -123,3 +123,13 @@ def test_hook_transform_merged_tensors(tmp_path, monkeypatch):
     tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(load_model(hf_dir)(tokens), load_model(ckpt)(tokens),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_experts_are_refused_and_a_moe_model_takes_adapters_on_attention():
+    with pytest.raises(ConfigError, match=r"experts\.local_experts\.0\.linear_fc1 is an "
+                                          r"expert's linear; LoRA on experts is not supported"):
+        _chunk(num_experts=2, lora_rank=4)
+    chunk = _chunk(num_experts=2, lora_rank=4, lora_target_modules=["linear_qkv,linear_proj"])
+    adapted = {n.split(".adapter.")[0].rsplit(".", 1)[1] for n, _ in chunk.named_parameters()
+               if ".adapter." in n}
+    assert adapted == {"linear_qkv", "linear_proj"}
