@@ -164,6 +164,14 @@ class TrainingConfig:
     weight_decay: float = opt(0.01, "--weight-decay", "Decoupled weight decay "
                               "(not on norms and biases).")
     clip_grad: float = opt(1.0, "--clip-grad", "Clip by global grad norm (0 disables).")
+    qk_clip: bool = opt(False, "--qk-clip", "After each step, scale down the query and key "
+                        "weights of every attention head group whose largest logit exceeded "
+                        "--qk-clip-threshold (Kimi K2's MuonClip, Megatron-Core's QK-clip).",
+                        is_flag=True)
+    qk_clip_alpha: float = opt(0.5, "--qk-clip-alpha", "QK-clip's share on the queries "
+                               "(eta ** alpha; the keys take eta ** (1 - alpha)).")
+    qk_clip_threshold: float = opt(100.0, "--qk-clip-threshold", "The largest attention logit "
+                                   "QK-clip lets stand.")
     seed: int = opt(1234, "--seed", "Random seed.")
     eval_interval: int = opt(100, "--eval-interval", "Evaluate every N iterations (0: never).")
     eval_iters: int = opt(4, "--eval-iters", "Validation batches per evaluation.")
@@ -249,7 +257,8 @@ class PluginConfig:
     schedule: str = opt("auto", "--schedule",
                         "Pipeline schedule (plugtron.schedules), or auto from pp and vp.")
     optimizer: str = opt("auto", "--optimizer", "Optimizer (plugtron.optimizers); auto: adam, "
-                         "or distributed-adam under --use-distributed-optimizer.")
+                         "or distributed-adam under --use-distributed-optimizer (which "
+                         "another optimizer answers with its own sharded mode, if any).")
     data_parallel: str = opt("auto", "--data-parallel",
                              "Data-parallel wrapper (plugtron.data_parallel): ddp, fsdp2, or "
                              "auto from --use-torch-fsdp2 and --data-parallel-sharding-strategy.")

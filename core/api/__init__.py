@@ -19,6 +19,7 @@ from plugtron.core.blocks.forward_context import (
 from plugtron.core.blocks.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.blocks.layer_stack import ComposedLayer
 from plugtron.core.blocks.linear import linear
+from plugtron.core.blocks.qk_clip import record_max_logits
 from plugtron.core.blocks.rotary import (
     apply_rotary,
     rotary_freqs,
@@ -97,13 +98,17 @@ from plugtron.core.parallel.random import (
 from plugtron.core.parallel.sharding import (
     block_sizes,
     full_tensor,
+    fused_part_rows,
+    gather_tp_shards,
     is_dtensor,
     is_tensor_parallel,
     local_tensor,
+    mark_fused_parts,
     mark_sequence_parallel,
     set_tensor_parallel,
     shard_like,
     shard_of,
+    tp_split_of,
 )
 from plugtron.core.parallel.shared_params import share_parameter
 from plugtron.core.parallel.tensor_parallel import (
@@ -127,11 +132,16 @@ from plugtron.core.pipeline.plan import Action, ActionKind
 from plugtron.core.pipeline.steps import backward_step as schedule_backward_step
 from plugtron.core.pipeline.steps import forward_step as schedule_forward_step
 from plugtron.core.pipeline.steps import sync_context
+from plugtron.core.plugins.manager import shards_layer_wise as optimizer_shards_layer_wise
 from plugtron.core.plugins.manager import takes_dtensor_params as optimizer_takes_dtensor_params
 from plugtron.core.plugins.manager import wants_sharded_gradients
 from plugtron.core.plugins.registry import PluginRole
 from plugtron.core.plugins.registry import load as load_plugin
-from plugtron.core.plugins.selection import selected_driver, selected_drivers
+from plugtron.core.plugins.selection import (
+    optimizer_sharding_requested,
+    selected_driver,
+    selected_drivers,
+)
 from plugtron.core.plugins.tokenizers import build_tokenizer, tokenizer_for
 from plugtron.core.tools.estimate import estimate_memory
 from plugtron.core.tools.generation import InferenceState, generate
@@ -150,7 +160,7 @@ from plugtron.core.training.optimizer import (
     no_weight_decay,
     param_groups_for,
 )
-from plugtron.core.training.optimizer_shards import BucketShard, ParamShard
+from plugtron.core.training.optimizer_shards import BucketShard, LayerWiseOptimizer, ParamShard
 from plugtron.core.training.recompute import is_recomputing, recompute, recompute_module, run_layers
 from plugtron.core.training.step_info import check_finite
 
@@ -181,7 +191,9 @@ __all__ = [
     "affine", "batched_linear", "deferred_layer_norm",
     "cpu_matrix_support",
     "set_tensor_parallel", "is_tensor_parallel", "shard_of", "block_sizes",
-    "mark_sequence_parallel",
+    "mark_sequence_parallel", "mark_fused_parts", "fused_part_rows", "gather_tp_shards",
+    "tp_split_of",
+    "record_max_logits",
     "apply_rotary", "rotary_freqs", "rotary_freqs_at", "yarn_attention_factor", "yarn_mscale",
     "VocabParallelEmbedding", "parallel_logits", "vocab_parallel_cross_entropy",
     "RNGStatesTracker", "model_parallel_rng_tracker", "EXPERT_PARALLEL_RNG",
@@ -199,7 +211,8 @@ __all__ = [
     # optimizers and data parallelism
     "Optimizer", "StepResult", "MixedPrecisionOptimizer", "TorchOptimizer", "adamw_factory",
     "named_params", "no_weight_decay", "param_groups_for", "OPTIMIZER_STATE_KEY",
-    "DistributedDataParallel", "BucketShard", "ParamShard",
+    "DistributedDataParallel", "BucketShard", "ParamShard", "LayerWiseOptimizer",
+    "optimizer_shards_layer_wise", "optimizer_sharding_requested",
     "DataParallelChunk", "DataParallelMemory", "model_dtype", "wants_sharded_gradients",
     "optimizer_takes_dtensor_params", "is_dtensor", "local_tensor", "full_tensor", "shard_like",
     # datasets and tokenizers

@@ -61,6 +61,7 @@ OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
     "forward_backward": "schedule",
     "pipeline_placement": "schedule",
     "optimizer_takes_dtensor_params": "optimizer",
+    "optimizer_shards_layer_wise": "optimizer",
     "data_parallel_memory": "data_parallel",
     "dataset_vocab_size": "dataset",
     # absent: a checkpoint of a run with the transform cannot be exported merged
@@ -408,6 +409,26 @@ def optimizer_takes_dtensor_params(config: TrainConfig) -> bool:
 
     Optional; implemented by the optimizer driver only. Called before launch, without process
     groups.
+    """
+
+
+@hookspec(firstresult=True)
+def optimizer_shards_layer_wise(config: TrainConfig) -> bool:
+    """Say whether the optimizer shards its state over data parallelism by whole parameters.
+
+    :param config: the run's ``TrainConfig``.
+    :returns: ``True`` when, for this config, each data-parallel rank keeps state only for the
+        whole parameters it owns and shares them after the step
+        (``plugtron.api.LayerWiseOptimizer``): the answer of an optimizer that needs whole
+        tensors (Muon) when the run asks for a sharded optimizer
+        (``--use-distributed-optimizer``: ``plugtron.api.optimizer_sharding_requested``).
+        Gradients stay all-reduced whole. ``False``, or no implementation: a run that asks
+        for a sharded optimizer is refused before launch, unless the optimizer answers
+        ``optimizer_shards_gradients`` (ZeRO-1).
+
+    Optional; implemented by the optimizer driver only. Called before launch, without process
+    groups, by the selector that owns the flag (the built-in ``megatron``) and by
+    ``plugtron estimate`` (which then counts the optimizer's state split over dp x cp).
     """
 
 

@@ -22,6 +22,7 @@ class MetricsLogger:
     #: Keys of a train record that are not losses (everything else a model reported is one).
     STEP_KEYS = ("iteration", "grad_norm", "lr", "tokens_per_sec", "step_time_s",
                  "data_time_s", "consumed_samples", "skipped", "num_zeros", "loss_scale", "memory_mb",
+                 "max_attention_logit",
                  *straggler.KEYS, *RERUN_KEYS)
 
     def __init__(self, config, rank: int, start_iteration: int = 0, main_loss: str = "lm_loss"):

@@ -18,6 +18,9 @@ into any layout. Attributes (absent means "replicated, not sharded"):
   reduce over the expert data-parallel group). An expert parameter's tensor-parallel split and
   ``sequence_parallel`` sum are over the *expert* tensor-parallel group (etp, which may differ
   from tp): :func:`tp_split_of` says which group a parameter is split over.
+* ``fused_parts`` (``(kind, sizes, groups)``, :func:`mark_fused_parts`): a matrix that fuses
+  several projections along its rows (a QKV laid out per query group, a gated MLP's [gate; up]); an
+  optimizer that treats each matrix as a whole (Muon) treats each part as its own matrix.
 
 A data-parallel wrapper may shard parameters again over data parallelism as DTensors (``fsdp2``);
 the functions at the end of this module (:func:`local_tensor`, :func:`full_tensor`,
@@ -137,12 +140,45 @@ def gather_tensor_parallel(param: torch.Tensor, tp_group) -> torch.Tensor:
     """
 
     # Sharded over data parallelism too (a DTensor): whole over dp first (a collective there).
-    tensor = full_tensor(param.detach())
-    if not is_tensor_parallel(param) or comm.group_size(tp_group) == 1:
+    return gather_tp_shards(full_tensor(param.detach()), param, tp_group)
+
+
+def gather_tp_shards(tensor: torch.Tensor, like: torch.Tensor, tp_group) -> torch.Tensor:
+    """The full tensor of which ``tensor`` is this rank's tensor-parallel shard, sharded the way
+    parameter ``like`` declares (its gradient, an optimizer's update of it); ``tensor`` itself
+    when ``like`` is not split. A collective over ``tp_group`` (every rank, same order)."""
+    if not is_tensor_parallel(like) or comm.group_size(tp_group) == 1:
         return tensor
-    dim, chunks = getattr(param, "partition_dim"), getattr(param, "partition_chunks", 1)
+    dim, chunks = getattr(like, "partition_dim"), getattr(like, "partition_chunks", 1)
     gathered = comm.all_gather_tensor(tensor, tp_group, dim=dim)
     return unshard(list(gathered.chunk(comm.group_size(tp_group), dim=dim)), dim, chunks)
+
+
+def mark_fused_parts(param: torch.nn.Parameter, sizes: tuple[int, ...], groups: int = 1,
+                     kind: str = "fused") -> None:
+    """Declare that matrix ``param`` fuses projections along its rows: the FULL tensor's rows
+    are ``groups`` repetitions of blocks of ``sizes`` rows, block ``k`` of every repetition
+    belonging to part ``k``. A QKV laid out per query group is ``sizes`` = (queries per group x
+    head dim, head dim, head dim) and ``groups`` = the query groups; a gated MLP's [gate; up] is
+    ``(ffn, ffn)``. ``kind`` names the fusion (``qkv``, ``gate_up``) so that an optimizer can
+    offer a switch per kind."""
+    setattr(param, "fused_parts", (str(kind), tuple(int(s) for s in sizes), int(groups)))
+
+
+def fused_part_rows(param: torch.Tensor, rows: int) -> tuple[str, torch.Tensor] | None:
+    """``(kind, part of each row)`` of the full ``rows``-row tensor of a parameter declared with
+    :func:`mark_fused_parts` (an int64 tensor of part indices), or None when none is declared.
+    ``shard_of`` cuts a tensor-parallel rank's rows out of it like the parameter's."""
+    declared = getattr(param, "fused_parts", None)
+    if declared is None:
+        return None
+    kind, sizes, groups = declared
+    if groups * sum(sizes) != rows:
+        raise ValueError(f"fused parts {sizes} x {groups} groups do not add up to the "
+                         f"{rows} rows of the full tensor")
+    pattern = torch.cat([torch.full((size,), part, dtype=torch.int64)
+                         for part, size in enumerate(sizes)])
+    return kind, pattern.repeat(groups)
 
 
 def full_named_tensors(module: torch.nn.Module, tp_group) -> dict[str, torch.Tensor]:

@@ -47,6 +47,9 @@ class VocabParallelEmbedding(torch.nn.Module):
         full = init_method((num_embeddings, embedding_dim))
         self.weight = torch.nn.Parameter(shard_of(full, 0, rank, size))
         set_tensor_parallel(self.weight, 0)
+        # Megatron's mark of the embedding and the output layer (both are this class): optimizers
+        # of matrices (Muon) leave them to an element-wise one.
+        setattr(self.weight, "is_embedding_or_output_parameter", True)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self._parallel.tp_size == 1:

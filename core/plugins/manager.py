@@ -151,6 +151,12 @@ def takes_dtensor_params(config, pm: pluggy.PluginManager | None = None) -> bool
     return bool(_optimizer_hooks(config, pm).optimizer_takes_dtensor_params(config=config))
 
 
+def shards_layer_wise(config, pm: pluggy.PluginManager | None = None) -> bool:
+    """The answer of hook ``optimizer_shards_layer_wise`` (no implementation means no).
+    ``pm`` as for :func:`wants_sharded_gradients`."""
+    return bool(_optimizer_hooks(config, pm).optimizer_shards_layer_wise(config=config))
+
+
 def optimizer_state_per_param(config, pm: pluggy.PluginManager | None = None) -> int | None:
     """The answer of hook ``optimizer_state_per_param``; None when the optimizer does not
     implement it. ``pm`` as for :func:`wants_sharded_gradients`."""

@@ -166,6 +166,19 @@ def selected_transforms(config) -> list[str]:
     return out
 
 
+#: The question a selector answers (hook ``plugtron_select``) when a run's flags ask for the
+#: optimizer's state sharded over data parallelism (Megatron's ``--use-distributed-optimizer``).
+OPTIMIZER_SHARDING = "optimizer_sharding"
+
+
+def optimizer_sharding_requested(config) -> bool:
+    """Whether the run's flags ask for the optimizer's state sharded over data parallelism: a
+    selector answers ``plugtron_select(role="optimizer_sharding")`` with ``"data_parallel"``
+    (the built-in ``megatron`` does for ``--use-distributed-optimizer``). Adam answers with
+    ``distributed-adam``; an optimizer that needs whole tensors shards layer-wise."""
+    return selector_answer(OPTIMIZER_SHARDING, config) is not None
+
+
 def resolve_schedule(config) -> str:
     return resolve("schedule", config)
 

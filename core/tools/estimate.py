@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import os
 from dataclasses import dataclass, field
@@ -50,6 +51,7 @@ from plugtron.core.plugins import registry
 from plugtron.core.plugins.manager import (
     data_parallel_memory,
     optimizer_state_per_param,
+    shards_layer_wise,
     wants_sharded_gradients,
 )
 from plugtron.core.plugins.objects import PluginObject, call_declared
@@ -300,6 +302,8 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
     declared_state = optimizer_state_per_param(config)
     state_values = 2 if declared_state is None else int(declared_state)
     distributed = wants_sharded_gradients(config)
+    # whole parameters per data-parallel rank: the state is split, the gradients are not
+    layer_wise = not distributed and shards_layer_wise(config)
     e = _dtype_bytes(config)
     mixed = e == 2
     grad_e = 4 if (mixed and p.accumulate_allreduce_grads_in_fp32) else e
@@ -338,6 +342,13 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
             note = counted.note
         if note and note not in result.notes:
             result.notes.append(note)
+        if layer_wise:
+            counted = dataclasses.replace(
+                counted, optimizer_bytes=-(-counted.optimizer_bytes // (dp * cp)))
+            note = (f"optimizer {selected_driver(config, 'optimizer')!r} shards its state "
+                    f"layer-wise: whole parameters per dp x cp rank, counted as 1/{dp * cp}")
+            if note not in result.notes:
+                result.notes.append(note)
         result.ranks.append(RankEstimate(
             ranks=ranks, pp_rank=pp_rank, tp_rank=tp_rank, ep_rank=ep_rank, parameters=numel,
             param_bytes=counted.param_bytes, grad_bytes=counted.grad_bytes,

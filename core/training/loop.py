@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pluggy
 import torch
 from plugtron.core import checkpoint
+from plugtron.core.blocks.qk_clip import clip_qk
 from plugtron.core.checkpoint import dir_lock
 from plugtron.core.checkpoint.saver import Checkpointer
 from plugtron.core.config import TrainConfig, derive_padded_vocab_size, num_microbatches
@@ -365,6 +366,12 @@ def optimizer_step(run: Run) -> StepResult:
     if result.stepped:
         for chunk in run.model_chunks:
             chunk.start_param_sync()
+        t = run.config.training
+        if t.qk_clip:  # on the parameters every rank now holds (the gathers done)
+            for chunk in run.model_chunks:
+                chunk.finish_param_sync()
+            result.max_attention_logit = clip_qk(run.model_chunks, run.optimizer, run.parallel,
+                                                 t.qk_clip_threshold, t.qk_clip_alpha)
     return result
 
 
@@ -436,6 +443,8 @@ def train(run: Run, metrics: MetricsLogger) -> dict:
                   "memory_mb": step_memory_mb(run.world.device)}
         if result.num_zeros is not None:
             record["num_zeros"] = result.num_zeros
+        if result.max_attention_logit is not None:
+            record["max_attention_logit"] = result.max_attention_logit
         if hasattr(run.optimizer, "current_loss_scale"):
             record["loss_scale"] = run.optimizer.current_loss_scale()
         record.update(stragglers.report(iteration))  # every rank: a gather when due

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from plugtron.core.contracts.versions import deprecated
-from plugtron.core.errors import PluginError
+from plugtron.core.errors import CheckpointError, PluginError
 from plugtron.core.parallel.sharding import full_tensor, local_tensors, shard_like
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.selection import resolve_optimizer
@@ -34,6 +34,9 @@ class StepResult:
     #: Not stepped because the global gradient norm was NaN or Inf without a loss scaler
     #: (``--check-for-nan-in-loss-and-grad``): the loop stops the run, or counts a skip.
     nonfinite: bool = False
+    #: With ``--qk-clip``: the step's largest attention logit over this pipeline stage's
+    #: layers (the core sets it after the step, before clipping).
+    max_attention_logit: float | None = None
 
 
 class Optimizer(ABC):
@@ -121,9 +124,15 @@ def named_params(model_chunks) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def param_groups_for(model_chunks, weight_decay: float) -> list[dict]:
+    """The decay / no-decay parameter groups of the model chunks (Megatron's rule)."""
+    return weight_decay_groups(named_params(model_chunks), weight_decay)
+
+
+def weight_decay_groups(named, weight_decay: float) -> list[dict]:
+    """``(name, param)`` pairs as two groups: decayed, and not decayed (norms and biases)."""
     decay: list = []
     plain: list = []
-    for name, param in named_params(model_chunks):
+    for name, param in named:
         (plain if no_weight_decay(name, param) else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": plain, "weight_decay": 0.0}]
@@ -299,13 +308,31 @@ class MixedPrecisionOptimizer(Optimizer):
         if self.scaler is not None and scalars.get("loss_scaler"):
             self.scaler.load_state_dict(scalars["loss_scaler"])
 
-    def inner_state_for(self, main_p: torch.Tensor, saved: dict) -> dict:
-        """torch optimizer state for ``main_p`` from saved tensors (already shaped like it)."""
+    def inner_state_for(self, main_p: torch.Tensor, saved: dict, name: str | None = None) -> dict:
+        """torch optimizer state for ``main_p`` from saved tensors (already shaped like it);
+        a ``CheckpointError`` when they are state this optimizer does not keep (a checkpoint
+        of another optimizer: Adam's moments are no momentum for Muon, nor the reverse)."""
+        known = state_names_of(self.inner, main_p)
+        unknown = sorted(set(saved) - {"main_param"} - known) if known is not None else []
+        if unknown:
+            raise CheckpointError(
+                f"the checkpoint holds optimizer state {unknown} for {name or 'a parameter'}, "
+                f"which this run's optimizer ({type(self.inner).__name__}: {sorted(known or ())}) "
+                f"does not keep: it was saved by another optimizer; resume with that one")
         entries = {k: v.detach().to(main_p.device, torch.float32).clone().view_as(main_p)
                    for k, v in saved.items() if k != "main_param"}
         if "exp_avg" in entries:  # torch's Adam keeps its step count per parameter
             entries["step"] = torch.tensor(float(self.num_steps))
         return entries
+
+    def scale_rows_(self, param: torch.nn.Parameter, scale: torch.Tensor) -> None:
+        """After the caller multiplied row ``i`` of model parameter ``param`` by ``scale[i]``
+        (QK-clip), do the same to its main copy and take the model parameter from it again.
+        Nothing to do where the main parameters are the model's; an optimizer that keeps
+        copies overrides it."""
+        if self.main_param_bytes():
+            raise PluginError(f"{type(self).__name__} keeps fp32 main copies but does not "
+                              f"implement scale_rows_, which --qk-clip needs")
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank (moments, and main params where they are
@@ -330,27 +357,42 @@ class TorchOptimizer(MixedPrecisionOptimizer):
     bf16/fp16 ones, fp32 copies are kept and stepped, then copied back.
     """
 
-    def __init__(self, model_chunks, config, parallel, make_inner):
+    def __init__(self, model_chunks, config, parallel, make_inner, groups_for=None):
+        """``make_inner(groups)``: the torch optimizer over groups of main parameters.
+        ``groups_for(named)``: the torch parameter groups of the ``(name, model parameter)``
+        pairs this rank steps (default: with and without weight decay); each model parameter
+        is then replaced by its main parameter, which carries the model parameter's attributes
+        (tensor-parallel split, expert, ``is_embedding_or_output_parameter``, fused parts)."""
         super().__init__(config, parallel)
         if any(getattr(chunk, "sharded", False) for chunk in model_chunks):
             raise PluginError("this optimizer reads whole gradients, but the model's gradient "
                               "buffers are sharded (reduce-scattered); use a sharding optimizer "
                               "such as distributed-adam")
         self.norm_groups, self.expert_norm_groups = shard_groups_of(model_chunks)
-        named = named_params(model_chunks)
+        every = named_params(model_chunks)
+        named = self.stepped_params(every)
         self.names = [n for n, _ in named]
         self.model_params = [p for _, p in named]
-        self.mixed = any(p.dtype != torch.float32 for p in self.model_params)
+        self.mixed = any(p.dtype != torch.float32 for _, p in every)
         if self.mixed:
-            self.main_params = [torch.nn.Parameter(p.detach().float().clone())
-                                for p in self.model_params]
+            self.main_params = [main_copy(p) for p in self.model_params]
         else:
             self.main_params = self.model_params
         by_id = {id(m): main for m, main in zip(self.model_params, self.main_params)}
-        groups = []
-        for group in param_groups_for(model_chunks, config.training.weight_decay):
-            groups.append({**group, "params": [by_id[id(p)] for p in group["params"]]})
+        weight_decay = config.training.weight_decay
+        model_groups = (groups_for(named) if groups_for is not None
+                        else weight_decay_groups(named, weight_decay))
+        groups = [{**group, "params": [by_id[id(p)] for p in group["params"]]}
+                  for group in model_groups if group["params"]]
+        if not groups:  # this rank steps no parameter (a layer-wise rank): nothing to step
+            groups = [{"params": [torch.zeros(0)], "weight_decay": 0.0}]
         self.inner = make_inner(groups)
+
+    def stepped_params(self, named: list[tuple[str, torch.nn.Parameter]]
+                       ) -> list[tuple[str, torch.nn.Parameter]]:
+        """The ``(name, param)`` pairs this rank steps: every one (a subclass that shards by
+        whole parameters keeps its own: :class:`LayerWiseOptimizer`)."""
+        return named
 
     def zero_grad(self) -> None:
         for p in self.model_params:
@@ -376,6 +418,15 @@ class TorchOptimizer(MixedPrecisionOptimizer):
         if self.mixed:
             with torch.no_grad():
                 torch._foreach_copy_(self.main_params, self.model_params)
+
+    def scale_rows_(self, param: torch.nn.Parameter, scale: torch.Tensor) -> None:
+        if not self.mixed:
+            return  # the main parameters are the model's, already scaled
+        for model_p, main_p in zip(self.model_params, self.main_params):
+            if model_p is param:
+                with torch.no_grad():  # every rank holds the same copy: the same rounding
+                    main_p.mul_(scale.view(-1, *([1] * (main_p.dim() - 1))))
+                    model_p.copy_(main_p)
 
     def main_param_bytes(self) -> int:
         if not self.mixed:
@@ -405,11 +456,38 @@ class TorchOptimizer(MixedPrecisionOptimizer):
                 with torch.no_grad():
                     main_p.copy_(saved["main_param"])
                     model_p.copy_(main_p)
-            entries = self.inner_state_for(main_p, saved)
+            entries = self.inner_state_for(main_p, saved, name)
             if entries:
                 self.inner.state[main_p] = entries
             else:
                 self.inner.state.pop(main_p, None)
+
+
+#: Attributes of a model parameter its fp32 main copy does not take: the DDP buffer's view.
+MODEL_ONLY_ATTRIBUTES = ("main_grad",)
+
+
+def main_copy(param: torch.nn.Parameter) -> torch.nn.Parameter:
+    """An fp32 copy of ``param`` to step, with its attributes (as Megatron's main parameters
+    keep the tensor-parallel ones), so the torch optimizer can read how it is split."""
+    main = torch.nn.Parameter(param.detach().float().clone())
+    for key, value in vars(param).items():
+        if not key.startswith("_") and key not in MODEL_ONLY_ATTRIBUTES:
+            setattr(main, key, value)
+    return main
+
+
+def state_names_of(inner: torch.optim.Optimizer, param: torch.Tensor) -> set[str] | None:
+    """The state tensors ``inner`` keeps for ``param`` (None when it does not say): its own
+    ``state_names(param)`` when it has one, else torch's Adam/AdamW and SGD's names."""
+    names = getattr(inner, "state_names", None)
+    if callable(names):
+        return set(names(param))
+    if isinstance(inner, torch.optim.Adam):  # AdamW too
+        return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"}
+    if isinstance(inner, torch.optim.SGD):
+        return {"momentum_buffer"}
+    return None
 
 
 def shard_groups_of(model_chunks) -> tuple[tuple, tuple]:

@@ -16,6 +16,7 @@ from plugtron.core.parallel.context_parallel import check_support
 from plugtron.core.pipeline.layout import chunk_layers
 from plugtron.core.pipeline.plan import check_schedule, placement_of
 from plugtron.core.plugins import registry
+from plugtron.core.plugins.manager import shards_layer_wise, wants_sharded_gradients
 from plugtron.core.plugins.objects import call_declared, run_plugin_objects
 from plugtron.core.plugins.selection import derive_driver_names, resolve_schedule
 from plugtron.core.training.recompute import validate_recompute
@@ -55,6 +56,8 @@ def validate(config: TrainConfig, world_size: int) -> None:
                           f"= {t.micro_batch_size * dp}")
     if t.bf16 and t.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive; choose one")
+    if t.qk_clip:
+        _check_qk_clip(config)
     _check_data_parallel(config)
     if t.lr < 0 or t.min_lr < 0 or t.min_lr > t.lr:
         raise ConfigError(f"need 0 <= --min-lr ({t.min_lr}) <= --lr ({t.lr})")
@@ -151,6 +154,19 @@ def validate_plugins(config: TrainConfig, world_size: int, plugins=None) -> None
     _check_context_parallel(config, plugins)
     for plugin in plugins:
         call_declared(plugin, "plugtron_validate", config=config, world_size=world_size)
+
+
+def _check_qk_clip(config: TrainConfig) -> None:
+    t = config.training
+    if not (0.0 < t.qk_clip_alpha < 1.0 and t.qk_clip_threshold > 0.0):
+        raise ConfigError(f"--qk-clip needs 0 < --qk-clip-alpha < 1 and --qk-clip-threshold > 0, "
+                          f"got {t.qk_clip_alpha} and {t.qk_clip_threshold}")
+    # A sharding optimizer's fp32 master copies live on one rank each: the others could not
+    # scale their bf16 weights to the same rounding.
+    if (t.bf16 or t.fp16) and (wants_sharded_gradients(config) or shards_layer_wise(config)):
+        raise ConfigError("--qk-clip with --bf16/--fp16 and a sharded optimizer "
+                          "(--use-distributed-optimizer) is not offered: use fp32, or an "
+                          "optimizer that keeps whole master copies")
 
 
 def _check_context_parallel(config: TrainConfig, plugins) -> None:

@@ -25,6 +25,7 @@ from plugtron.api import (
     EXPERT_PARALLEL_RNG,
     batched_linear,
     linear,
+    mark_fused_parts,
     mark_sequence_parallel,
     normal_init,
     recompute,
@@ -76,6 +77,8 @@ class ExpertMLP(torch.nn.Module):
         self.linear_fc1 = ExpertLinear(shard_of(w1, 0, rank, tp, chunks), b1)
         self.linear_fc2 = ExpertLinear(shard_of(w2, 1, rank, tp), b2)
         set_tensor_parallel(self.linear_fc1.weight, 0, chunks)
+        if m.swiglu:
+            mark_fused_parts(self.linear_fc1.weight, (ffn, ffn), kind="gate_up")
         set_tensor_parallel(self.linear_fc2.weight, 1)
         bias1, bias2 = self.linear_fc1.bias, self.linear_fc2.bias
         if bias1 is not None and bias2 is not None:

@@ -150,7 +150,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     main.copy_(saved["main_param"])
                     if not aliased:
                         s.data.copy_(main)
-            entries = self.inner_state_for(main, saved)
+            entries = self.inner_state_for(main, saved, s.name)
             if entries:
                 self.inner.state[main] = entries
             else:

@@ -3,7 +3,10 @@ optimizer and a data-parallel wrapper, answered with plugtron's built-in plugins
 
 * ``--schedule auto``: no pipelining at pp 1, interleaved 1F1B with ``--vp``, else 1F1B;
 * ``--use-distributed-optimizer`` (or ``--data-parallel-sharding-strategy optim``): the
-  ``distributed-adam`` optimizer (Megatron's distributed optimizer over Adam);
+  optimizer's state sharded over data parallelism: Adam's as the ``distributed-adam`` optimizer
+  (Megatron's distributed optimizer), another optimizer's in its own layer-wise mode (``muon``:
+  whole parameters per rank, as Megatron-Core's layer-wise distributed optimizer), refused for
+  one that has none;
 * ``--data-parallel auto``: ``fsdp2`` under ``--use-torch-fsdp2`` (or ``--data-parallel-sharding-
   strategy optim_grads_params``), else ``ddp``.
 
@@ -16,13 +19,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plugtron.api import ConfigError, ConfigSection, fallback, opt, selected_drivers
+from plugtron.api import (
+    ConfigError,
+    ConfigSection,
+    PluginError,
+    fallback,
+    opt,
+    optimizer_shards_layer_wise,
+    selected_drivers,
+    wants_sharded_gradients,
+)
+
+#: The question selectors answer for a sharded optimizer (core/plugins/selection.py).
+OPTIMIZER_SHARDING = "optimizer_sharding"
 
 
 @dataclass
 class MegatronSelection:
     use_distributed_optimizer: bool = opt(False, "--use-distributed-optimizer",
-                                          "Alias of --optimizer distributed-adam.", is_flag=True)
+                                          "Shard the optimizer's state over data parallelism: "
+                                          "Adam's as --optimizer distributed-adam, an optimizer "
+                                          "that needs whole tensors (muon) by whole parameters "
+                                          "per rank.", is_flag=True)
     use_torch_fsdp2: bool = opt(False, "--use-torch-fsdp2",
                                 "Shard parameters, gradients and optimizer state over dp x cp "
                                 "with torch's fully_shard (the fsdp2 data-parallel wrapper).",
@@ -37,6 +55,21 @@ class MegatronSelection:
 #: Before contract 3 these were core fields of ``config.parallel``.
 SECTION = ConfigSection("megatron", MegatronSelection, title="Megatron's selection flags",
                         formerly=("parallel",))
+
+
+def _check_sharded_optimizer(config, flags: MegatronSelection, optimizer: str) -> None:
+    """The optimizer shards its state over data parallelism in one way or the other."""
+    try:
+        sharded = wants_sharded_gradients(config) or optimizer_shards_layer_wise(config)
+    except PluginError:
+        return  # an optimizer that does not load is reported by the plugin check
+    if not sharded:
+        flag = ("--use-distributed-optimizer" if flags.use_distributed_optimizer
+                else "--data-parallel-sharding-strategy optim")
+        raise ConfigError(f"{flag} shards the optimizer's state over data parallelism, which "
+                          f"--optimizer {optimizer} does not offer (Adam's sharded optimizer is "
+                          f"distributed-adam; an optimizer that needs whole tensors answers hook "
+                          f"optimizer_shards_layer_wise)")
 
 
 def _flags(config) -> MegatronSelection:
@@ -60,12 +93,11 @@ class MegatronSelector:
             if config.parallel.virtual_pipeline_model_parallel_size:
                 return fallback("interleaved-1f1b")
             return fallback("1f1b")
-        if role == "optimizer" and (flags.use_distributed_optimizer or strategy == "optim"):
-            if named.optimizer not in ("auto", "adam", "distributed-adam"):
-                flag = ("--use-distributed-optimizer" if flags.use_distributed_optimizer
-                        else "--data-parallel-sharding-strategy optim")
-                raise ConfigError(f"{flag} means --optimizer distributed-adam and cannot be "
-                                  f"combined with --optimizer {named.optimizer}")
+        sharded = flags.use_distributed_optimizer or strategy == "optim"
+        if role == OPTIMIZER_SHARDING and sharded:
+            return "data_parallel"
+        if role == "optimizer" and sharded and named.optimizer in ("auto", "adam",
+                                                                   "distributed-adam"):
             return "distributed-adam"
         if role == "data_parallel" and named.data_parallel == "auto":
             if flags.use_torch_fsdp2 or strategy == "optim_grads_params":
@@ -76,7 +108,10 @@ class MegatronSelector:
     @staticmethod
     def plugtron_validate(config):
         flags = _flags(config)
-        wrapper = selected_drivers(config)["data_parallel"]
+        drivers = selected_drivers(config)
+        wrapper = drivers["data_parallel"]
+        if flags.use_distributed_optimizer or flags.data_parallel_sharding_strategy == "optim":
+            _check_sharded_optimizer(config, flags, drivers["optimizer"])
         if flags.use_torch_fsdp2 and wrapper != "fsdp2":
             raise ConfigError(f"--use-torch-fsdp2 selects the data-parallel wrapper fsdp2 and "
                               f"cannot be combined with --data-parallel {wrapper}")

@@ -160,6 +160,19 @@ def test_hook_optimizer_shards_gradients():
     assert not wants_sharded_gradients(tiny_config(optimizer="sgd"))
 
 
+def test_hook_optimizer_shards_layer_wise():
+    # No implementation means no (adam shards by element ranges, as distributed-adam); muon
+    # answers yes when the run asks for a sharded optimizer, and its buffers stay whole.
+    from plugtron.api import LayerWiseOptimizer, optimizer_shards_layer_wise
+
+    assert not optimizer_shards_layer_wise(tiny_config(use_distributed_optimizer=True))
+    assert not optimizer_shards_layer_wise(tiny_config(optimizer="muon"))
+    config, run = _built(tiny_config(optimizer="muon", use_distributed_optimizer=True))
+    assert run.pm.hook.optimizer_shards_layer_wise(config=config) is True
+    assert isinstance(run.optimizer, LayerWiseOptimizer)
+    assert not run.model_chunks[0].sharded
+
+
 def test_hook_optimizer_state_per_param():
     # The built-in optimizers answer through the run's plugin manager and before launch alike.
     config, run = _built()

@@ -32,11 +32,19 @@ def test_hook_plugtron_select(flags, role, want):
     assert selected_drivers(tiny_config(**flags))[role] == want
 
 
-def test_contradicting_flags_are_refused_by_the_selector():
-    with pytest.raises(ConfigError, match="--use-distributed-optimizer means --optimizer "
-                                          "distributed-adam and cannot be combined with "
-                                          "--optimizer sgd"):
-        selected_drivers(tiny_config(optimizer="sgd", use_distributed_optimizer=True))
+def test_an_optimizer_without_a_sharded_mode_is_refused_by_the_selector():
+    config = tiny_config(optimizer="sgd", use_distributed_optimizer=True)
+    assert selected_drivers(config)["optimizer"] == "sgd"
+    with pytest.raises(ConfigError, match="--use-distributed-optimizer shards the optimizer's "
+                                          "state over data parallelism, which --optimizer sgd "
+                                          "does not offer"):
+        validate(config, 1)
+
+
+def test_an_optimizer_with_a_layer_wise_mode_keeps_its_name():
+    config = tiny_config(optimizer="muon", use_distributed_optimizer=True)
+    assert selected_drivers(config)["optimizer"] == "muon"
+    validate(config, 2)
 
 
 def test_a_checkpoint_config_from_before_selects_the_same_drivers():

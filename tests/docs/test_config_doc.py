@@ -46,7 +46,7 @@ def render() -> str:
     # drivers' sections exist when they are selected: every built-in driver once
     selections = [{"model": model, "data": data} for model in ("gpt", "hybrid")
                   for data in ("mock", "text", "indexed")]
-    selections += [{"optimizer": "sgd"}, {"optimizer": "distributed-adam"},
+    selections += [{"optimizer": "sgd"}, {"optimizer": "distributed-adam"}, {"optimizer": "muon"},
                    {"data-parallel": "fsdp2"}]
     for flags in selections:
         for declared in collect_sections(tiny_config(**flags)):

@@ -152,6 +152,12 @@ def test_built_in_optimizers_step_the_same_on_dp2(rank_pool, optimizer):
     assert_optimizer_dp_equivalent(optimizer, flags=GPT, dp=2, pool=rank_pool)
 
 
+def test_a_layer_wise_optimizer_steps_the_same_on_dp2(rank_pool):
+    # muon's sharded mode (whole matrices per rank), its Newton-Schulz iteration in fp32
+    assert_optimizer_dp_equivalent("muon", dp=2, pool=rank_pool, flags={
+        **GPT, "use-distributed-optimizer": True, "muon-fp32-matmul-prec": "high"})
+
+
 @pytest.mark.parametrize("save,load", [({"tp": 2}, {"pp": 2}),
                                        ({"tp": 2, "pp": 2, "dp": 2}, {"pp": 2, "vp": 2})],
                          ids=["tp2-to-pp2", "tp2pp2dp2-to-pp2vp2"])

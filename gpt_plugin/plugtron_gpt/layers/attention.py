@@ -19,16 +19,19 @@ before rotary, Megatron-Core's ``q_layernorm`` / ``k_layernorm``) and ``--window
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.nn.functional as F
 from plugtron.api import (
     apply_rotary,
     current_forward_context,
+    mark_fused_parts,
     mark_sequence_parallel,
     normal_init,
     recompute,
     recompute_module,
+    record_max_logits,
     scaled_normal_init,
     yarn_attention_factor,
 )
@@ -65,6 +68,10 @@ class SelfAttention(torch.nn.Module):
             m.hidden_size, total_heads * self.head_dim,
             bias=m.add_bias_linear or options.add_qkv_bias,
             init_method=normal_init(m.init_method_std, seed, f"{prefix}.linear_qkv.weight"))
+        # Q, K and V per query group: a matrix optimizer (Muon) may take each as its own matrix
+        mark_fused_parts(self.linear_qkv.weight,
+                         (self.heads_per_group * self.head_dim, self.head_dim, self.head_dim),
+                         groups=m.num_query_groups or m.num_attention_heads, kind="qkv")
         self.q_layernorm = self.k_layernorm = None
         if options.qk_layernorm:
             self.q_layernorm = backend.norm(self.head_dim)
@@ -84,6 +91,7 @@ class SelfAttention(torch.nn.Module):
                                            f"{prefix}.linear_proj.weight"),
             input_is_parallel=True)
         self.recompute_core = recompute_module(config, "core_attn")
+        self.qk_clip = config.training.qk_clip
         #: cos and sin times this: YaRN's attention factor (1 otherwise)
         self.rotary_mscale = yarn_attention_factor(rope_scaling(config))
 
@@ -103,6 +111,8 @@ class SelfAttention(torch.nn.Module):
             q = apply_rotary(q, rotary, self.rotary_mscale)
             k = apply_rotary(k, rotary, self.rotary_mscale)
         inference = current_forward_context().inference
+        if self.qk_clip and self.training and inference is None:
+            record_max_logits(self, self.linear_qkv.weight, max_logits(q, k))
         if inference is not None:  # generation: attend over the cached keys too
             k, v = inference.update(self.cache_key, k, v)
         # Selective recompute (Megatron's default, core_attn): the [s, s] scores and softmax
@@ -161,6 +171,18 @@ class SelfAttentionLayer(torch.nn.Module):
                   else self.input_layernorm(hidden))
         out = self.self_attention(normed, rotary)
         return hidden + dropout(out, self.hidden_dropout, self.training, self.backend)
+
+
+@torch.no_grad()
+def max_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """The largest causal pre-softmax logit ``q . k / sqrt(d)`` of each head (``--qk-clip``);
+    q ``[b, s, heads, d]`` and k ``[b, s, groups, d]``, heads grouped by query group."""
+    b, s, heads, d = q.shape
+    groups = k.shape[2]
+    scores = torch.einsum("bsgjd,btgd->bgjst", q.float().view(b, s, groups, heads // groups, d),
+                          k.float()) / math.sqrt(d)
+    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(future, float("-inf")).amax(dim=(0, 3, 4)).reshape(heads)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, backend) -> torch.Tensor:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from plugtron.api import (
     ConfigError,
     ConfigSection,
+    mark_fused_parts,
     normal_init,
     opt,
     recompute,
@@ -71,6 +72,8 @@ class MLP(torch.nn.Module):
             m.hidden_size, ffn * (2 if m.swiglu else 1), bias=m.add_bias_linear,
             init_method=normal_init(m.init_method_std, seed, f"{prefix}.linear_fc1.weight"),
             partition_chunks=2 if m.swiglu else 1)
+        if m.swiglu:
+            mark_fused_parts(self.linear_fc1.weight, (ffn, ffn), kind="gate_up")
         self.linear_fc2 = backend.row_parallel_linear(
             ffn, m.hidden_size, bias=m.add_bias_linear,
             init_method=scaled_normal_init(m.init_method_std, m.num_layers, seed,

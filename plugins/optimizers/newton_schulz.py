@@ -1,0 +1,92 @@
+"""The Newton-Schulz iteration that orthogonalizes a matrix (Muon's step), its coefficient
+schedules and the scale its result is given.
+
+The iteration maps every singular value of ``X / |X|_F`` towards 1 with an odd quintic
+polynomial ``a x + b x^3 + c x^5``, applied as ``X <- a X + (b G + c G^2) X`` with the Gram
+matrix ``G = X X^T`` of the shorter side. Five steps of well chosen coefficients leave the
+singular values near 1 (not exactly: close enough for an optimizer, and cheap on matrix units).
+
+``medium`` precision runs it in bfloat16, as torch.optim.Muon and Megatron-Core's default do
+(fp32 matmuls at "medium" precision are bf16 matmuls); ``high`` keeps fp32, which is what makes
+a tensor- or data-parallel run equal a single process to fp32 rounding: a bf16 iteration turns
+the float noise of a differently summed gradient into whole bf16 steps.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: Coefficient schedules by Megatron-Core's ``--muon-coefficient-type`` names. ``simple``
+#: repeats Keller Jordan's (a, b, c), torch.optim.Muon's default; ``quintic`` cycles five
+#: per-step tunings; ``polar_express`` (Amsel et al. 2025) has eight, its last one repeated.
+COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377),
+                (3.7418, -5.5913, 2.3037), (2.8769, -3.1427, 1.2046),
+                (2.8366, -3.0525, 1.2012)),
+    "polar_express": ((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184),
+                      (3.9096, -2.8234, 0.5250), (3.2856, -2.4153, 0.4853),
+                      (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+                      (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)),
+}
+
+#: ``--muon-fp32-matmul-prec`` -> the dtype the iteration runs in.
+PRECISIONS = {"medium": torch.bfloat16, "high": torch.float32}
+
+#: How the orthogonalized update is scaled for a matrix of ``rows x cols`` (Megatron-Core's
+#: ``--muon-scale-mode``): ``spectral`` sqrt(max(rows, cols)) (times 0.2 it matches AdamW's
+#: update RMS: torch's ``match_rms_adamw``), ``shape_scaling`` sqrt(max(1, rows / cols))
+#: (Keller Jordan's, torch's ``original``), ``unit_rms_norm`` sqrt(rows / cols).
+SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+
+#: Smallest norm divided by: a zero momentum stays zero instead of becoming NaN.
+EPS = 1e-7
+
+
+def schedule(kind: str, steps: int) -> list[tuple[float, float, float]]:
+    """The ``steps`` (a, b, c) of coefficient set ``kind``; ``ValueError`` naming the rule
+    when ``steps`` does not fit it (``quintic``: a multiple of 5, ``polar_express``: >= 8)."""
+    if kind not in COEFFICIENTS:
+        raise ValueError(f"unknown coefficient type {kind!r} (one of {', '.join(COEFFICIENTS)})")
+    if steps < 1:
+        raise ValueError(f"needs at least one step, got {steps}")
+    sets = list(COEFFICIENTS[kind])
+    if kind == "simple":
+        return sets * steps
+    if kind == "polar_express":
+        if steps < len(sets):
+            raise ValueError(f"polar_express needs at least {len(sets)} steps, got {steps}")
+        return sets + [sets[-1]] * (steps - len(sets))
+    if steps % len(sets):
+        raise ValueError(f"{kind} needs a multiple of {len(sets)} steps, got {steps}")
+    return sets * (steps // len(sets))
+
+
+def newton_schulz(matrix: torch.Tensor, coefficients: list[tuple[float, float, float]],
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The orthogonalized ``matrix`` (2-D), in ``dtype``; ``matrix`` itself is not changed.
+
+    The same operations in the same order as torch.optim.Muon's, so a bf16 run matches it."""
+    x = matrix.to(dtype)
+    tall = x.size(0) > x.size(1)
+    if tall:  # the Gram matrix of the shorter side is the smaller one
+        x = x.T
+    x = x / x.norm().clamp(min=EPS)  # spectral norm <= Frobenius norm = 1
+    for a, b, c in coefficients:
+        gram = x @ x.T
+        polynomial = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, polynomial, x, beta=a)
+    return x.T if tall else x
+
+
+def scale_factor(rows: int, cols: int, mode: str) -> float:
+    """The factor the orthogonalized update of a ``rows x cols`` matrix is multiplied by."""
+    if mode == "spectral":
+        return math.sqrt(max(rows, cols))
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, rows / cols))
+    if mode == "unit_rms_norm":
+        return math.sqrt(rows / cols)
+    raise ValueError(f"unknown scale mode {mode!r} (one of {', '.join(SCALE_MODES)})")

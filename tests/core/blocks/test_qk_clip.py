@@ -1,0 +1,86 @@
+"""QK-clip (``--qk-clip``): after a step, the query and key rows of every query group whose
+largest logit exceeded the threshold are scaled so that its logit falls to the threshold,
+split between queries and keys by ``--qk-clip-alpha``; the fp32 main copies alike; a layer
+under the threshold is left alone; and what the attention layer cannot record is refused."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from plugtron.api import ConfigError, mark_fused_parts, record_max_logits
+from plugtron.core.blocks.qk_clip import clip_qk
+from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.validate import validate
+from plugtron_gpt.layers.attention import max_logits
+
+from tests.utils import tiny_config, train_in_process
+
+ONE_RANK = SimpleNamespace(tp_group=None, tp_rank=0, tp_size=1, etp_group=None, etp_rank=0,
+                           etp_size=1, dp_cp_group=None)
+
+
+class _Optimizer:
+    def __init__(self):
+        self.scaled = []
+
+    def scale_rows_(self, param, scale):
+        self.scaled.append(scale)
+
+
+def test_the_groups_above_the_threshold_are_scaled_down():
+    groups, q, kv, hidden = 2, 4, 2, 3  # per group: 2 heads of 2 (4 query rows), 2 key, 2 value
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(torch.ones(groups * (q + 2 * kv), hidden))
+    mark_fused_parts(layer.weight, (q, kv, kv), groups=groups, kind="qkv")
+    record_max_logits(layer, layer.weight, torch.tensor([10.0, 400.0, 50.0, 20.0]))
+    record_max_logits(layer, layer.weight, torch.tensor([1.0, 1.0, 80.0, 1.0]))  # a 2nd batch
+    optimizer = _Optimizer()
+    largest = clip_qk([layer], optimizer, ONE_RANK, threshold=100.0, alpha=0.25)
+    assert largest == 400.0
+    rows = layer.weight[:, 0].view(groups, q + 2 * kv)
+    eta = 100.0 / 400.0  # group 0's largest; group 1's 80 stays
+    assert rows[0, :q].tolist() == pytest.approx([eta ** 0.25] * q)
+    assert rows[0, q:q + kv].tolist() == pytest.approx([eta ** 0.75] * kv)
+    assert rows[0, q + kv:].tolist() == [1.0] * kv and rows[1].tolist() == [1.0] * (q + 2 * kv)
+    assert torch.equal(optimizer.scaled[0].view(groups, -1), rows)
+    assert clip_qk([layer], optimizer, ONE_RANK, 100.0, 0.25) == 0.0  # the record was used
+
+
+def test_the_logit_is_the_causal_maximum_per_head():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 5, 4, 8, generator=g), torch.randn(2, 5, 2, 8, generator=g)
+    got = max_logits(q, k)
+    for head in range(4):
+        scores = torch.einsum("bsd,btd->bst", q[:, :, head], k[:, :, head // 2]) / math.sqrt(8)
+        want = scores.masked_fill(torch.ones(5, 5).triu(1).bool(), -math.inf).max()
+        assert got[head] == pytest.approx(want.item(), rel=1e-6)
+
+
+def test_a_bf16_run_scales_the_master_copies_with_the_weights():
+    config = tiny_config(optimizer="muon", qk_clip=True, qk_clip_threshold=0.05, bf16=True,
+                         train_iters=3)
+    records, run = train_in_process(config, world=single_process())
+    assert all(math.isfinite(r["lm_loss"]) for r in records)
+    assert all(r["max_attention_logit"] > 0.05 for r in records)  # each step clipped
+    weight = run.model_chunks[0].module.decoder.layers["0"].self_attention.linear_qkv.weight
+    main = dict(zip(map(id, run.optimizer.model_params), run.optimizer.main_params))[id(weight)]
+    assert torch.equal(main.to(torch.bfloat16), weight)  # clipped, then published alike
+    unclipped = train_in_process(tiny_config(optimizer="muon", bf16=True, train_iters=3),
+                                 world=single_process())[1]
+    other = unclipped.model_chunks[0].module.decoder.layers["0"].self_attention
+    assert weight.float().norm() < other.linear_qkv.weight.float().norm()
+
+
+@pytest.mark.parametrize("flags,message", [
+    ({"qk_clip_alpha": 1.0}, "0 < --qk-clip-alpha < 1"),
+    ({"multi_latent_attention": True, "position_embedding_type": "rope"},
+     "--qk-clip with --multi-latent-attention"),
+    ({"cp": 2}, "--qk-clip with --context-parallel-size > 1"),
+    ({"bf16": True, "use_distributed_optimizer": True}, "a sharded optimizer"),
+])
+def test_refusals(flags, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(tiny_config(qk_clip=True, **flags), 2)
