@@ -34,10 +34,13 @@ KINDS = {
     "dataset": "plugtron.datasets",
     "layer": "plugtron.layers",
     "extension": "plugtron",
+    "model_transform": "plugtron.model_transforms",
 }
+#: Shorter spellings of a KIND.
+KIND_ALIASES = {"transform": "model_transform"}
 
 #: Kinds whose generated tests train the ``gpt`` model, so they need plugtron-gpt to run.
-NEEDS_GPT = {"schedule", "optimizer", "data_parallel", "dataset", "extension"}
+NEEDS_GPT = {"schedule", "optimizer", "data_parallel", "dataset", "extension", "model_transform"}
 
 
 
@@ -52,6 +55,7 @@ def kinds() -> dict[str, str]:
 
 
 def check_kind(kind: str) -> str:
+    kind = KIND_ALIASES.get(kind, kind)
     known = kinds()
     if kind not in known:
         raise UserError(f"unknown KIND {kind!r}; plugtron plugin new writes: "
@@ -209,9 +213,11 @@ def new(kind, name, directory, symbol):
     pyproject.toml with the entry point, the plugin module, a README and tests that use
     plugtron.testing. It installs (pip install -e DIR) and passes its tests as generated.
 
-    KIND: model, schedule, optimizer, data_parallel, dataset, layer, extension, or a role an
-    installed distribution declares with a template (moe_dispatcher, with plugtron-moe)."""
-    names = check_name(check_kind(kind), name)
+    KIND: model, schedule, optimizer, data_parallel, dataset, layer, extension,
+    model_transform (or transform), or a role an installed distribution declares with a
+    template (moe_dispatcher, with plugtron-moe)."""
+    kind = check_kind(kind)
+    names = check_name(kind, name)
     symbol = check_symbol(kind, symbol)
     directory = directory or pathlib.Path(names.dist)
     check_options(kind, names)

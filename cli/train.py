@@ -155,13 +155,17 @@ def node_layout(external: bool, nnodes: str | int, node_rank: int, master_addr: 
     return Nodes(nnodes, node_rank, endpoint, max_restarts, min_nodes, conf)
 
 
-def load_argument(args: list[str]) -> str | None:
+def flag_argument(args: list[str], flag: str) -> str | None:
     for i, arg in enumerate(args):
-        if arg == "--load" and i + 1 < len(args):
+        if arg == flag and i + 1 < len(args):
             return args[i + 1]
-        if arg.startswith("--load="):
+        if arg.startswith(f"{flag}="):
             return arg.split("=", 1)[1]
     return None
+
+
+def load_argument(args: list[str]) -> str | None:
+    return flag_argument(args, "--load")
 
 
 def given_model(config) -> str | None:
@@ -172,15 +176,20 @@ def given_model(config) -> str | None:
 
 
 class HFLoad:
-    """``--load HF_DIR``: the imported model's config (``base``, whose --load is the cached
-    checkpoint) and the settings the import fixed (``flags``); ``error`` if it cannot be
-    imported (reported when the command runs, not while click builds it)."""
+    """``--load HF_DIR`` (or a fine-tune's ``--pretrained-checkpoint HF_DIR``): the imported
+    model's config (``base``, whose --load is the cached checkpoint) and the settings the
+    import fixed (``flags``); ``error`` if it cannot be imported (reported when the command
+    runs, not while click builds it)."""
 
     def __init__(self, args: list[str], model: str | None):
         from plugtron.core.errors import PlugtronError
         from plugtron.core.interchange import hf_load
 
         self.dir, self.base, self.flags, self.error = load_argument(args), None, {}, None
+        self.flag = "--load"
+        if self.dir is None or not hf_load.is_hf_dir(self.dir):
+            self.dir, self.flag = flag_argument(args, "--pretrained-checkpoint"), \
+                "--pretrained-checkpoint"
         if self.dir is None or not hf_load.is_hf_dir(self.dir):
             self.dir = None
             return
@@ -199,12 +208,21 @@ class HFLoad:
         from plugtron.core.interchange.hf_load import check_agrees, is_hf_dir
 
         if self.base is not None and self.dir is not None:
-            config.checkpoint.load = self.base.checkpoint.load
+            cached = self.base.checkpoint.load
+            if self.flag == "--load":
+                config.checkpoint.load = cached
+            else:  # the base a fine-tune starts from; --load stays the run's own
+                config.checkpoint.pretrained_checkpoint = cached
+                if config.checkpoint.load == cached:
+                    config.checkpoint.load = None
             check_agrees(config, self.base, self.flags, self.dir)
-        elif is_hf_dir(config.checkpoint.load):  # from a config file: too late for its flags
-            raise ConfigError(f"load {config.checkpoint.load!r} (a Hugging Face directory) must "
-                              f"be given on the command line as --load, so that its model "
-                              f"settings are known before the options are built")
+        for field, flag in (("load", "--load"),
+                            ("pretrained_checkpoint", "--pretrained-checkpoint")):
+            if is_hf_dir(getattr(config.checkpoint, field)):  # from a config file: too late
+                raise ConfigError(f"{field} {getattr(config.checkpoint, field)!r} (a Hugging "
+                                  f"Face directory) must be given on the command line as "
+                                  f"{flag}, so that its model settings are known before the "
+                                  f"options are built")
 
 
 class RunOptions:

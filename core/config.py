@@ -267,6 +267,11 @@ class PluginConfig:
                              "the built-in local layers.")
     data: str = opt("auto", "--data", "Dataset provider (plugtron.datasets); auto: text files "
                     "or folders given with --data-path.")
+    model_transforms: list = opt([], "--model-transforms",
+                                 "Model transforms (plugtron.model_transforms) applied to every "
+                                 "built model chunk, in this order (several values or "
+                                 "comma-separated); a transform whose own flags turn it on "
+                                 "follows those named here.")
     disabled: list = opt([], "-p", "Disable an extension plugin: -p no:NAME (repeatable).")
 
 
@@ -281,6 +286,15 @@ class CheckpointConfig:
         "scratch, also when --load is --save (Megatron's flag).", is_flag=True)
     async_save: bool = opt(False, "--async-save", "Write checkpoints in the background.",
                            is_flag=True)
+    pretrained_checkpoint: str | None = opt(
+        None, "--pretrained-checkpoint",
+        "The checkpoint (or directory of them) a fine-tune starts from, with --finetune. A "
+        "fine-tune whose model transforms add tensors saves only what it trains, naming this "
+        "base; resuming it needs the same base here again.")
+    finetune: bool = opt(False, "--finetune",
+                         "Start from --pretrained-checkpoint's model weights only: iteration 0, "
+                         "a fresh optimizer and LR schedule (Megatron's semantics). A --load "
+                         "that holds a checkpoint resumes instead.", is_flag=True)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 
 from plugtron.core.checkpoint import layout
-from plugtron.core.checkpoint.loader import load_checkpoint
+from plugtron.core.checkpoint.loader import load_base, load_checkpoint
 from plugtron.core.checkpoint.reader import CheckpointReader
 from plugtron.core.checkpoint.saver import Checkpointer
 from plugtron.core.errors import CheckpointError
@@ -41,9 +41,11 @@ def checkpointer(run) -> Checkpointer:
 
 def load_if_requested(run, model_only: bool = False) -> None:
     """``--load DIR``: resume from it. With ``--load`` equal to ``--save`` and nothing saved
-    yet, start from scratch (the usual restartable job script); any other ``--load`` without a
-    checkpoint is an error."""
+    yet, start from scratch (the usual restartable job script), or with ``--finetune`` from
+    ``--pretrained-checkpoint``'s model weights; any other ``--load`` without a checkpoint is
+    an error."""
     path = run.config.checkpoint.load
+    resumed = False
     if path:
         same_as_save = (run.config.checkpoint.save is not None and
                         os.path.abspath(path) == os.path.abspath(run.config.checkpoint.save))
@@ -51,12 +53,19 @@ def load_if_requested(run, model_only: bool = False) -> None:
             if run.config.checkpoint.exit_on_missing_checkpoint:
                 raise CheckpointError(f"--exit-on-missing-checkpoint: --load {path} has no "
                                       f"checkpoint")
-            if run.world.rank == 0:
+            if run.world.rank == 0 and not run.config.checkpoint.finetune:
                 print(f"no checkpoint in {path} yet: starting from scratch", flush=True)
         else:
             load_checkpoint(run, path, model_only=model_only)
+            resumed = True
             if not same_as_save and not model_only:
                 _note_newer_in_save(run)
+    if not resumed and run.config.checkpoint.finetune:
+        load_base(run, run.config.checkpoint.pretrained_checkpoint)
+        if run.world.rank == 0:
+            print(f"fine-tuning from {run.base_checkpoint['path']} (iteration "
+                  f"{run.base_checkpoint['iteration']}): its model weights, at iteration 0",
+                  flush=True)
     checkpointer(run).start_iteration = run.state.iteration
 
 

@@ -15,16 +15,18 @@ resume differ from the uninterrupted run.
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Callable
 
 import torch
-from plugtron.core.checkpoint import jsonio, state
+from plugtron.core.checkpoint import base, jsonio, state
 from plugtron.core.checkpoint.pieces import ShardSpec
 from plugtron.core.checkpoint.reader import CheckpointReader
 from plugtron.core.contracts.model_info import ModelInfo, model_info_of
 from plugtron.core.errors import CheckpointError
 from plugtron.core.parallel import random as random_module
 from plugtron.core.parallel.random import resume_seed, seed_everything, set_rng_state
-from plugtron.core.parallel.sharding import copy_full_into_, is_dtensor
+from plugtron.core.parallel.sharding import added_by_transform, copy_full_into_, is_dtensor
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.options import config_from_dict
 from plugtron.core.plugins.selection import selected_driver
@@ -104,13 +106,19 @@ def _check_shape(logical: str, saved: tuple, current: tuple, saved_vocab: int | 
                               f"but {current} in this run")
 
 
-def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReader:
+def load_checkpoint(run, path: str, model_only: bool = False,
+                    tensors: Callable[[torch.Tensor], bool] | None = None) -> CheckpointReader:
     """Load ``path`` (a checkpoint, or a directory of them: the newest complete one) into
     ``run``. Collective when the optimizer gathers its state. ``model_only``: weights only
-    (evaluation, fine-tuning from converted weights)."""
+    (evaluation, fine-tuning from converted weights). ``tensors``: which of the model's
+    tensors to read (default: all). A fine-tune's checkpoint that leaves its base out loads
+    the base first (:func:`base_for`)."""
     reader = CheckpointReader(path)
     with malformed(reader, "config"):
         check_compatible(reader.config, run)
+    if reader.metadata.get(base.BASE_KEY):
+        base_for(run, reader, model_only)
+        tensors = _and_not_base(tensors)
     saved_vocab = (reader.config.get("model") or {}).get("padded_vocab_size")
     current_vocab = run.config.model.padded_vocab_size
     vocab = run.config.model.vocab_size
@@ -121,6 +129,8 @@ def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReade
 
     specs = {}
     for name, tensor, spec in state.model_tensors(run):
+        if tensors is not None and not tensors(tensor):
+            continue
         stored = state.stored_name(run, name, tensor)
         specs[name] = (stored, spec, tensor)
         logical = f"model/{stored}"
@@ -149,6 +159,11 @@ def load_checkpoint(run, path: str, model_only: bool = False) -> CheckpointReade
               f"{' weights only' if model_only else ''}", flush=True)
     reader.close()
     return reader
+
+
+def _and_not_base(tensors: Callable[[torch.Tensor], bool] | None
+                  ) -> Callable[[torch.Tensor], bool]:
+    return lambda t: not base.is_base_tensor(t) and (tensors is None or tensors(t))
 
 
 def describe_layout(saved: dict) -> str:
@@ -205,3 +220,47 @@ def _restore_rng(run, reader, has_rng: bool) -> None:
         print("note: the checkpoint was saved under another layout; per-rank RNG states do "
               "not map onto this one, so every rank was reseeded deterministically from "
               "(seed, iteration)", flush=True)
+
+
+def load_base(run, path: str, expected: dict | None = None) -> None:
+    """Load the base checkpoint ``path`` into ``run``'s model (weights only; the tensors
+    transforms added keep their initial values) and remember its identity for the run's
+    saves. ``expected``: the identity a fine-tune's checkpoint recorded; another base is a
+    ``CheckpointError`` naming both."""
+    reader = CheckpointReader(path)
+    try:
+        found = base.identity(reader)
+        if reader.metadata.get(base.BASE_KEY):
+            raise CheckpointError(f"--pretrained-checkpoint {path}: {reader.path} holds only what "
+                                  f"a fine-tune trained, not a whole model; give the whole "
+                                  f"model it was fine-tuned from")
+    finally:
+        reader.close()
+    if expected is not None and expected.get("fingerprint") != found["fingerprint"]:
+        raise CheckpointError(f"--pretrained-checkpoint {path} ({found['path']}, iteration "
+                              f"{found['iteration']}) is not the base this fine-tune was "
+                              f"trained from: {expected.get('path')} (iteration "
+                              f"{expected.get('iteration')}); their metadata differ")
+    load_checkpoint(run, found["path"], model_only=True,
+                    tensors=lambda tensor: added_by_transform(tensor) is None)
+    # An optimizer that keeps fp32 main copies (bf16/fp16) takes them from the loaded weights.
+    reload = getattr(getattr(run, "optimizer", None), "reload_model_params", None)
+    if reload is not None:
+        reload()
+    run.base_checkpoint = found
+
+
+def base_for(run, reader: CheckpointReader, model_only: bool) -> None:
+    """Before loading ``reader`` (a fine-tune's checkpoint without its base): load the base
+    it names, from ``--pretrained-checkpoint`` (a run; required), or for a weights-only load
+    (``load_model``, evaluation) from the recorded path when the run names none."""
+    expected = reader.metadata[base.BASE_KEY]
+    given = run.config.checkpoint.pretrained_checkpoint
+    if not given:
+        recorded = expected.get("path")
+        if not model_only or not recorded or not os.path.exists(recorded):
+            raise CheckpointError(f"{reader.path} holds what a fine-tune trained, without its "
+                                  f"base model: give --pretrained-checkpoint {recorded} (the "
+                                  f"base it names, iteration {expected.get('iteration')})")
+        given = recorded
+    load_base(run, given, expected)

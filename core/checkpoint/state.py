@@ -24,6 +24,7 @@ import time
 from importlib import metadata
 
 import torch
+from plugtron.core.checkpoint import base
 from plugtron.core.checkpoint.jsonio import encode
 from plugtron.core.checkpoint.pieces import ShardSpec, local_boxes_of
 from plugtron.core.checkpoint.reader import FORMAT, VERSION
@@ -125,9 +126,12 @@ def snapshot(run, copy: bool, staging: dict | None = None) -> tuple[RankSnapshot
         finish = getattr(chunk, "finish_param_sync", None)
         if finish is not None:
             finish()
+    without_base = base.saves_without_base(run)
     for name, tensor, spec in model_tensors(run):
         stored = stored_name(run, name, tensor)
         specs[name] = (stored, spec, _is_expert(tensor))
+        if without_base and base.is_base_tensor(tensor):
+            continue  # the base checkpoint holds it, unchanged
         # A tensor sharded over data parallelism (DTensor) is gathered by every rank of its
         # group (a collective), then written like a whole one by the first.
         whole = full_tensor(tensor)
@@ -237,6 +241,8 @@ def run_metadata(run, optimizer_state: dict, iteration: int | None = None) -> di
     iteration = run.state.iteration if iteration is None else iteration
     meta = base_metadata(run.config, iteration, run.state.consumed_samples,
                          layout_of(run), {"model": True, "optimizer": True, "rng": True})
+    if base.saves_without_base(run):
+        meta[base.BASE_KEY] = run.base_checkpoint
     meta["scheduler"] = run.scheduler.state_dict()
     meta["optimizer"] = encode(optimizer_state)
     return meta

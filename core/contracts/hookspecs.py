@@ -11,6 +11,10 @@ Three kinds of hooks live here:
 * **Optional driver hooks** (``optimizer_shards_gradients``, ``optimizer_state_per_param``,
   ...): ``firstresult`` questions the core asks the selected driver of one role; a driver
   that does not implement one gets the default its docstring states.
+* **Model-transform hooks** (``transform_model_chunk``): implemented by every model transform
+  the run selects (``--model-transforms``, or a transform's own flag); the core calls each
+  transform's implementation in turn, in the stated order, so each is ``firstresult`` over one
+  implementation, and extensions may wrap it like a contract hook.
 * **Lifecycle hooks** (prefixed ``plugtron_``). Any number of plugins may implement them; the
   core calls them at fixed points of a run. ``historic`` ones are replayed to plugins that are
   registered after the call.
@@ -21,7 +25,7 @@ that only needs ``config`` and ``pre_process`` declares just those.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -60,6 +64,14 @@ OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
     "optimizer_shards_layer_wise": "optimizer",
     "data_parallel_memory": "data_parallel",
     "dataset_vocab_size": "dataset",
+    # absent: a checkpoint of a run with the transform cannot be exported merged
+    "transform_merged_tensors": "model_transform",
+}
+
+#: Hooks that every selected model transform implements (the core calls one transform at a time,
+#: in the run's order), with the registry role that provides them.
+TRANSFORM_HOOKS: dict[str, str] = {
+    "transform_model_chunk": "model_transform",
 }
 
 #: Hooks that exactly one selected driver implements, with the registry role that provides it.
@@ -140,6 +152,64 @@ def model_provider(
         ``pre_process`` takes its input from the tensor set there.
 
     Called on every rank, once per virtual chunk the rank holds, before the optimizer is built.
+    """
+
+
+@hookspec(firstresult=True)
+def transform_model_chunk(config: TrainConfig, module: torch.nn.Module, vp_stage: int | None,
+                          layer_backend: LayerBackend, parallel: ParallelContext
+                          ) -> torch.nn.Module:
+    """Change one built model chunk: add modules and parameters, freeze parameters, swap a
+    layer's linear for another.
+
+    :param config: the run's ``TrainConfig`` (the transform's options are its own section).
+    :param module: the chunk as ``model_provider`` built it, or as the transforms before this
+        one left it; parameters in fp32, on the device the build runs on (the CPU, or the meta
+        device for ``plugtron estimate``: build new tensors with ``torch.empty``/``zeros`` and
+        the init helpers, which follow the current device, and never read values there).
+    :param vp_stage: index of the virtual pipeline chunk on this rank, ``None`` without
+        interleaving.
+    :param layer_backend: the ``LayerBackend`` the chunk was built with (its ``dropout_rng``,
+        its ``sequence_parallel``).
+    :param parallel: the ``ParallelContext`` of the build: the run's, or a single-process one
+        (``load_model``, the estimate's per-rank contexts, which have no process groups).
+    :returns: the chunk to use from now on: ``module`` itself, changed in place, or a module
+        that replaces it (it must keep ``set_input_tensor`` and the chunk's forward). A
+        parameter the transform freezes has ``requires_grad`` False: the core and every
+        built-in data-parallel wrapper and optimizer then give it no gradient buffer, no
+        optimizer state and no data-parallel reduction, and leave it out of the grad norm.
+        Parameter names must stay global (the same under every layout, as the model's are), and
+        parameters the transform adds declare their tensor-parallel split
+        (``plugtron.api.set_tensor_parallel``) like the model's own.
+
+    Called wherever a model is built (core/training/builder.py ``build_model``: training and
+    evaluation, ``plugtron estimate`` on the meta device, ``load_model`` and ``generate``), on
+    every rank that builds, once per chunk and per transform the run selects, in the run's
+    order: the names given to ``--model-transforms`` first, then those whose own flags turn
+    them on (hook ``plugtron_select`` with role ``model_transform``), by name. Called after
+    ``model_provider`` and before the chunk moves to the run's device and is wrapped for data
+    parallelism (``wrap_model_chunk``). Raise ``plugtron.api.ConfigError`` for a model the
+    transform cannot change (a target the model lacks).
+    """
+
+
+@hookspec(firstresult=True)
+def transform_merged_tensors(config: TrainConfig, tensors: Mapping[str, torch.Tensor]
+                             ) -> Mapping[str, torch.Tensor]:
+    """Fold this transform back into the plain model's tensors, for export.
+
+    :param config: the ``TrainConfig`` the checkpoint was saved with.
+    :param tensors: the whole model's tensors by global name, full (not sharded over tp), read
+        on demand: the plain model's, this transform's own, and those of the transforms
+        applied before it (a fine-tune's checkpoint and its base together).
+    :returns: a mapping without this transform's tensors whose values make the plain model
+        compute what the transformed one did (LoRA: ``W + alpha / r * B @ A``); read lazily is
+        best (the export writes one tensor at a time).
+
+    Optional; implemented by model transforms. Called by ``plugtron convert export-hf`` in one
+    process without process groups, once per transform the checkpoint's run applied, the last
+    applied first, before the model's converter maps the tensors. A checkpoint of a transform
+    without it is refused by the export, naming the transform.
     """
 
 
@@ -433,8 +503,8 @@ def plugtron_config_sections() -> list[ConfigSection]:
 def plugtron_select(role: str, config: TrainConfig) -> str | None:
     """Answer which driver of ``role`` a run of ``config`` uses (a selector's hook).
 
-    :param role: ``"schedule"``, ``"optimizer"``, ``"data_parallel"``, ``"model"`` or
-        ``"dataset"``.
+    :param role: ``"schedule"``, ``"optimizer"``, ``"data_parallel"``, ``"model"``,
+        ``"dataset"``, or ``"model_transform"`` (asked of every installed model transform).
     :param config: the run's ``TrainConfig``; the selector's own section holds the flags it
         answers (``--use-torch-fsdp2``), ``config.plugins`` the names the user gave (``auto``
         where none).
@@ -443,9 +513,13 @@ def plugtron_select(role: str, config: TrainConfig) -> str | None:
 
     Implemented by selectors (entry-point group ``plugtron.selectors``; built in: ``megatron``,
     Megatron's ``auto`` schedule and its data-parallel flags), whose sections and validation
-    are always collected. Called by the core whenever it resolves a run's drivers, before
-    launch and on every rank, without process groups; two selectors that answer differently
-    are refused, naming both. The core itself maps no flag to a plugin name.
+    are always collected. A model transform answers role ``model_transform`` with its own name
+    when its own flags turn it on (a rank given for its adapters); for that role every answer
+    counts, after the names ``--model-transforms`` gives.
+
+    Called by the core whenever it resolves a run's drivers or transforms, before launch and
+    on every rank, without process groups; two selectors that answer differently for a driver
+    role are refused, naming both. The core itself maps no flag to a plugin name.
     """
 
 

@@ -10,7 +10,13 @@ from plugtron.core.config import TrainConfig
 from plugtron.core.contracts.converter import Converter
 from plugtron.core.errors import ConfigError
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.selection import selected_driver
+from plugtron.core.plugins.manager import (
+    implements,
+    new_plugin_manager,
+    register_transforms,
+    transform_caller,
+)
+from plugtron.core.plugins.selection import TRANSFORM_ROLE, selected_driver
 
 
 def load_converter(model: str) -> Converter:
@@ -103,3 +109,19 @@ def run_export(converter, config: TrainConfig, tensors: Mapping) -> tuple[dict, 
     if "config" in inspect.signature(converter.export_hf).parameters:
         return converter.export_hf(config.model, tensors, config=config)
     return converter.export_hf(config.model, tensors)
+
+
+def plain_model_tensors(config: TrainConfig, tensors: Mapping) -> Mapping:
+    """The plain model's tensors of a checkpoint of ``config``, whose run may have applied model
+    transforms: each transform folds itself back (hook ``transform_merged_tensors``), the last
+    applied first. A transform that cannot is a ``ConfigError`` naming it."""
+    pm = new_plugin_manager()
+    names = register_transforms(pm, config)
+    for name in reversed(names):
+        if not implements(pm, f"{TRANSFORM_ROLE}:{name}", "transform_merged_tensors"):
+            raise ConfigError(f"the checkpoint's model was changed by model transform {name!r}, "
+                              f"which cannot fold itself back into the plain model (it does "
+                              f"not implement transform_merged_tensors)")
+        tensors = transform_caller(pm, name, names, "transform_merged_tensors")(
+            config=config, tensors=tensors)
+    return tensors

@@ -11,7 +11,10 @@ What it writes:
   ``model.safetensors.index.json`` (hf_write.py), read from the checkpoint one tensor at a time
   as the converter asks for them and written one at a time;
 * with ``dtype=float32`` from a bf16/fp16 run, the optimizer's fp32 master weights where the
-  checkpoint has them (``optim/<name>/main_param``), not the rounded model weights.
+  checkpoint has them (``optim/<name>/main_param``), not the rounded model weights;
+* the plain model: the tensors of the run's model transforms folded back in (LoRA's adapters
+  merged into their linears, hook ``transform_merged_tensors``); a fine-tune's checkpoint that
+  holds only what it trained is read over the base it names.
 """
 
 from __future__ import annotations
@@ -22,10 +25,16 @@ import sys
 from collections.abc import Mapping
 
 import torch
+from plugtron.core.checkpoint import base
 from plugtron.core.checkpoint.loader import malformed
 from plugtron.core.checkpoint.reader import CheckpointReader
-from plugtron.core.errors import ConfigError
-from plugtron.core.interchange.converters import converter_for_config, drop_parts, run_export
+from plugtron.core.errors import CheckpointError, ConfigError
+from plugtron.core.interchange.converters import (
+    converter_for_config,
+    drop_parts,
+    plain_model_tensors,
+    run_export,
+)
 from plugtron.core.interchange.hf_write import DEFAULT_MAX_SHARD_SIZE, parse_size, write_weights
 from plugtron.core.plugins.options import config_from_dict
 from plugtron.core.plugins.tokenizers import build_tokenizer
@@ -61,6 +70,25 @@ class CheckpointTensors(Mapping):
 
     def __len__(self):
         return len(self.names)
+
+
+class Layered(Mapping):
+    """A fine-tune's tensors over its base's: a name the first lacks comes from the second."""
+
+    def __init__(self, own: Mapping, base: Mapping):
+        self.own, self.base = own, base
+
+    def __getitem__(self, name):
+        return self.own[name] if name in self.own else self.base[name]
+
+    def __contains__(self, name):
+        return name in self.own or name in self.base
+
+    def __iter__(self):
+        return iter([*self.own, *(n for n in self.base if n not in self.own)])
+
+    def __len__(self):
+        return sum(1 for _ in self)
 
 
 def special_ids(config, tokenizer=None) -> dict:
@@ -100,15 +128,25 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None,
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise ConfigError(f"{out_dir!r} exists and is not empty; choose a new directory")
     low_precision = config.training.bf16 or config.training.fp16
-    tensors = CheckpointTensors(reader, config, converter.vocab_tensors,
-                                master=dtype == torch.float32 and low_precision)
-    if tensors.missing_master:
+    own = CheckpointTensors(reader, config, converter.vocab_tensors,
+                            master=dtype == torch.float32 and low_precision)
+    tensors: Mapping = own
+    base_info = reader.metadata.get(base.BASE_KEY)
+    if base_info:  # a fine-tune's checkpoint: its base holds the rest of the model
+        base_reader = CheckpointReader(base_info["path"])
+        if base.identity(base_reader)["fingerprint"] != base_info.get("fingerprint"):
+            raise CheckpointError(f"{path} was fine-tuned from {base_info['path']}, which has "
+                                  f"changed since (its metadata differ)")
+        tensors = Layered(tensors, CheckpointTensors(base_reader, config, converter.vocab_tensors,
+                                                     master=False))
+    if own.missing_master:
         print(f"note: {path} has no fp32 master copy of "
-              f"{len(tensors.names) - len(tensors.master)} model tensor(s) (a weights-only "
+              f"{len(own.names) - len(own.master)} model tensor(s) (a weights-only "
               f"checkpoint, or buffers); those are exported from the model weights",
               file=sys.stderr)
     with malformed(reader, "config.model"):
-        hf_config, hf_tensors = run_export(converter, config, tensors)
+        hf_config, hf_tensors = run_export(converter, config, plain_model_tensors(config,
+                                                                                  tensors))
     ids = special_ids(config, tokenizer)
     hf_config.update(ids)
     hf_config["torch_dtype"] = str(dtype or next(iter(hf_tensors.values())).dtype

@@ -176,7 +176,9 @@ def model_shapes(config) -> dict[str, tuple]:
     cost."""
     parallel = ParallelContext.build(1, 0, device=torch.device("cpu"))
     with torch.device("meta"):
-        (module,) = build_model(config, parallel, layer_backend=reference_backend(config))
+        # The plain model: the files hold no transform's tensors.
+        (module,) = build_model(config, parallel, layer_backend=reference_backend(config),
+                                transforms=False)
     out: dict[str, tuple] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         out.setdefault(group_of(tensor) or name, tuple(tensor.shape))

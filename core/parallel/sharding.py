@@ -67,6 +67,17 @@ def set_tensor_parallel(param: torch.nn.Parameter, dim: int,
     setattr(param, "partition_chunks", chunks if isinstance(chunks, int) else tuple(chunks))
 
 
+def mark_added_by_transform(tensor: torch.Tensor, transform: str) -> None:
+    """Declare ``tensor`` new: model transform ``transform`` added it (the builder marks what a
+    transform adds), so a checkpoint of the plain model loads without it."""
+    setattr(tensor, "added_by_transform", transform)
+
+
+def added_by_transform(tensor: torch.Tensor) -> str | None:
+    """The model transform that added ``tensor``; None for the model's own tensors."""
+    return getattr(tensor, "added_by_transform", None)
+
+
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 

@@ -23,8 +23,12 @@ from plugtron.core.errors import PluginError
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.selection import DRIVER_ROLES
 
+#: Model transforms: pluggy plugins for their transform hooks; their options, selection and
+#: checks the core calls on the class itself (as for layer types), marked or not.
+TRANSFORM_ROLE = "model_transform"
+CALLED_ON_THE_CLASS = ("plugtron_config_sections", "plugtron_select", "plugtron_validate")
 #: Roles whose plugins are pluggy plugins; the others (layers, backends, ...) are only imported.
-HOOK_ROLES = (*DRIVER_ROLES, "extension")
+HOOK_ROLES = (*DRIVER_ROLES, "extension", TRANSFORM_ROLE)
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,11 @@ def hook_specs() -> dict[str, HookSpec]:
         opts = getattr(fn, marker, None)
         if opts is None or not inspect.isfunction(fn):
             continue
-        role = hookspecs.CONTRACT_HOOKS.get(name) or hookspecs.OPTIONAL_DRIVER_HOOKS.get(name)
+        role = (hookspecs.CONTRACT_HOOKS.get(name) or hookspecs.OPTIONAL_DRIVER_HOOKS.get(name)
+                or hookspecs.TRANSFORM_HOOKS.get(name))
         specs[name] = HookSpec(name, tuple(inspect.signature(fn).parameters),
                                bool(opts.get("historic")), role,
-                               name in hookspecs.CONTRACT_HOOKS)
+                               name in hookspecs.CONTRACT_HOOKS or name in hookspecs.TRANSFORM_HOOKS)
     return specs
 
 
@@ -131,6 +136,8 @@ def check_hooks(info: registry.PluginInfo, obj) -> list[Problem]:
                                      f"{_closest(method.hook, specs)}")
             continue
         if method.impl is None:
+            if info.role == TRANSFORM_ROLE and spec.name in CALLED_ON_THE_CLASS:
+                continue
             if spec.role is None:  # contract-named helpers are reported as missing below
                 problem(spec.name, "is not marked @hookimpl, so pluggy never calls it")
             continue
@@ -151,7 +158,7 @@ def check_hooks(info: registry.PluginInfo, obj) -> list[Problem]:
                                f"wrap it (@hookimpl(wrapper=True)), else a run has two "
                                f"implementations")
 
-    if info.role in DRIVER_ROLES:
+    if info.role in (*DRIVER_ROLES, TRANSFORM_ROLE):
         defined = {m.hook for m in methods}
         for spec in specs.values():
             if spec.required and spec.role == info.role and spec.name not in implemented:

@@ -1,8 +1,10 @@
 """Who else wants to know? The per-run pluggy ``PluginManager``.
 
 For one run: the drivers that the run selected by entry-point name (model, schedule, optimizer,
-dataset) are registered first, then the extension plugins of group ``plugtron`` (loaded the way
-pytest loads ``pytest11``). Then every contract hook must have exactly one implementation.
+dataset) are registered first, then the model transforms it selects (named
+``model_transform:NAME``, in the run's order), then the extension plugins of group ``plugtron``
+(loaded the way pytest loads ``pytest11``). Then every contract hook must have exactly one
+implementation, and every transform hook one per transform.
 """
 
 from __future__ import annotations
@@ -13,15 +15,19 @@ from plugtron.core.errors import PluginError
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.selection import (
     AUTOLOAD_ENV,
+    TRANSFORM_ROLE,
     autoload_disabled,
     disabled_extensions,
     resolve_data_parallel,
     resolve_optimizer,
     selected_drivers,
+    selected_transforms,
 )
 
 __all__ = ["build_plugin_manager", "data_parallel_memory", "new_plugin_manager", "optimizer_state_per_param",
-           "takes_dtensor_params", "verify_contracts", "wants_sharded_gradients"]
+           "implements", "register_transforms", "takes_dtensor_params", "transform_caller",
+           "verify_contracts",
+           "wants_sharded_gradients"]
 
 def new_plugin_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT_NAME)
@@ -48,11 +54,36 @@ def register_driver(pm: pluggy.PluginManager, role: str, name: str) -> None:
     pm.register(registry.instantiate(registry.load(role, name)), name=f"{role}:{name}")
 
 
+def register_transforms(pm: pluggy.PluginManager, config) -> list[str]:
+    """Register the model transforms a run of ``config`` applies (``model_transform:NAME``);
+    their names in the run's order."""
+    names = selected_transforms(config)
+    for name in names:
+        register_driver(pm, TRANSFORM_ROLE, name)
+    return names
+
+
+def transform_caller(pm: pluggy.PluginManager, name: str, names: list[str],
+                     hook: str = "transform_model_chunk"):
+    """Transform hook ``hook`` of transform ``name`` alone among the run's ``names``: the
+    other transforms left out, every wrapper (an extension's) kept."""
+    others = [pm.get_plugin(f"{TRANSFORM_ROLE}:{other}") for other in names if other != name]
+    return pm.subset_hook_caller(hook, remove_plugins=[p for p in others if p is not None])
+
+
+def implements(pm: pluggy.PluginManager, plugin_name: str, hook: str) -> bool:
+    """Whether plugin ``plugin_name`` of ``pm`` implements ``hook`` (not only wraps it)."""
+    return any(impl.plugin_name == plugin_name and not (impl.hookwrapper or impl.wrapper)
+               for impl in getattr(pm.hook, hook).get_hookimpls())
+
+
 def build_plugin_manager(config, extra_plugins=()) -> pluggy.PluginManager:
-    """The run's plugin manager: selected drivers, extensions, then the contract check."""
+    """The run's plugin manager: selected drivers, model transforms, extensions, then the
+    contract check."""
     pm = new_plugin_manager()
     for role, name in selected_drivers(config).items():
         register_driver(pm, role, name)
+    register_transforms(pm, config)
     disabled = disabled_extensions(config)
     for name in disabled:
         pm.set_blocked(name)
@@ -64,7 +95,9 @@ def build_plugin_manager(config, extra_plugins=()) -> pluggy.PluginManager:
 
 
 def verify_contracts(pm: pluggy.PluginManager) -> None:
-    """Each contract hook must have exactly one (non-wrapper) implementation."""
+    """Each contract hook must have exactly one (non-wrapper) implementation, an optional
+    driver hook at most one; each model transform implements the transform hooks, and only
+    transforms implement them (extensions may wrap them)."""
     problems = []
     for hook_name, role in hookspecs.CONTRACT_HOOKS.items():
         impls = [impl for impl in getattr(pm.hook, hook_name).get_hookimpls()
@@ -77,12 +110,28 @@ def verify_contracts(pm: pluggy.PluginManager) -> None:
             problems.append(f"{hook_name!r} is implemented by more than one plugin: "
                             f"{', '.join(names)}; exactly one may implement a contract hook")
     for hook_name, role in hookspecs.OPTIONAL_DRIVER_HOOKS.items():
+        if role == TRANSFORM_ROLE:
+            continue  # one per transform: checked below
         impls = [impl for impl in getattr(pm.hook, hook_name).get_hookimpls()
                  if not (impl.hookwrapper or impl.wrapper)]
         if len(impls) > 1:
             problems.append(f"{hook_name!r} is implemented by more than one plugin: "
                             f"{', '.join(i.plugin_name for i in impls)}; only the {role} "
                             f"driver may")
+    transforms = {name for name, _ in pm.list_name_plugin()
+                  if name.startswith(f"{TRANSFORM_ROLE}:")}
+    optional = [h for h, role in hookspecs.OPTIONAL_DRIVER_HOOKS.items() if role == TRANSFORM_ROLE]
+    for hook_name in [*hookspecs.TRANSFORM_HOOKS, *optional]:
+        impls = [impl for impl in getattr(pm.hook, hook_name).get_hookimpls()
+                 if not (impl.hookwrapper or impl.wrapper)]
+        owners = {impl.plugin_name for impl in impls}
+        required = hook_name in hookspecs.TRANSFORM_HOOKS
+        for name in sorted(transforms - owners) if required else []:
+            problems.append(f"model transform {name.split(':', 1)[1]!r} does not implement "
+                            f"{hook_name!r}")
+        for name in sorted(owners - transforms):
+            problems.append(f"{hook_name!r} is implemented by {name}, which is no model "
+                            f"transform of this run; only transforms may (others wrap it)")
     if problems:
         raise PluginError("; ".join(problems))
 

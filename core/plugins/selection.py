@@ -106,11 +106,64 @@ def chosen_names(config) -> dict[str, str]:
 
 
 def derive_driver_names(config) -> None:
-    """Write the chosen names of :data:`FIXED_ROLES` into ``config.plugins``, so a saved
-    config names the plugins it ran with whatever selectors are installed where it is read.
+    """Write the chosen names of :data:`FIXED_ROLES`, and the model transforms in their order,
+    into ``config.plugins``, so a saved config names the plugins it ran with whatever
+    selectors are installed where it is read.
     Part of validation."""
     for field, name in chosen_names(config).items():
         setattr(config.plugins, field, name)
+    # The transforms a transform's own flags turn on are named too: a saved config then builds
+    # the same model wherever it is read (load_model).
+    config.plugins.model_transforms = selected_transforms(config)
+
+
+#: The role of model transforms (hook ``transform_model_chunk``): several per run, in order.
+TRANSFORM_ROLE = "model_transform"
+TRANSFORMS_FLAG = "--model-transforms"
+
+
+def named_transforms(config) -> list[str]:
+    """The transforms ``--model-transforms`` names, in its order (values may be
+    comma-separated), each once."""
+    out: list[str] = []
+    for item in config.plugins.model_transforms:
+        for name in str(item).split(","):
+            name = name.strip()
+            if name and name not in out:
+                out.append(name)
+    return out
+
+
+def selected_transforms(config) -> list[str]:
+    """The model transforms a run of ``config`` applies, in the order it applies them: those
+    ``--model-transforms`` names, then every installed transform that answers hook
+    ``plugtron_select`` for role ``model_transform`` (its own flags turn it on), by entry-point
+    name. A name no installed transform has is a ``ConfigError`` listing those that exist."""
+    out = named_transforms(config)
+    available = registry.available(TRANSFORM_ROLE)
+    known = {info.name for info in available}
+    for name in out:
+        if name not in known:
+            raise ConfigError(f"{TRANSFORMS_FLAG} {name!r}: no such model transform"
+                              f"{registry.did_you_mean(name, sorted(known))}; "
+                              f"{registry.describe_available(TRANSFORM_ROLE)}")
+    for info in available:
+        try:
+            transform = registry.load_entry_point(info)
+        except PluginError:
+            continue  # one that does not import answers nothing (plugins check reports it)
+        select = getattr(transform, "plugtron_select", None)
+        if select is None:
+            continue
+        wanted = declared_arguments(select)
+        kwargs = {"role": TRANSFORM_ROLE, "config": config}
+        answer = select(**{k: v for k, v in kwargs.items() if wanted is None or k in wanted})
+        if answer is not None and str(answer) not in out:
+            if str(answer) not in known:
+                raise ConfigError(f"model transform {info.name!r} ({info.origin}) turns on "
+                                  f"{answer!r}, which is not installed")
+            out.append(str(answer))
+    return out
 
 
 #: The question a selector answers (hook ``plugtron_select``) when a run's flags ask for the

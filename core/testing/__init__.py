@@ -31,6 +31,8 @@ _EXPORTS = {
     "assert_wrapper_dp_equivalent": "data_parallel",
     "assert_checkpoint_reshards": "checkpoints", "read_checkpoint": "checkpoints",
     "saved_activation_bytes": "activations", "assert_activation_bytes_match": "activations",
+    "TRANSFORM_LAYOUTS": "transforms", "assert_transform_conforms": "transforms",
+    "assert_merge_matches": "transforms",
 }
 
 __all__ = sorted(_EXPORTS)

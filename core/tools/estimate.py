@@ -58,7 +58,7 @@ from plugtron.core.plugins.objects import PluginObject, call_declared
 from plugtron.core.plugins.options import with_plugin_sections
 from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule, selected_driver
 from plugtron.core.plugins.tokenizers import build_tokenizer
-from plugtron.core.training.builder import build_model, model_provider_of
+from plugtron.core.training.builder import build_model, model_plugins_of
 from plugtron.core.training.validate import apply_schedule_placement
 
 GIB = 2**30
@@ -209,14 +209,14 @@ def _no_random_init():
             setattr(torch.nn.init, name, function)
 
 
-def _meta_chunks(config, parallel, provider) -> list:
+def _meta_chunks(config, parallel, plugins) -> list:
     """The rank's model chunks on the meta device (shapes, no storage)."""
 
     dtype = {2: torch.bfloat16 if config.training.bf16 else torch.float16}.get(
         _dtype_bytes(config), torch.float32)
     with torch.device("meta"), _no_random_init():
         return [chunk.to(dtype=dtype) for chunk in build_model(config, parallel,
-                                                               provider=provider)]
+                                                               plugins=plugins)]
 
 
 def activation_shape(config, cuda: bool) -> ActivationShape:
@@ -292,7 +292,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
                   p.context_parallel_size)
     dp = max(1, world_size // (tp * pp * cp))
     microbatches = max(1, num_microbatches(config, dp))
-    provider = model_provider_of(config)
+    plugins = model_plugins_of(config)
     schedule_name = resolve_schedule(config)
     schedule = registry.instantiate(registry.load("schedule", schedule_name))
     chunks_per_rank = p.virtual_pipeline_model_parallel_size or 1
@@ -318,20 +318,23 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
                             f"parameter (Adam)")
     for (pp_rank, tp_rank, ep_rank, _), (ctx, ranks) in sorted(_contexts(config,
                                                                          world_size).items()):
-        chunks = _meta_chunks(config, ctx, provider)
+        chunks = _meta_chunks(config, ctx, plugins)
         numel = sum(param.numel() for chunk in chunks for param in chunk.parameters())
+        # A frozen parameter (a model transform's) is a weight only: no gradient, no state.
+        trainable = sum(param.numel() for chunk in chunks for param in chunk.parameters()
+                        if param.requires_grad)
         per_chunk, complete = zip(*(_chunk_activations(chunk, shape) for chunk in chunks))
         if not all(complete) and not any("activation_bytes" in n for n in result.notes):
             result.notes.append(f"model {selected_driver(config, 'model')!r} defines no activation_bytes: "
                                 f"only its layers that do are counted")
         stored = [c.stored for c in per_chunk]
         held, in_flight = _held_peak(actions[pp_rank], list(per_chunk))
-        optimizer = numel * (4 * state_values + (4 if mixed else 0))
+        optimizer = trainable * (4 * state_values + (4 if mixed else 0))
         counted = data_parallel_memory(config, chunks=chunks, dp_cp=dp * cp,
                                        edp=ctx.edp_size, state_per_param=state_values,
                                        shard_gradients=distributed)
         if counted is None:  # the wrapper does not count itself: whole tensors, as ddp
-            counted = DataParallelMemory(numel * e, numel * grad_e, -(-optimizer // (dp * cp))
+            counted = DataParallelMemory(numel * e, trainable * grad_e, -(-optimizer // (dp * cp))
                                          if distributed else optimizer)
             note = (f"data-parallel wrapper {wrapper!r} does not implement "
                     f"data_parallel_memory: counted as whole parameters and gradients (ddp)")

@@ -1,7 +1,9 @@
-"""The one model builder: a rank's model chunks, from the model plugin's ``model_provider``.
+"""The one model builder: a rank's model chunks, from the model plugin's ``model_provider``,
+then the run's model transforms (``transform_model_chunk``), in order.
 
-Training, ``load_model`` (inference), the strict Hugging Face import's shape check and the
-memory estimate all build here, so a model plugin is called one way everywhere: one chunk per
+Training, evaluation, ``load_model`` (inference), the strict Hugging Face import's shape check
+(the plain model, without transforms: the files hold that) and the memory estimate all build
+here, so a model plugin and the transforms are called one way everywhere: one chunk per
 virtual pipeline stage, the embedding on the chunk that holds the first stage, the output layer
 and loss on the chunk that holds the last (wherever the schedule's placement puts them). Callers choose where the parameters live (a
 ``torch.device("meta")`` context builds shapes only) and what wraps the chunks.
@@ -9,15 +11,21 @@ and loss on the chunk that holds the last (wherever the schedule's placement put
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import pluggy
 import torch
 from plugtron.core.errors import PluginError
+from plugtron.core.parallel.sharding import added_by_transform, mark_added_by_transform
 from plugtron.core.pipeline.layout import building_for
 from plugtron.core.plugins import registry
-from plugtron.core.plugins.manager import new_plugin_manager
-from plugtron.core.plugins.selection import selected_driver
+from plugtron.core.plugins.manager import (
+    new_plugin_manager,
+    register_driver,
+    register_transforms,
+    transform_caller,
+)
+from plugtron.core.plugins.selection import selected_driver, selected_transforms
 
 if TYPE_CHECKING:
     import torch
@@ -26,36 +34,58 @@ if TYPE_CHECKING:
     from plugtron.core.parallel.context import ParallelContext
 
 
-def model_provider_of(config: TrainConfig) -> Callable[..., torch.nn.Module]:
-    """The ``model_provider`` hook of ``config``'s model plugin alone (no extensions): for
-    builds outside a run, which has its own plugin manager."""
+def model_plugins_of(config: TrainConfig) -> pluggy.PluginManager:
+    """A plugin manager of ``config``'s model plugin and model transforms alone (no
+    extensions): for builds outside a run, which has its own."""
     pm = new_plugin_manager()
-    pm.register(registry.instantiate(registry.load("model", selected_driver(config, "model"))), name="model")
-    return pm.hook.model_provider
+    register_driver(pm, "model", selected_driver(config, "model"))
+    register_transforms(pm, config)
+    return pm
 
 
 def build_model(config: TrainConfig, parallel: ParallelContext, *,
-                provider: Callable[..., torch.nn.Module] | None = None,
-                layer_backend: LayerBackend | str | None = None) -> list[torch.nn.Module]:
-    """This rank's model chunks, one per virtual pipeline stage (one without ``--vp``).
+                plugins: pluggy.PluginManager | None = None,
+                layer_backend: LayerBackend | str | None = None,
+                transforms: bool = True) -> list[torch.nn.Module]:
+    """This rank's model chunks, one per virtual pipeline stage (one without ``--vp``), each
+    changed by the run's model transforms in their order (hook ``transform_model_chunk``).
 
-    ``provider``: the ``model_provider`` hook to call (a run passes its plugin manager's, so
-    extensions that wrap it take part); default: :func:`model_provider_of`. ``layer_backend``:
-    a backend instance, or the name of one to build for ``parallel``; default: the run's
-    ``--layer-backend``."""
-    if provider is None:
-        provider = model_provider_of(config)
+    ``plugins``: the plugin manager whose ``model_provider`` and transforms to call (a run
+    passes its own, so extensions that wrap them take part); default: :func:`model_plugins_of`.
+    ``layer_backend``: a backend instance, or the name of one to build for ``parallel``;
+    default: the run's ``--layer-backend``. ``transforms``: False builds the plain model
+    (the shapes a Hugging Face model's files hold)."""
+    if plugins is None:
+        plugins = model_plugins_of(config)
     if layer_backend is None or isinstance(layer_backend, str):
         name = layer_backend or selected_driver(config, "layer_backend")
         layer_backend = registry.load("layer_backend", name)(config, parallel)
+    names = selected_transforms(config) if transforms else []
     stages = config.parallel.virtual_pipeline_model_parallel_size
+    chunks = []
     with building_for(parallel.pipeline_placement):
-        return [provider(config=config,
-                         pre_process=parallel.is_pipeline_first_stage(stage),
-                         post_process=parallel.is_pipeline_last_stage(stage),
-                         vp_stage=stage if stages else None,
-                         layer_backend=layer_backend, parallel=parallel)
-                for stage in range(stages or 1)]
+        for stage in range(stages or 1):
+            vp_stage = stage if stages else None
+            module = plugins.hook.model_provider(
+                config=config, pre_process=parallel.is_pipeline_first_stage(stage),
+                post_process=parallel.is_pipeline_last_stage(stage), vp_stage=vp_stage,
+                layer_backend=layer_backend, parallel=parallel)
+            for name in names:
+                before = set(module.state_dict(keep_vars=True))
+                changed = transform_caller(plugins, name, names)(
+                    config=config, module=module, vp_stage=vp_stage,
+                    layer_backend=layer_backend, parallel=parallel)
+                if not isinstance(changed, torch.nn.Module):
+                    raise PluginError(f"model transform {name!r}: transform_model_chunk "
+                                      f"returned {type(changed).__qualname__}, not the "
+                                      f"torch.nn.Module chunk to use")
+                module = changed
+                # What the transform added: a checkpoint of the plain model loads without it.
+                for key, tensor in module.state_dict(keep_vars=True).items():
+                    if key not in before and added_by_transform(tensor) is None:
+                        mark_added_by_transform(tensor, name)
+            chunks.append(module)
+    return chunks
 
 
 def reference_backend(config) -> str:

@@ -69,6 +69,8 @@ class Run:
     forward_backward_s: float = 0.0
     #: --rerun-mode validate_results (core/training/rerun.py); made by setup.
     rerun: RerunStateMachine | None = None
+    #: The base checkpoint a fine-tune started from (core/checkpoint/base.py), once loaded.
+    base_checkpoint: dict | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -102,12 +104,12 @@ def finalize_model_config(config: TrainConfig, parallel: ParallelContext) -> Non
 
 
 def build_model_chunks(config, pm, backend, parallel, device) -> list:
-    """The rank's model chunks, each wrapped by the run's data-parallel plugin (hook
-    ``wrap_model_chunk``), which decides the dtype the parameters are kept in."""
+    """The rank's model chunks, as the model transforms leave them, each wrapped by the run's
+    data-parallel plugin (hook ``wrap_model_chunk``), which decides the dtype the parameters
+    are kept in."""
     sharded = wants_sharded_gradients(config, pm)
     chunks = []
-    for module in build_model(config, parallel, provider=pm.hook.model_provider,
-                              layer_backend=backend):
+    for module in build_model(config, parallel, plugins=pm, layer_backend=backend):
         module.to(device=device)
         chunks.append(checked_chunk(pm.hook.wrap_model_chunk(
             config=config, module=module, parallel=parallel, shard_gradients=sharded), config))

@@ -77,6 +77,7 @@ def validate(config: TrainConfig, world_size: int) -> None:
     check_pipeline_schedule(config, dp)
     if config.checkpoint.save_interval is not None and not config.checkpoint.save:
         raise ConfigError("--save-interval needs --save DIR")
+    _check_finetune(config)
 
     validate_profile(config)
     validate_straggler(config)
@@ -120,6 +121,16 @@ def apply_schedule_placement(config: TrainConfig, schedule=None) -> str:
                     p.virtual_pipeline_model_parallel_size or 1)
     p.pipeline_placement = placement
     return placement
+
+
+def _check_finetune(config: TrainConfig) -> None:
+    c = config.checkpoint
+    if c.finetune and not c.pretrained_checkpoint:
+        raise ConfigError("--finetune needs --pretrained-checkpoint PATH: the checkpoint whose "
+                          "model weights the fine-tune starts from")
+    if c.pretrained_checkpoint and not c.finetune:
+        raise ConfigError(f"--pretrained-checkpoint {c.pretrained_checkpoint}: add --finetune "
+                          f"(its model weights only, at iteration 0, with a fresh optimizer)")
 
 
 def _refuse_unbuilt(config: TrainConfig) -> None:

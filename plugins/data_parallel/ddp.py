@@ -44,8 +44,11 @@ class DDP:
         e = model_dtype(config).itemsize
         grad_e = 4 if mixed and config.parallel.accumulate_allreduce_grads_in_fp32 else e
         numel = sum(q.numel() for chunk in chunks for q in chunk.parameters())
-        optimizer = numel * (4 * state_per_param + (4 if mixed else 0))
+        # frozen parameters have no gradient buffer and no optimizer state
+        trainable = sum(q.numel() for chunk in chunks for q in chunk.parameters()
+                        if q.requires_grad)
+        optimizer = trainable * (4 * state_per_param + (4 if mixed else 0))
         if shard_gradients:
             optimizer = -(-optimizer // dp_cp)
-        return DataParallelMemory(param_bytes=numel * e, grad_bytes=numel * grad_e,
+        return DataParallelMemory(param_bytes=numel * e, grad_bytes=trainable * grad_e,
                                   optimizer_bytes=optimizer)

@@ -94,6 +94,13 @@ def wrapping_units(module: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
+def _shard_numel(params: list, dp_cp: int, edp: int) -> int:
+    """Elements of ``params`` one rank holds: dense ones over dp x cp, expert ones over edp."""
+    dense = sum(q.numel() for q in params if not _is_expert(q))
+    expert = sum(q.numel() for q in params if _is_expert(q))
+    return -(-dense // dp_cp) + -(-expert // edp)
+
+
 def _own_params(unit: torch.nn.Module, inner: set[int]) -> list:
     """Parameters of ``unit`` not managed by a unit inside it."""
     out, seen = [], set()
@@ -301,13 +308,13 @@ class FSDP2:
         t = config.training
         dp = max(1, dp_cp // config.parallel.context_parallel_size)
         microbatches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
-        shard = 0
+        shard = trainable_shard = 0
         gathered = 0
         for chunk in chunks:
             params = list(chunk.parameters())
-            dense = sum(q.numel() for q in params if not _is_expert(q))
-            expert = sum(q.numel() for q in params if _is_expert(q))
-            shard += -(-dense // dp_cp) + -(-expert // edp)
+            shard += _shard_numel(params, dp_cp, edp)
+            # frozen parameters (a model transform's) have no gradient and no optimizer state
+            trainable_shard += _shard_numel([q for q in params if q.requires_grad], dp_cp, edp)
             managed: set[int] = set()
             units = []
             for unit in wrapping_units(chunk):
@@ -326,7 +333,7 @@ class FSDP2:
                 units_in_flight = (root + sum(units)) * compute + 2 * largest * reduce_e
             gathered = max(gathered, units_in_flight)
         return DataParallelMemory(
-            param_bytes=shard * 4, grad_bytes=shard * reduce_e,
-            optimizer_bytes=shard * 4 * state_per_param, gathered_bytes=gathered,
+            param_bytes=shard * 4, grad_bytes=trainable_shard * reduce_e,
+            optimizer_bytes=trainable_shard * 4 * state_per_param, gathered_bytes=gathered,
             note="fsdp2: parameters, gradients and optimizer state sharded over dp x cp "
                  "(experts over the expert data-parallel group), plus the gathered units")

@@ -29,10 +29,10 @@ ROOT = pathlib.Path(__file__).parents[2]
 NAMES = {"model": "prefix-mean", "schedule": "deep-warmup", "optimizer": "lion",
          "data_parallel": "flat-allreduce",
          "dataset": "repeat", "layer": "gated-mlp", "extension": "csv-log",
-         "moe_dispatcher": "relay"}  # the last: plugtron-moe's declared role, its template
+         "model_transform": "fc2-scale", "moe_dispatcher": "relay"}  # the last: plugtron-moe's declared role, its template
 #: kind -> its docs page (the model's is the tutorial, with its own test and its own model)
-PAGES = {kind: ROOT / "docs" / "plugins" / ("data-parallel.md" if kind == "data_parallel"
-                                             else f"{kind}s.md")
+PAGE_NAMES = {"data_parallel": "data-parallel.md", "model_transform": "transforms.md"}
+PAGES = {kind: ROOT / "docs" / "plugins" / PAGE_NAMES.get(kind, f"{kind}s.md")
          for kind in KINDS if kind != "model"}
 #: The names each part of a generated package may import from plugtron.
 ALLOWED_IMPORTS = {"plugin": ("plugtron.api",), "tests": ("plugtron.api", "plugtron.testing")}

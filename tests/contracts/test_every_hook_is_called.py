@@ -1,5 +1,6 @@
-"""Every contract hook is called by the core, through the plugin manager: an extension that
-wraps it sees each call (so a wrapper of ``loss_func`` runs, as one of ``forward_step`` does)."""
+"""Every contract hook, and every model-transform hook, is called by the core through the plugin
+manager: an extension that wraps it sees each call (so a wrapper of ``loss_func`` runs, as one
+of ``forward_step`` does)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,16 @@ from plugtron.core.monitoring.metrics import MetricsLogger
 from plugtron.core.parallel.distributed import single_process
 from plugtron.core.training.loop import setup, train
 
+from tests.transform_helpers import installed_test_transforms
 from tests.utils import StepRecorder, tiny_config, train_in_process
+
+#: The hooks the core calls through the plugin manager, each with one implementation per call.
+WRAPPED_HOOKS = {**hookspecs.CONTRACT_HOOKS, **hookspecs.TRANSFORM_HOOKS}
 
 
 def _wrapping_extension(calls: collections.Counter):
-    """An extension with a ``wrapper=True`` implementation of every contract hook."""
+    """An extension with a ``wrapper=True`` implementation of every contract and transform
+    hook."""
 
     def wrapper_of(name):
         def wrap(**kwargs):
@@ -24,7 +30,7 @@ def _wrapping_extension(calls: collections.Counter):
         return wrap
 
     namespace = {}
-    for name in hookspecs.CONTRACT_HOOKS:
+    for name in WRAPPED_HOOKS:
         params = list(vars(hookspecs)[name].__code__.co_varnames[
             :vars(hookspecs)[name].__code__.co_argcount])
         source = (f"def {name}(self, {', '.join(params)}):\n"
@@ -35,14 +41,16 @@ def _wrapping_extension(calls: collections.Counter):
     return type("WrapsEveryContractHook", (), namespace)()
 
 
-def test_an_extension_wrapping_each_contract_hook_sees_it_called():
+def test_an_extension_wrapping_each_contract_hook_sees_it_called(tmp_path):
     calls: collections.Counter = collections.Counter()
-    config = tiny_config(train_iters=1)
-    run = setup(config, extra_plugins=[_wrapping_extension(calls)], world=single_process())
-    train(run, MetricsLogger(config, rank=1))
-    missing = [name for name in hookspecs.CONTRACT_HOOKS if calls[name] == 0]
-    assert not missing, f"contract hooks the core never called: {missing}"
+    with installed_test_transforms(tmp_path):  # a transform, so its hook has a caller
+        config = tiny_config(train_iters=1, model_transforms=["record", "freeze"])
+        run = setup(config, extra_plugins=[_wrapping_extension(calls)], world=single_process())
+        train(run, MetricsLogger(config, rank=1))
+    missing = [name for name in WRAPPED_HOOKS if calls[name] == 0]
+    assert not missing, f"hooks the core never called: {missing}"
     assert calls["loss_func"] == calls["forward_step"] > 0
+    assert calls["transform_model_chunk"] == 2  # one chunk, two transforms
 
 
 def test_a_plain_loss_closure_still_works_and_is_deprecated(recwarn):

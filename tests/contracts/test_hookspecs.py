@@ -40,8 +40,9 @@ def test_every_hookspec_has_a_test():
     assert not missing, f"hookspecs without a test_hook_<name> test: {missing}"
 
 
-def test_driver_hooks_are_firstresult_and_lifecycle_hooks_are_not():
-    driver_hooks = {**hookspecs.CONTRACT_HOOKS, **hookspecs.OPTIONAL_DRIVER_HOOKS}
+def test_driver_and_transform_hooks_are_firstresult_and_lifecycle_hooks_are_not():
+    driver_hooks = {**hookspecs.CONTRACT_HOOKS, **hookspecs.OPTIONAL_DRIVER_HOOKS,
+                    **hookspecs.TRANSFORM_HOOKS}
     for name, fn in spec_functions():
         opts = fn.plugtron_spec
         assert opts["firstresult"] == (name in driver_hooks), name

@@ -29,7 +29,8 @@ def documented_groups() -> set[str]:
 
 
 def test_every_declared_group_is_documented_and_no_other():
-    assert documented_groups() == declared_groups()
+    # a core role's group is documented even before a built-in plugin declares it
+    assert documented_groups() == declared_groups() | set(GROUPS.values())
 
 
 def test_every_registry_role_has_its_group_documented():

@@ -133,3 +133,19 @@ def test_export_fp32_master_weights_and_tokenizer(tmp_path):
     assert model.dtype == torch.bfloat16 and exported.dtype == torch.float32
     assert torch.equal(exported, master) and not torch.equal(exported, model.float())
 
+
+
+def test_a_fine_tune_starts_from_an_hf_dir(hf, tmp_path):
+    """``--pretrained-checkpoint HF_DIR --finetune``: the model settings come from config.json
+    as for ``--load``; the LoRA fine-tune saves its adapters, naming the imported base."""
+    path, _, _ = hf
+    save = str(tmp_path / "ft")
+    result = CliRunner().invoke(cli, ["train", "--pretrained-checkpoint", path, "--finetune",
+                                      "--lora-rank", "4", "--save", save, "--train-iters", "1",
+                                      *RUN])
+    assert result.exit_code == 0, result.output
+    reader = CheckpointReader(save)
+    assert reader.config["model"]["hidden_size"] == 32
+    assert all(".adapter." in n for n in reader.tensors if n.startswith("model/"))
+    base = reader.metadata["base_checkpoint"]
+    assert base["path"].startswith(os.environ["PLUGTRON_HF_CACHE"]), base
