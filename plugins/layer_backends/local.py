@@ -36,7 +36,7 @@ from plugtron.api import (
     split_backward_expected,
 )
 
-from . import cpu_attention
+from . import cpu_attention, document_attention
 from .attention_mask import attention_mask
 
 
@@ -213,9 +213,14 @@ class CoreAttention(torch.nn.Module):
                 return context_parallel_attention(q, k, v, self._parallel, self.cp_comm_type, p,
                                                   document_ids)
         b, s = q.shape[0], q.shape[1]
-        mask = attention_mask(s, k.shape[1], window=self.window_size, device=q.device,
-                              document_ids=None if document_ids is None
-                              else document_ids.to(q.device))
+        runs = None
+        if document_ids is not None and self.window_size is None:
+            runs = document_attention.document_runs(document_ids)
+            if not document_attention.applies(q.transpose(1, 2), p, runs):
+                runs = None  # one masked kernel
+        mask = None if runs is not None else attention_mask(
+            s, k.shape[1], window=self.window_size, device=q.device,
+            document_ids=None if document_ids is None else document_ids.to(q.device))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         v_dim = v.shape[-1]
         if v_dim < q.shape[-1]:
@@ -223,6 +228,9 @@ class CoreAttention(torch.nn.Module):
             # kernels want one head dim, else it builds the whole score matrix. Zero channels
             # give zero outputs, sliced off; the gradient of the padding is dropped.
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))
+        if runs is not None:  # each document alone: less work than the masked kernel
+            out = document_attention.per_document_attention(q, k, v, runs)
+            return out[..., :v_dim].transpose(1, 2).reshape(b, s, -1)
         with self._dropout_rng():
             out = _training_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                       dropout_p=p,

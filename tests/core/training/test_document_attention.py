@@ -26,6 +26,50 @@ def test_causal_mask_alone_and_with_documents():
         [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
 
 
+@pytest.mark.parametrize("lengths", [(70, 1, 185), (100, 156)])
+@pytest.mark.parametrize("heads,groups,v_dim", [(4, 4, 8), (4, 2, 8), (4, 4, 6)])
+def test_documents_alone_equal_one_masked_kernel_and_keep_what_flash_keeps(
+        monkeypatch, lengths, heads, groups, v_dim):
+    """fp32 on CPU, documents of 64 tokens or more on average: each document's flash attention
+    alone (document_attention.py) gives the masked kernel's output and gradients (a one-token
+    document between long ones; the second row's documents differ; grouped queries; values
+    narrower than the keys, as MLA's), and keeps for backward what causal flash keeps."""
+    import contextlib
+
+    from plugtron.api import forward_context
+    from plugtron.plugins.layer_backends import document_attention, local
+    from plugtron.testing import saved_activation_bytes
+
+    gen = torch.Generator().manual_seed(3)
+    s = sum(lengths)
+    q = torch.randn(2, s, heads, 8, generator=gen, requires_grad=True)
+    k = torch.randn(2, s, groups, 8, generator=gen, requires_grad=True)
+    v = torch.randn(2, s, groups, v_dim, generator=gen, requires_grad=True)
+    grad = torch.randn(2, s, heads * v_dim, generator=gen)
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)),
+                       torch.repeat_interleave(torch.tensor([0, 1]), torch.tensor([s // 2,
+                                                                                   s - s // 2]))])
+    attention = local.CoreAttention(heads, groups, 8, 0.0, contextlib.nullcontext)
+    calls = []
+    real = document_attention.per_document_attention
+    monkeypatch.setattr(document_attention, "per_document_attention",
+                        lambda *args: calls.append(1) or real(*args))
+    results = []
+    for floor in (1, 10 ** 9):  # each document alone; one masked kernel
+        monkeypatch.setattr(document_attention, "MIN_DOCUMENT_RUN", floor)
+        with forward_context(document_ids=ids):
+            out = attention(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    assert len(calls) == 1  # the first pass took the per-document path, the second did not
+    for got, want, name in zip(*results, ("out", "dq", "dk", "dv")):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    monkeypatch.setattr(document_attention, "MIN_DOCUMENT_RUN", 1)
+    with forward_context(document_ids=ids):
+        alone = saved_activation_bytes(attention, q, k, v)
+    causal = saved_activation_bytes(attention, q, k, v)
+    assert alone <= causal, (alone, causal)
+
+
 @pytest.mark.parametrize("positions", ["learned_absolute", "rope"])
 def test_packed_documents_equal_the_documents_run_alone(positions):
     config, model, gpt = build(position_embedding_type=positions, seq_length=16)
