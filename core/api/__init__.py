@@ -31,6 +31,7 @@ from plugtron.core.blocks.samples import (
     SAMPLE_SECTION,
     SampleOptions,
     document_numbers,
+    document_runs,
     documents_masked,
     sample_from_window,
     validate_sample_options,
@@ -218,5 +219,5 @@ __all__ = [
     # datasets and tokenizers
     "collate", "build_tokenizer", "tokenizer_for", "Tokenizer",
     "SAMPLE_SECTION", "SampleOptions", "sample_from_window", "validate_sample_options",
-    "document_numbers", "documents_masked",
+    "document_numbers", "document_runs", "documents_masked",
 ]

@@ -69,6 +69,18 @@ def validate_sample_options(config) -> None:
                           f"does not mask documents; use --layer-backend local")
 
 
+def document_runs(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per sample of ``document_ids`` (``[b, s]``, a batch's ``attention_mask``), ``(start,
+    end)`` of each run of one document number: what a layer that handles each document on its
+    own (attention, a recurrent scan) iterates over."""
+    ids = document_ids.to("cpu")
+    cuts: list[list[int]] = [[] for _ in range(ids.shape[0])]
+    for row, at in (ids[:, 1:] != ids[:, :-1]).nonzero().tolist():
+        cuts[row].append(at + 1)
+    length = ids.shape[1]
+    return [list(zip([0, *c], [*c, length])) for c in cuts]
+
+
 def document_numbers(tokens: np.ndarray, eod: int) -> np.ndarray:
     """For each position, how many end-of-document tokens come strictly before it."""
     is_eod = tokens == eod

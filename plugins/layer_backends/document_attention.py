@@ -18,19 +18,9 @@ import torch
 MIN_DOCUMENT_RUN = 64
 
 
-def document_runs(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per sample, ``(start, end)`` of each run of one document number."""
-    ids = document_ids.to("cpu")
-    cuts: list[list[int]] = [[] for _ in range(ids.shape[0])]
-    for row, at in (ids[:, 1:] != ids[:, :-1]).nonzero().tolist():
-        cuts[row].append(at + 1)
-    length = ids.shape[1]
-    return [list(zip([0, *c], [*c, length])) for c in cuts]
-
-
 def applies(q: torch.Tensor, dropout_p: float, runs: list[list[tuple[int, int]]]) -> bool:
-    """fp32 on CPU without attention dropout, documents of ``MIN_DOCUMENT_RUN`` tokens or more
-    on average: where this path is exact and pays."""
+    """fp32 on CPU without attention dropout, documents (``plugtron.api.document_runs``) of
+    ``MIN_DOCUMENT_RUN`` tokens or more on average: where this path is exact and pays."""
     return (q.device.type == "cpu" and q.dtype == torch.float32 and dropout_p == 0.0
             and sum(map(len, runs)) * MIN_DOCUMENT_RUN <= q.shape[0] * q.shape[2])
 

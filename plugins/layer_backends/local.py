@@ -24,6 +24,7 @@ from plugtron.api import (
     cpu_matrix_support,
     current_forward_context,
     deferred_layer_norm,
+    document_runs,
     gather_from_tensor_parallel_region,
     linear,
     mark_sequence_parallel,
@@ -215,7 +216,7 @@ class CoreAttention(torch.nn.Module):
         b, s = q.shape[0], q.shape[1]
         runs = None
         if document_ids is not None and self.window_size is None:
-            runs = document_attention.document_runs(document_ids)
+            runs = document_runs(document_ids)
             if not document_attention.applies(q.transpose(1, 2), p, runs):
                 runs = None  # one masked kernel
         mask = None if runs is not None else attention_mask(

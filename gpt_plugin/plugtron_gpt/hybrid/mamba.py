@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from plugtron.api import (
     current_forward_context,
+    document_runs,
     normal_init,
     scaled_normal_init,
     set_tensor_parallel,
@@ -166,9 +167,9 @@ class MambaMixer(torch.nn.Module):
         A = -torch.exp(self.A_log.float())
         D = self.D.float()
         rows = []
-        for row, ids in enumerate(documents.tolist()):
+        for row, spans in enumerate(document_runs(documents)):
             parts = []
-            for start, end in _runs(ids):
+            for start, end in spans:
                 x, B, C = self.conv1d(xbc[row:row + 1, start:end]).split(
                     [self.inner, bc, bc], dim=-1)
                 n = end - start
@@ -181,12 +182,6 @@ class MambaMixer(torch.nn.Module):
                     C.reshape(1, n, self.groups, self.state).float(), self.chunk_size, D))
             rows.append(torch.cat(parts, dim=1))
         return torch.cat(rows)
-
-
-def _runs(ids: list[int]) -> list[tuple[int, int]]:
-    """``(start, end)`` of each run of equal values in ``ids``."""
-    cuts = [t for t in range(1, len(ids)) if ids[t] != ids[t - 1]]
-    return list(zip([0, *cuts], [*cuts, len(ids)]))
 
 
 class MambaLayer(torch.nn.Module):
