@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
-from plugtron.api import ConfigError, sample_from_window
+from plugtron.api import ConfigError, build_tokenizer, sample_from_window
 
 
 def seeded_rng(seed: int, *tags: int) -> np.random.Generator:
@@ -25,6 +25,13 @@ def seeded_rng(seed: int, *tags: int) -> np.random.Generator:
     ``SeedSequence`` wants non-negative integers, so a negative user seed is mapped onto 64 bits.
     """
     return np.random.default_rng([int(seed) & (2**64 - 1), *tags])
+
+
+def tokenizer_vocab_size(config, default_tokenizer: str) -> int:
+    """The vocabulary of the run's tokenizer (``--tokenizer-type``, else ``default_tokenizer``),
+    known before any data is read: the datasets' ``dataset_vocab_size``."""
+    name = config.data.tokenizer_type or default_tokenizer
+    return build_tokenizer(name, config.data.tokenizer_model, None).vocab_size
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

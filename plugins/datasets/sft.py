@@ -21,14 +21,13 @@ from plugtron.api import (
     SAMPLE_SECTION,
     ConfigError,
     ConfigSection,
-    build_tokenizer,
     hookimpl,
     opt,
     tokenizer_for,
     validate_sample_options,
 )
 
-from .common import parse_split, seeded_rng, split_documents
+from .common import parse_split, seeded_rng, split_documents, tokenizer_vocab_size
 from .sft_packing import ORDERS, efficiency, pack, packed_sample
 from .sft_records import Document, read_records, render
 
@@ -162,8 +161,7 @@ class SFTPlugin:
 
     @hookimpl
     def dataset_vocab_size(self, config):
-        name = config.data.tokenizer_type or self.default_tokenizer
-        return build_tokenizer(name, config.data.tokenizer_model, None).vocab_size
+        return tokenizer_vocab_size(config, self.default_tokenizer)
 
     @hookimpl
     def dataset_provider(self, config, split_sizes):

@@ -19,7 +19,6 @@ import numpy as np
 from plugtron.api import (
     SAMPLE_SECTION,
     ConfigError,
-    build_tokenizer,
     hookimpl,
     tokenizer_for,
     validate_sample_options,
@@ -32,6 +31,7 @@ from .common import (
     seeded_rng,
     split_documents,
     token_dtype,
+    tokenizer_vocab_size,
 )
 
 #: Suffixes read when walking a folder; a file named directly is read whatever its suffix.
@@ -151,8 +151,7 @@ class TextDataset:
 
     @hookimpl
     def dataset_vocab_size(self, config):
-        name = config.data.tokenizer_type or self.default_tokenizer
-        return build_tokenizer(name, config.data.tokenizer_model, None).vocab_size
+        return tokenizer_vocab_size(config, self.default_tokenizer)
 
     @hookimpl
     def dataset_provider(self, config, split_sizes):
