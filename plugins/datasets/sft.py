@@ -51,6 +51,10 @@ class SFTOptions:
     sft_prompt_template: str = opt("{prompt}\n", "--sft-prompt-template",
                                    "How a 'prompt' record's prompt is written before its "
                                    "response; must contain {prompt}.")
+    sft_pad_to_multiple_of: int = opt(1, "--sft-pad-to-multiple-of",
+                                      "Pad each packed record to a multiple of N positions. "
+                                      "2 x cp lets context parallelism cut every record in "
+                                      "2 x cp parts, which balances its attention work.")
     sft_too_long: str = opt("truncate", "--sft-too-long", "A record longer than --seq-length "
                             "+ 1 tokens: truncated, or dropped (both counted).", choices=TOO_LONG)
 
@@ -62,8 +66,10 @@ class SFTDataset:
     """Map-style dataset of packed (or single) documents; see the module docstring."""
 
     def __init__(self, documents: list[Document], packs: list[list[int]], seq_length: int,
-                 num_samples: int, seed: int, split_index: int, document_ids: bool):
+                 num_samples: int, seed: int, split_index: int, document_ids: bool,
+                 multiple: int = 1):
         self.documents, self.packs, self.seq_length = documents, packs, seq_length
+        self.multiple = multiple
         self.seed, self.split_index, self.document_ids = seed, split_index, document_ids
         epochs = max(1, -(-num_samples // len(packs)))
         self.length = epochs * len(packs)
@@ -86,7 +92,8 @@ class SFTDataset:
         epoch, slot = divmod(int(index), len(self.packs))
         chosen = self.packs[int(self._order(epoch)[slot])]
         return packed_sample([(self.documents[i].tokens, self.documents[i].targets)
-                              for i in chosen], self.seq_length, self.document_ids)
+                              for i in chosen], self.seq_length, self.document_ids,
+                             self.multiple)
 
 
 def _data_paths(config) -> list[str]:
@@ -151,6 +158,11 @@ class SFTPlugin:
         if options.sft_packing_window < 1:
             raise ConfigError(f"--sft-packing-window must be at least 1, got "
                               f"{options.sft_packing_window}")
+        multiple, seq_length = options.sft_pad_to_multiple_of, config.model.seq_length
+        if multiple < 1 or seq_length % multiple:
+            raise ConfigError(f"--sft-pad-to-multiple-of {multiple} must be a positive divisor "
+                              f"of --seq-length {seq_length} (a packed sequence is filled with "
+                              f"padded records)")
         samples = getattr(config, "samples", None)
         if samples is not None and (samples.reset_attention_mask or samples.reset_position_ids
                                     or samples.eod_mask_loss):
@@ -195,11 +207,13 @@ class SFTPlugin:
             split_docs = [documents[i] for i in indices]
             if options.sft_packing:
                 packs = pack([len(d.tokens) for d in split_docs], seq_length,
-                             options.sft_packing_order, options.sft_packing_window)
+                             options.sft_packing_order, options.sft_packing_window,
+                             options.sft_pad_to_multiple_of)
             else:
                 packs = [[i] for i in range(len(split_docs))]
             dataset = SFTDataset(split_docs, packs, seq_length, num_samples, seed, split_index,
-                                 document_ids=options.sft_packing)
+                                 document_ids=options.sft_packing,
+                                 multiple=options.sft_pad_to_multiple_of)
             datasets.append(dataset)
             said.append(f"{('train', 'valid', 'test')[split_index]} {len(split_docs)} records "
                         f"in {len(packs)} sequences, packing efficiency "

@@ -157,6 +157,7 @@ def test_the_cli_refuses_what_sft_cannot_do(pairs, tmp_path):
     for extra, message in (
             (["--sft-prompt-template", "{question}"], "may hold only {prompt}"),
             (["--reset-attention-mask"], "--data sft keeps documents apart itself"),
+            (["--sft-pad-to-multiple-of", "5"], "must be a positive divisor of --seq-length 32"),
             (["--data-path", str(tmp_path / "nope.jsonl")], "is not a file")):
         result = CliRunner().invoke(cli, [*base, *extra], catch_exceptions=False)
         assert result.exit_code == 2 and message in result.output, (extra, result.output)
@@ -209,9 +210,43 @@ CP_LAYOUTS = tuple({"cp": 2, "cp-comm-type": comm} for comm in ("p2p", "allgathe
 
 @pytest.mark.parametrize("model", ["gpt", "hybrid", "mla"])
 def test_packed_layouts_train_like_one_process(pairs, pool, model):
+    """GPT's records are padded to multiples of 2 x cp, so cp cuts each in parts (Megatron's THD
+    split); MLA's are not, so cp cuts the sequence as a whole: both equal one process."""
     layouts = LAYOUTS + (CP_LAYOUTS if model != "hybrid" else ())
-    assert_layouts_match(_flags(pairs, **MODELS[model], **{"global-batch-size": 4}),
+    padded = {"sft-pad-to-multiple-of": 4} if model == "gpt" else {}
+    assert_layouts_match(_flags(pairs, **MODELS[model], **{"global-batch-size": 4}, **padded),
                          layouts=layouts if model != "mla" else CP_LAYOUTS, pool=pool)
+
+
+def test_multi_token_prediction_on_records_cut_in_parts_under_cp(pairs, pool):
+    """MTP's shifted inputs cross the cp ranks in the per-record split: cp 2 equals one
+    process."""
+    flags = _flags(pairs, **{"global-batch-size": 4, "sft-pad-to-multiple-of": 4,
+                             "mtp-num-layers": 2, "mtp-loss-scaling-factor": 0.3,
+                             "position-embedding-type": "rope"})
+    assert_layouts_match(flags, layouts=[{"cp": 2}], pool=pool)
+
+
+def test_records_padded_to_a_multiple_learn_the_same(pairs, pool):
+    """Padding each record (after its last token, without loss) changes no loss or gradient:
+    here the packs are the same two records either way (13 positions, padded to 16)."""
+    flags = _flags(pairs, **{"global-batch-size": 4, "train-iters": 2})
+    plain = train_run(flags, 1, pool)
+    padded = train_run({**flags, "sft-pad-to-multiple-of": 16}, 1, pool)
+    for a, b in zip(plain.records, padded.records):
+        assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+
+
+def test_padding_lays_each_record_on_a_multiple():
+    documents = [(np.arange(1, 7), np.ones(6)), (np.arange(10, 13), np.ones(3))]  # 5, 2 positions
+    assert pack([6, 3], 16, "in-order", 10, multiple=4) == [[0, 1]]
+    assert pack([6, 3], 11, "in-order", 10, multiple=4) == [[0], [1]]  # 8 + 4 > 11
+    sample = packed_sample(documents, 16, True, multiple=4)
+    assert sample["attention_mask"].tolist() == [0] * 8 + [1] * 4 + [2] * 4
+    assert sample["position_ids"].tolist() == [*range(8), *range(4), *range(4)]
+    assert sample["loss_mask"].tolist() == [1] * 5 + [0] * 3 + [1] * 2 + [0] * 6
+    assert sample["labels"][:5].tolist() == [2, 3, 4, 5, 6]
 
 
 def test_a_sample_depends_only_on_seed_split_and_index(pairs):
