@@ -1,32 +1,87 @@
 """Causal attention over packed documents on CPU, each document on its own.
 
 One masked kernel over the whole sequence computes every score and masks most of them away:
-1.7-1.9x the time of causal attention at 2048 tokens. The flash kernel run on each document
-alone does only the documents' own work (the sum of their squares, not the square of their sum):
-0.3-0.4x causal attention at 2048 tokens in 8 documents. One autograd function around it, so
-that what backward keeps is what causal flash attention keeps (q, k, v, the output and its
-log-sum-exp, each once), which the memory estimate counts; running the kernel per document
-through autograd would keep each document's output twice (its own and the concatenation).
+1.7-1.9x the time of causal attention at 2048 tokens. The flash kernel run on the documents
+alone does only their own work (the sum of their squares, not the square of their sum).
+A document of ``LONG_DOCUMENT`` tokens or more runs alone on views of its tokens. Shorter ones,
+where a kernel call per document would cost more than it saves, run in batches of similar length
+(:func:`_buckets`): each is copied into a row of a zero-padded ``[n, heads, L, d]`` block, ``L``
+its length rounded up to a quarter of its power of two (at most 25% longer), and the padding is
+exact: padded keys come after every real query (the causal mask hides them), padded queries are
+dropped, and in backward their zero gradient, output and query give them no gradient to spread.
+One autograd function around it, so that what backward keeps is what causal flash attention
+keeps (q, k, v, the output and its log-sum-exp, each once), which the memory estimate counts.
 """
 
 from __future__ import annotations
 
 import torch
 
-#: Documents shorter than this on average go through one masked kernel instead (a kernel call
-#: per document costs more than it saves there).
-MIN_DOCUMENT_RUN = 64
+#: Bucket lengths are multiples of a quarter of the length's power of two, and of this.
+MIN_GRANULE = 8
+#: Documents this long run alone (the copies into a padded batch would cost more than a call).
+LONG_DOCUMENT = 128
 
 
 def applies(q: torch.Tensor, dropout_p: float, runs: list[list[tuple[int, int]]]) -> bool:
-    """fp32 on CPU without attention dropout, documents (``plugtron.api.document_runs``) of
-    ``MIN_DOCUMENT_RUN`` tokens or more on average: where this path is exact and pays."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32 and dropout_p == 0.0
-            and sum(map(len, runs)) * MIN_DOCUMENT_RUN <= q.shape[0] * q.shape[2])
+    """On CPU without attention dropout (the CPU flash kernel draws none), in fp32, bf16 or fp16:
+    where this path is exact and pays. ``runs``: ``plugtron.api.document_runs``."""
+    return (q.device.type == "cpu" and dropout_p == 0.0
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def _padded_length(length: int) -> int:
+    granule = max(MIN_GRANULE, (1 << (length.bit_length() - 1)) // 4)
+    return -(-length // granule) * granule
+
+
+def _long(runs: list[list[tuple[int, int]]]) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of the documents that run alone."""
+    return [(row, a, e) for row, spans in enumerate(runs) for a, e in spans
+            if e - a >= LONG_DOCUMENT]
+
+
+def _buckets(runs: list[list[tuple[int, int]]], seq: int):
+    """``[(L, index)]``: the short documents padded to length ``L`` as rows of ``index``
+    ``[n, L]``, positions into the flattened ``[b * seq]`` tokens, ``b * seq`` (a zero row) for
+    padding."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for row, spans in enumerate(runs):
+        for a, e in spans:
+            if e - a >= LONG_DOCUMENT:
+                continue
+            length = _padded_length(e - a)
+            index = torch.full((length,), len(runs) * seq, dtype=torch.long)
+            index[:e - a] = torch.arange(row * seq + a, row * seq + e)
+            groups.setdefault(length, []).append(index)
+    return [(length, torch.stack(rows)) for length, rows in sorted(groups.items())]
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[b, h, s, ...]`` -> ``[h, b * s + 1, ...]`` with a zero last token (the padding)."""
+    b, h, s = t.shape[:3]
+    flat = t.transpose(0, 1).reshape(h, b * s, *t.shape[3:])
+    return torch.cat([flat, flat.new_zeros(h, 1, *t.shape[3:])], dim=1)
+
+
+def _gather(flat: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows of ``index`` ``[n, L]`` from ``[h, tokens, ...]`` -> ``[n, h, L, ...]``."""
+    return flat[:, index].transpose(0, 1).contiguous()
+
+
+def _scatter(into: torch.Tensor, block: torch.Tensor, index: torch.Tensor, tokens: int) -> None:
+    """``block`` ``[n, h, L, ...]`` back into ``into`` ``[h, tokens, ...]``, padding dropped."""
+    real = index < tokens
+    into[:, index[real]] = block.transpose(0, 1)[:, real]
 
 
 def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _unflat(flat: torch.Tensor, b: int, s: int) -> torch.Tensor:
+    h = flat.shape[0]
+    return flat.view(h, b, s, *flat.shape[2:]).transpose(0, 1)
 
 
 class _PerDocument(torch.autograd.Function):
@@ -34,40 +89,56 @@ class _PerDocument(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, runs):
-        heads = q.shape[1]
+        b, heads, s = q.shape[:3]
+        tokens = b * s
         k_e, v_e = _expand(k, heads), _expand(v, heads)
-        out = q.new_empty(*q.shape[:3], v.shape[-1])
-        lse = q.new_empty(q.shape[:3])
-        for row, spans in enumerate(runs):
-            for a, e in spans:
+        out = q.new_empty(heads, tokens, v.shape[-1])
+        lse = q.new_empty(heads, tokens, dtype=torch.float32)  # the kernels keep it in fp32
+        buckets = _buckets(runs, s)
+        if buckets:
+            qf, kf, vf = (_flat(t) for t in (q, k_e, v_e))
+            for _, index in buckets:
                 o, m = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                    q[row:row + 1, :, a:e], k_e[row:row + 1, :, a:e], v_e[row:row + 1, :, a:e],
-                    0.0, True)
-                out[row:row + 1, :, a:e] = o
-                lse[row:row + 1, :, a:e] = m
+                    _gather(qf, index), _gather(kf, index), _gather(vf, index), 0.0, True)
+                _scatter(out, o, index, tokens)
+                _scatter(lse, m, index, tokens)
+        out, lse = _unflat(out, b, s), _unflat(lse, b, s)
+        for row, a, e in _long(runs):
+            part = (slice(row, row + 1), slice(None), slice(a, e))
+            out[part], lse[part] = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q[part], k_e[part], v_e[part], 0.0, True)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.runs = runs
+        ctx.buckets, ctx.long = buckets, _long(runs)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        heads = q.shape[1]
+        b, heads, s = q.shape[:3]
+        tokens = b * s
         k_e, v_e = _expand(k, heads), _expand(v, heads)
-        dq = torch.empty_like(q)
-        dk, dv = torch.empty_like(k_e), torch.empty_like(v_e)
         grad_out = grad_out.contiguous()
-        for row, spans in enumerate(ctx.runs):
-            for a, e in spans:
-                part = (slice(row, row + 1), slice(None), slice(a, e))
-                dq[part], dk[part], dv[part] = \
-                    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                        grad_out[part], q[part], k_e[part], v_e[part], out[part], lse[part],
-                        0.0, True)
+        dq = q.new_empty(heads, tokens, q.shape[-1])
+        dk = q.new_empty(heads, tokens, k.shape[-1])
+        dv = q.new_empty(heads, tokens, v.shape[-1])
+        if ctx.buckets:
+            flat = [_flat(t) for t in (grad_out, q, k_e, v_e, out, lse)]
+            for _, index in ctx.buckets:
+                grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    *(_gather(t, index) for t in flat), 0.0, True)
+                for into, block in zip((dq, dk, dv), grads):
+                    _scatter(into, block, index, tokens)
+        dq, dk, dv = (_unflat(t, b, s) for t in (dq, dk, dv))
+        for row, a, e in ctx.long:
+            part = (slice(row, row + 1), slice(None), slice(a, e))
+            dq[part], dk[part], dv[part] = \
+                torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    grad_out[part], q[part], k_e[part], v_e[part], out[part], lse[part],
+                    0.0, True)
         if k.shape[1] != heads:  # grouped queries: each group's heads' gradients summed
-            b, _, s, d = dk.shape
-            dk = dk.view(b, k.shape[1], heads // k.shape[1], s, d).sum(2)
-            dv = dv.view(b, v.shape[1], heads // v.shape[1], s, dv.shape[-1]).sum(2)
+            groups = k.shape[1]
+            dk = dk.reshape(b, groups, heads // groups, s, dk.shape[-1]).sum(2)
+            dv = dv.reshape(b, groups, heads // groups, s, dv.shape[-1]).sum(2)
         return dq, dk, dv, None
 
 

@@ -230,7 +230,11 @@ class CoreAttention(torch.nn.Module):
             # give zero outputs, sliced off; the gradient of the padding is dropped.
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))
         if runs is not None:  # each document alone: less work than the masked kernel
-            out = document_attention.per_document_attention(q, k, v, runs)
+            if q.dtype != torch.float32 and _fp32_on_cpu(q.dtype):  # as _training_attention
+                out = document_attention.per_document_attention(
+                    q.float(), k.float(), v.float(), runs).to(q.dtype)
+            else:
+                out = document_attention.per_document_attention(q, k, v, runs)
             return out[..., :v_dim].transpose(1, 2).reshape(b, s, -1)
         with self._dropout_rng():
             out = _training_attention(q, k, v, attn_mask=mask, is_causal=mask is None,

@@ -26,14 +26,15 @@ def test_causal_mask_alone_and_with_documents():
         [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
 
 
-@pytest.mark.parametrize("lengths", [(70, 1, 185), (100, 156)])
+@pytest.mark.parametrize("lengths", [(70, 1, 185), (100, 156), (9, 3, 17, 40, 1, 9, 30, 12)])
 @pytest.mark.parametrize("heads,groups,v_dim", [(4, 4, 8), (4, 2, 8), (4, 4, 6)])
 def test_documents_alone_equal_one_masked_kernel_and_keep_what_flash_keeps(
         monkeypatch, lengths, heads, groups, v_dim):
-    """fp32 on CPU, documents of 64 tokens or more on average: each document's flash attention
-    alone (document_attention.py) gives the masked kernel's output and gradients (a one-token
-    document between long ones; the second row's documents differ; grouped queries; values
-    narrower than the keys, as MLA's), and keeps for backward what causal flash keeps."""
+    """fp32 on CPU: each document's flash attention alone (document_attention.py; documents of
+    similar length batched, zero-padded) gives the masked kernel's output and gradients (a
+    one-token document between long ones; short documents sharing a padded batch; the second
+    row's documents differ; grouped queries; values narrower than the keys, as MLA's), and keeps
+    for backward what causal flash keeps."""
     import contextlib
 
     from plugtron.api import forward_context
@@ -55,19 +56,52 @@ def test_documents_alone_equal_one_masked_kernel_and_keep_what_flash_keeps(
     monkeypatch.setattr(document_attention, "per_document_attention",
                         lambda *args: calls.append(1) or real(*args))
     results = []
-    for floor in (1, 10 ** 9):  # each document alone; one masked kernel
-        monkeypatch.setattr(document_attention, "MIN_DOCUMENT_RUN", floor)
+    applies = document_attention.applies
+    for alone in (True, False):  # each document alone; one masked kernel
+        monkeypatch.setattr(document_attention, "applies",
+                            applies if alone else (lambda *args: False))
         with forward_context(document_ids=ids):
             out = attention(q, k, v)
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
     assert len(calls) == 1  # the first pass took the per-document path, the second did not
     for got, want, name in zip(*results, ("out", "dq", "dk", "dv")):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
-    monkeypatch.setattr(document_attention, "MIN_DOCUMENT_RUN", 1)
+    monkeypatch.setattr(document_attention, "applies", applies)
     with forward_context(document_ids=ids):
         alone = saved_activation_bytes(attention, q, k, v)
     causal = saved_activation_bytes(attention, q, k, v)
     assert alone <= causal, (alone, causal)
+
+
+@pytest.mark.parametrize("fp32_kernel", [True, False])
+def test_documents_alone_in_bf16_equal_the_masked_kernel(monkeypatch, fp32_kernel):
+    """bf16 takes the per-document path too, natively (AMX) or through fp32 copies (a CPU
+    without bf16 matrix instructions): the masked kernel's result within bf16's rounding."""
+    import contextlib
+
+    from plugtron.api import forward_context
+    from plugtron.plugins.layer_backends import document_attention, local
+
+    monkeypatch.setattr(local, "_fp32_on_cpu", lambda dtype: fp32_kernel)
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([150, 7, 30, 69])
+    s = int(lengths.sum())
+    q, k, v = (torch.randn(1, s, 4, 8, generator=gen).bfloat16().requires_grad_()
+               for _ in range(3))
+    grad = torch.randn(1, s, 32, generator=gen).bfloat16()
+    ids = torch.repeat_interleave(torch.arange(4), lengths)[None]
+    attention = local.CoreAttention(4, 4, 8, 0.0, contextlib.nullcontext)
+    applies = document_attention.applies
+    results = []
+    for alone in (True, False):
+        monkeypatch.setattr(document_attention, "applies",
+                            applies if alone else (lambda *args: False))
+        with forward_context(document_ids=ids):
+            out = attention(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for got, want, name in zip(*results, ("out", "dq", "dk", "dv")):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=name)
 
 
 @pytest.mark.parametrize("positions", ["learned_absolute", "rope"])
