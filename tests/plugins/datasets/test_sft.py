@@ -158,6 +158,7 @@ def test_the_cli_refuses_what_sft_cannot_do(pairs, tmp_path):
             (["--sft-prompt-template", "{question}"], "may hold only {prompt}"),
             (["--reset-attention-mask"], "--data sft keeps documents apart itself"),
             (["--sft-pad-to-multiple-of", "5"], "must be a positive divisor of --seq-length 32"),
+            (["--data-path", "0.5", pairs, "0.5", str(tmp_path / "no.jsonl")], "is not a file"),
             (["--data-path", str(tmp_path / "nope.jsonl")], "is not a file")):
         result = CliRunner().invoke(cli, [*base, *extra], catch_exceptions=False)
         assert result.exit_code == 2 and message in result.output, (extra, result.output)
@@ -261,6 +262,48 @@ def test_a_sample_depends_only_on_seed_split_and_index(pairs):
         assert all(torch.equal(short[i][k], long[i][k]) for k in short[i])
     assert {tuple(long[i]["tokens"].tolist()) for i in range(4)} == \
         {tuple(long[i]["tokens"].tolist()) for i in range(4, 8)}  # the next epoch: reordered
+
+
+def test_files_blended_by_weight_give_each_its_share(tmp_path):
+    """``--data-path 0.25 A 0.75 B``: every prefix of the samples holds each file's share
+    (Megatron's greedy blend), each file packed on its own; a sample depends only on the seed,
+    the split and its index (a run drawing more samples draws the same first ones)."""
+    from plugtron.plugins.datasets.sft import SFTPlugin
+    from plugtron.testing import make_config
+
+    a = _pairs(tmp_path / "a.jsonl", count=6, seed=1)
+    b = _pairs(tmp_path / "b.jsonl", count=10, seed=2)
+    tokens_of_a = {tuple(json.loads(line)["prompt"].split()) for line in open(a)}
+    config = make_config(_flags(["0.25", a, "0.75", b]))
+    short = SFTPlugin().dataset_provider(config=config, split_sizes=(8, 0, 0))[0]
+    long = SFTPlugin().dataset_provider(config=config, split_sizes=(40, 0, 0))[0]
+    assert len(long) == 40 and long.weights == [0.25, 0.75]
+
+    def from_a(sample):  # a pack holds records of one file only
+        first = tuple(str(t) for t in sample["tokens"][:9].tolist())
+        return first in tokens_of_a
+
+    picks = [from_a(long[i]) for i in range(40)]
+    assert sum(picks[:8]) == 2 and sum(picks[:20]) == 5 and sum(picks) == 10
+    for i in range(8):
+        assert all(torch.equal(short[i][k], long[i][k]) for k in short[i])
+    unweighted = SFTPlugin().dataset_provider(config=make_config(_flags([a, b])),
+                                              split_sizes=(8, 0, 0))[0]
+    assert len(unweighted.packs) == 8  # one pool of the 16 records, two to a pack
+
+
+def test_data_stats_gives_each_file_its_records_and_packing(tmp_path):
+    a = _pairs(tmp_path / "a.jsonl", count=6, seed=1)
+    b = _pairs(tmp_path / "b.jsonl", count=10, seed=2)
+    result = CliRunner().invoke(cli, ["data", "stats", "--data", "sft", "--data-path", "0.25",
+                                      a, "0.75", b, "--tokenizer-type", "NullTokenizer",
+                                      "--vocab-size", str(VOCAB), "--seq-length", "32",
+                                      "--split", "100,0,0", "--train-iters", "10",
+                                      "--global-batch-size", "4"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "train: 40 samples built, the run draws 40" in result.output
+    assert (f"  {a}: weight 0.2500 (effective 0.2500, 10 drawn), 6 records (mean 14.0 tokens) "
+            f"in 3 sequences, packing efficiency 81.2%") in result.output, result.output
 
 
 def test_data_inspect_shows_each_record_and_what_it_learns(tmp_path):
