@@ -142,8 +142,11 @@ def _train(*flags):
     return CliRunner().invoke(cli, args, catch_exceptions=False)
 
 
-def test_te_backend_is_refused_with_exit_2():
+def test_a_backend_that_cannot_mask_documents_is_refused_with_exit_2(monkeypatch):
     from plugtron.core.training.validate import validate
+    from plugtron.plugins.layer_backends.te import TEBackend
+
+    monkeypatch.setattr(TEBackend, "supports_document_ids", False)  # te masks them (THD)
 
     from tests.utils import tiny_config
 

@@ -164,9 +164,12 @@ def test_the_cli_refuses_what_sft_cannot_do(pairs, tmp_path):
         assert result.exit_code == 2 and message in result.output, (extra, result.output)
 
 
-def test_packing_is_refused_where_attention_cannot_keep_records_apart(pairs):
+def test_packing_is_refused_where_attention_cannot_keep_records_apart(pairs, monkeypatch):
     from plugtron.core.training.validate import validate
+    from plugtron.plugins.layer_backends.te import TEBackend
     from plugtron.testing import make_config
+
+    monkeypatch.setattr(TEBackend, "supports_document_ids", False)  # a backend that cannot
 
     with pytest.raises(ConfigError, match=r"--data sft with packing \(--no-sft-packing: one "
                                           r"record per sequence\) is not supported by "
