@@ -217,6 +217,11 @@ class CoreAttention(torch.nn.Module):
         runs = None
         if document_ids is not None and self.window_size is None:
             runs = document_runs(document_ids)
+            if document_attention.applies_with_dropout(q, p):
+                with self._dropout_rng():
+                    out = document_attention.per_document_dropout_attention(
+                        *(t.transpose(1, 2) for t in (q, k, v)), runs, p)
+                return out.transpose(1, 2).reshape(b, s, -1)
             if not document_attention.applies(q.transpose(1, 2), p, runs):
                 runs = None  # one masked kernel
         mask = None if runs is not None else attention_mask(

@@ -73,6 +73,37 @@ def test_documents_alone_equal_one_masked_kernel_and_keep_what_flash_keeps(
     assert alone <= causal, (alone, causal)
 
 
+def test_documents_alone_with_dropout_keep_documents_apart_and_equal_flash_without():
+    """With attention dropout each document runs alone too (padded batches through torch's
+    attention): at p 0 it gives the flash path's result; at p 0.3 a document's output does not
+    move when another document's values do (same seed), and it is not the undropped output."""
+    from plugtron.plugins.layer_backends import document_attention as da
+
+    gen = torch.Generator().manual_seed(4)
+    lengths = [150, 7, 30, 1, 69]
+    runs = [[(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]]
+    s = sum(lengths)
+    q = torch.randn(1, 4, s, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, s, 8, generator=gen, requires_grad=True) for _ in range(2))
+    grad = torch.randn(1, 4, s, 8, generator=gen)
+    flash = da.per_document_attention(q, k, v, runs)
+    plain = da.per_document_dropout_attention(q, k, v, runs, 0.0)
+    torch.testing.assert_close(plain, flash, rtol=1e-5, atol=1e-6)
+    want = torch.autograd.grad(flash, (q, k, v), grad)
+    got = torch.autograd.grad(plain, (q, k, v), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(9)
+    dropped = da.per_document_dropout_attention(q, k, v, runs, 0.3)
+    other = v.detach().clone()
+    other[:, :, 150:] += 1.0  # every document but the first
+    torch.manual_seed(9)
+    moved = da.per_document_dropout_attention(q, k, other, runs, 0.3)
+    assert torch.equal(dropped[:, :, :150], moved[:, :, :150])
+    assert not torch.allclose(dropped[:, :, 150:], moved[:, :, 150:])
+    assert not torch.allclose(dropped, flash)
+
+
 @pytest.mark.parametrize("fp32_kernel", [True, False])
 def test_documents_alone_in_bf16_equal_the_masked_kernel(monkeypatch, fp32_kernel):
     """bf16 takes the per-document path too, natively (AMX) or through fp32 copies (a CPU
