@@ -169,8 +169,9 @@ def per_document_dropout_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Te
     tokens = b * s
     out = q.new_zeros(tokens + 1, heads, v.shape[-1])  # token-first for index_put
     for _, index in _buckets(runs, s, longest=s + 1):
+        q_b, k_b, v_b = (_flat(t)[index].transpose(1, 2) for t in (q, k, v))
         block = torch.nn.functional.scaled_dot_product_attention(
-            *(_flat(t)[index].transpose(1, 2) for t in (q, k, v)), is_causal=True,
+            q_b, k_b, v_b, is_causal=True,
             dropout_p=dropout_p, enable_gqa=k.shape[1] != heads)  # [n, heads, L, d_v]
         # padding rows all land on the dropped last token
         out = out.index_put((index.reshape(-1),), block.transpose(1, 2).reshape(-1, heads,
