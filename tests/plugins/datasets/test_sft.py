@@ -222,6 +222,24 @@ def test_packed_layouts_train_like_one_process(pairs, pool, model):
                          layouts=layouts if model != "mla" else CP_LAYOUTS, pool=pool)
 
 
+#: The other layouts packed records must train under: vp, fsdp2, full recompute, ep (MoE).
+MORE_LAYOUTS = {
+    "vp": ("gpt", {"pp": 2, "vp": 2}),
+    "fsdp2": ("gpt", {"dp": 2, "data-parallel": "fsdp2"}),
+    "recompute": ("gpt", {"recompute-granularity": "full", "recompute-method": "uniform"}),
+    "ep": ("moe", {"dp": 2, "expert-model-parallel-size": 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE_LAYOUTS))
+def test_packed_records_under_vp_fsdp2_recompute_and_ep(pairs, pool, name):
+    model, layout = MORE_LAYOUTS[name]
+    flags = _flags(pairs, **MODELS[model], **{"global-batch-size": 4})
+    if name == "vp":
+        flags["num-layers"] = 4  # two chunks of two layers on each of the two stages
+    assert_layouts_match(flags, layouts=[layout], pool=pool)
+
+
 def test_multi_token_prediction_on_records_cut_in_parts_under_cp(pairs, pool):
     """MTP's shifted inputs cross the cp ranks in the per-record split: cp 2 equals one
     process."""
