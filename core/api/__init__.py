@@ -8,7 +8,7 @@ docs/migration.md.
 """
 
 from plugtron.core.blocks.cpu_features import cpu_matrix_support
-from plugtron.core.blocks.deferred_ops import affine, batched_linear
+from plugtron.core.blocks.deferred_ops import affine, batched_linear, grouped_linear
 from plugtron.core.blocks.deferred_ops import layer_norm as deferred_layer_norm
 from plugtron.core.blocks.forward_context import (
     ForwardContext,
@@ -191,7 +191,7 @@ __all__ = [
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "sequence_parallel_linear", "linear",
-    "affine", "batched_linear", "deferred_layer_norm",
+    "affine", "batched_linear", "grouped_linear", "deferred_layer_norm",
     "cpu_matrix_support",
     "set_tensor_parallel", "is_tensor_parallel", "shard_of", "block_sizes",
     "mark_sequence_parallel", "mark_fused_parts", "fused_part_rows", "gather_tp_shards",

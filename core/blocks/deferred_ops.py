@@ -1,6 +1,6 @@
 """Ops whose weight gradient a split backward can defer to ``W`` (see
 ``core/contracts/weight_grads.py``), beside ``linear``: the elementwise affine of a norm and the
-batched matmul of grouped experts.
+batched and grouped matmuls of grouped experts.
 
 Each builds its deferrable autograd function only in the forward of a microbatch whose backward
 a schedule splits (``split_backward_expected``); every other forward runs the usual torch op, so
@@ -80,6 +80,32 @@ class _BatchedMatmul(torch.autograd.Function):
         return grad_x, grad_weight
 
 
+class _GroupedMatmul(torch.autograd.Function):
+    """``torch._grouped_mm(x, weight.transpose(1, 2), offs)``: ``x`` ``[tokens, in]`` in groups
+    ending at ``offs``, ``weight`` ``[G, out, in]``; both gradients by grouped mms, the
+    weight's (``grad`` transposed times ``x``, grouped along the tokens) deferred."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offs):
+        ctx.save_for_backward(x, weight, offs)
+        ctx.weight = weight
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offs = ctx.saved_tensors
+        grad = grad.contiguous()  # the grouped mm refuses a broadcast (stride 0) gradient
+        grad_x = (torch._grouped_mm(grad, weight, offs=offs) if ctx.needs_input_grad[0]
+                  else None)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            def compute():
+                return torch._grouped_mm(grad.t(), x, offs=offs)
+            if not wgrad.defer_weight_grad(ctx.weight, compute):
+                grad_weight = compute()
+        return grad_x, grad_weight, None
+
+
 class _LayerNorm(torch.autograd.Function):
     """torch's fused layer norm whose scale's gradient waits for ``W`` (the input's and the
     shift's come with ``I``, from the fused backward)."""
@@ -100,9 +126,9 @@ class _LayerNorm(torch.autograd.Function):
             [needs[0], False, bias is not None and needs[2]])
         grad_weight = None
         if needs[1]:
-            def compute():
-                normed = (x.float() - mean) * rstd
-                return _sum_to_last_dim(grad.float() * normed).to(weight.dtype)
+            def compute():  # torch's fused backward, asked for the scale's gradient alone
+                return torch.ops.aten.native_layer_norm_backward(
+                    grad, x, [x.shape[-1]], mean, rstd, weight, bias, [False, True, False])[1]
             if not wgrad.defer_weight_grad(ctx.weight, compute):
                 grad_weight = compute()
         return grad_x, grad_weight, grad_bias, None
@@ -115,6 +141,16 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if _splitting(weight):
         return _LayerNorm.apply(x, weight, bias, eps)
     return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)``: one linear per group of
+    rows of ``x`` (an expert's tokens, the groups ending at ``offs``), where torch's grouped mm
+    runs; in a split backward the weight's gradient waits for ``W`` (as :func:`batched_linear`,
+    without padding the groups)."""
+    if _splitting(weight):
+        return _GroupedMatmul.apply(x, weight, offs)
+    return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
 
 
 def batched_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

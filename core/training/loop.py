@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pluggy
 import torch
 from plugtron.core import checkpoint
+from plugtron.core.blocks.cpu_allocator import keep_freed_memory
 from plugtron.core.blocks.qk_clip import clip_qk
 from plugtron.core.checkpoint import dir_lock
 from plugtron.core.checkpoint.saver import Checkpointer
@@ -153,6 +154,8 @@ def setup(config: TrainConfig, extra_plugins=(), world: WorldInfo | None = None,
     ``schedule``: a schedule plugin object that takes the place of the driver the config
     selects (the testing kit's way to run a schedule that is not installed)."""
     world = world or init_distributed()
+    if world.device.type == "cpu":
+        keep_freed_memory()  # the step's tensors come back without page faults each step
     with_plugin_sections(config)  # a config built in Python may not carry them yet
     validate_plugins(config, world.world_size)
     pm = build_plugin_manager(config, extra_plugins)

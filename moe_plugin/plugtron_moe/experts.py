@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from plugtron.api import (
     EXPERT_PARALLEL_RNG,
     batched_linear,
+    grouped_linear,
     linear,
     mark_fused_parts,
     mark_sequence_parallel,
@@ -33,7 +34,6 @@ from plugtron.api import (
     scaled_normal_init,
     set_tensor_parallel,
     shard_of,
-    split_backward_expected,
 )
 
 from .options import expert_ffn_size
@@ -194,16 +194,16 @@ def grouped_forward(experts: list[ExpertMLP], tokens: torch.Tensor,
     b1: list[torch.Tensor] = [e.linear_fc1.bias for e in experts
                               if e.linear_fc1.bias is not None]
     b2: list[torch.Tensor] = [b for e in experts if (b := e.fc2_bias()) is not None]
-    # A split backward (zero-bubble schedules) takes the batched path: its weight gradients
-    # wait for W (batched_linear), which torch's grouped mm cannot do.
-    if (_aligned(w1.shape[1], w1.shape[2], w2.shape[1]) and not split_backward_expected()
+    # Under a split backward (zero-bubble schedules) grouped_linear defers the experts' weight
+    # gradients to W.
+    if (_aligned(w1.shape[1], w1.shape[2], w2.shape[1])
             and grouped_mm_runs(tokens.device, tokens.dtype)):
         offs = torch.tensor(counts, device=tokens.device).cumsum(0).to(torch.int32)
-        h = _dense_grad(torch._grouped_mm(tokens, w1.transpose(1, 2), offs=offs))
+        h = _dense_grad(grouped_linear(tokens, w1, offs))
         if b1:
             h = h + torch.cat([b.expand(n, -1) for b, n in zip(b1, counts)])
         h = experts[0].activation(h)
-        out = _dense_grad(torch._grouped_mm(h, w2.transpose(1, 2), offs=offs))
+        out = _dense_grad(grouped_linear(h, w2, offs))
         if b2:
             out = out + torch.cat([b.expand(n, -1) for b, n in zip(b2, counts)])
         return out

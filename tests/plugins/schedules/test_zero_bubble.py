@@ -253,6 +253,28 @@ def test_grouped_experts_defer_through_their_stacked_weights():
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
 
 
+def test_grouped_mm_experts_defer_through_their_stacked_weights():
+    """Torch's grouped mm (the experts' tokens in groups of 3, 0 and 5 rows): the split
+    backward keeps that kernel (no padded batch) and its weight gradient waits for W."""
+    from plugtron.api import grouped_linear
+    from plugtron_moe.experts import grouped_mm_runs
+
+    if not grouped_mm_runs(torch.device("cpu"), torch.float32):
+        pytest.skip("torch's grouped mm does not run here")
+    torch.manual_seed(0)
+    experts = [torch.nn.Parameter(torch.randn(16, 8)) for _ in range(3)]
+    offs = torch.tensor([3, 3, 8], dtype=torch.int32)
+
+    def fn(x):
+        return grouped_linear(x, torch.stack(experts), offs)
+
+    x, grad_out = torch.randn(2, 8, 8), torch.randn(2, 8, 16)
+    want_inputs, want = _grads(fn, experts, x, grad_out, split=False)
+    got_inputs, got = _grads(fn, experts, x, grad_out, split=True)
+    for g, w in zip(got_inputs + got, want_inputs + want):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("op", ["conv", "gated_norm"])
 def test_mamba_conv_and_gated_norm_defer_exactly(op):
     pytest.importorskip("plugtron_gpt")
