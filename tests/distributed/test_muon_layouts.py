@@ -18,6 +18,7 @@ import tempfile
 import pytest
 from plugtron.core.checkpoint.layout import iteration_dirname
 from plugtron.core.monitoring.metrics import MetricsLogger
+from plugtron.core.tools.estimate import estimate_memory
 from plugtron.core.training.loop import setup, train
 from plugtron.testing import assert_checkpoint_reshards, make_config
 from plugtron.testing.compare import (
@@ -115,6 +116,19 @@ def test_layer_wise_state_is_split_over_dp(pool):
                      world_size=4)
     assert sum(split) == whole
     assert max(split) < 1.35 * whole / 4, (split, whole)
+
+
+@pytest.mark.parametrize("world,layout", [(1, {}), (2, LAYER_WISE),
+                                         (2, {**LAYER_WISE, "bf16": True})],
+                         ids=["one-process", "dp2-layer-wise", "bf16-dp2-layer-wise"])
+def test_the_estimate_is_the_measured_state(pool, world, layout):
+    """``plugtron estimate``'s optimizer state, in bytes, is what the fullest rank holds after a
+    step: Muon's momentum for the matrices, AdamW's two moments for the rest, the fp32 main
+    copies under bf16, each parameter on the rank that steps it."""
+    flags = merge_flags(FLAGS, layout, {"train-iters": 1})
+    measured = pool.run(_state_bytes, flags, world_size=world)
+    estimate, = estimate_memory(make_config(flags), world).ranks
+    assert estimate.optimizer_selected == max(measured), (estimate.optimizer_selected, measured)
 
 
 def test_blockwise_is_an_approximation(pool, reference):
