@@ -2,8 +2,10 @@
 Newton-Schulz iteration in fp32 too: ``--muon-fp32-matmul-prec high``), on one pool of 4 gloo
 ranks: tp 2 duplicated (with and without sequence parallelism), the layer-wise sharded mode at
 dp 2 and dp 4 (state per rank ~1/dp), pp 2, vp, cp, MoE experts over ep, MLA, Hybrid, bf16
-with fp32 main parameters, recompute with gradient accumulation and clipping, and checkpoints
-that resume bitwise and into another dp size.
+with fp32 main parameters, recompute with gradient accumulation and clipping, checkpoints
+that resume bitwise, into another dp size and bit for bit through tp 2 x dp 2 -> layer-wise
+dp 4 -> fsdp2 dp 4 -> tp 2 x dp 2, and ``plugtron estimate``'s optimizer state against the
+measured bytes.
 
 Tolerance 1e-5 (relative on losses and grad norms, atol + rtol on every final parameter): only
 the order of fp32 sums differs from one process. In bf16 (``medium``, the default) the
@@ -16,17 +18,20 @@ import os
 import tempfile
 
 import pytest
+import torch
+from plugtron.core.checkpoint import checkpointer, load_if_requested
 from plugtron.core.checkpoint.layout import iteration_dirname
 from plugtron.core.monitoring.metrics import MetricsLogger
 from plugtron.core.tools.estimate import estimate_memory
 from plugtron.core.training.loop import setup, train
-from plugtron.testing import assert_checkpoint_reshards, make_config
+from plugtron.testing import assert_checkpoint_reshards, make_config, read_checkpoint
 from plugtron.testing.compare import (
     assert_copies_match,
     assert_params_close,
     assert_records_close,
 )
 from plugtron.testing.config import merge_flags
+from plugtron.testing.layouts import layout_name
 from plugtron.testing.runs import train_run
 
 FLAGS = {"optimizer": "muon", "muon-fp32-matmul-prec": "high", "lr": 5e-3, "train-iters": 3}
@@ -149,7 +154,53 @@ def test_layer_wise_resumes_bitwise(pool):
 
 
 @pytest.mark.parametrize("save,load", [({"dp": 2, **LAYER_WISE}, {"dp": 4, **LAYER_WISE}),
-                                       ({"tp": 2}, {"dp": 2, **LAYER_WISE})],
-                         ids=["dp2-to-dp4-layer-wise", "tp2-to-dp2-layer-wise"])
+                                       ({"tp": 2}, {"dp": 2, **LAYER_WISE}),
+                                       ({"dp": 4, **LAYER_WISE},
+                                        {"dp": 4, "use-torch-fsdp2": True})],
+                         ids=["dp2-to-dp4-layer-wise", "tp2-to-dp2-layer-wise",
+                              "dp4-layer-wise-to-fsdp2-dp4"])
 def test_muon_state_reshards_across_layouts(pool, save, load):
     assert_checkpoint_reshards(FLAGS, save, load, pool=pool)
+
+
+def _resave(rank, world_size, flags):
+    """Load ``--load`` under this layout and save it again at once, untouched by a step (run
+    in each rank of the pool)."""
+    run = setup(make_config(flags))
+    load_if_requested(run)
+    checkpointer(run).save(async_save=False)
+    checkpointer(run).wait()
+
+
+#: tp 2 x dp 2 (the iteration duplicated over tp) -> layer-wise dp 4 (each parameter's state
+#: on its owner) -> fsdp2 dp 4 (the state as DTensor shards) -> back to tp 2 x dp 2.
+RESHARD_CHAIN = [{"tp": 2, "dp": 2}, {"dp": 4, **LAYER_WISE}, {"dp": 4, "use-torch-fsdp2": True},
+                 {"tp": 2, "dp": 2}]
+
+
+def test_muon_state_reshards_through_the_layouts_bitwise(pool):
+    """A checkpoint goes through every layout of :data:`RESHARD_CHAIN`, each loading the one
+    before and saving it again: every tensor each saves, read whole (Muon's momentum, AdamW's
+    two moments, the weights), is the first one's, bit for bit."""
+    flags = merge_flags(FLAGS, {"train-iters": 2})
+    with tempfile.TemporaryDirectory() as root:
+        first = os.path.join(root, "0")
+        train_run(merge_flags(flags, RESHARD_CHAIN[0], {"save": first, "save-interval": 2}),
+                  4, pool)
+        saved = read_checkpoint(first)["tensors"]
+        kinds = {name.rsplit("/", 1)[-1] for name in saved if name.startswith("optim/")}
+        assert {"momentum_buffer", "exp_avg", "exp_avg_sq"} <= kinds, sorted(kinds)
+        load = first
+        for hop, layout in enumerate(RESHARD_CHAIN[1:], start=1):
+            save = os.path.join(root, str(hop))
+            pool.run(_resave, merge_flags(flags, layout, {"load": os.path.join(
+                load, iteration_dirname(2)), "save": save}), world_size=4)
+            resaved = read_checkpoint(save)
+            wrapper = "fsdp2" if layout.get("use-torch-fsdp2") else "ddp"
+            assert resaved["plugins"]["data_parallel"]["name"] == wrapper, layout
+            assert resaved["iteration"] == 2, layout
+            got = resaved["tensors"]
+            assert sorted(got) == sorted(saved), layout
+            differ = [n for n in saved if not torch.equal(got[n], saved[n])]
+            assert not differ, f"{layout_name(layout)}: {differ[:5]}"
+            load = save
