@@ -63,7 +63,9 @@ def test_layout_steps_like_one_process(pool, reference, layout):
 #: Models and training settings other than the kit's GPT, each under the layouts that matter
 #: for it: MoE experts over ep (whole per expert, over edp when layer-wise; over etp when
 #: duplicated), MLA, Hybrid (Mamba), bf16 with fp32 main parameters, full recompute with
-#: gradient accumulation and a clipping global norm, QK-clip (its q and k rows scaled every step).
+#: gradient accumulation and a clipping global norm, QK-clip (its q and k rows scaled every step;
+#: MLA's per head, its heads split over tp; under fsdp2 on each rank's shard of the rows;
+#: under cp with the keys of every cp rank).
 MOE = {"num-experts": 4, "moe-router-topk": 2, "moe-ffn-hidden-size": 16, "swiglu": True,
        "moe-layer-freq": "([0]*1+[1]*3)"}
 MLA = {"multi-latent-attention": True, "kv-lora-rank": 8, "qk-head-dim": 6,
@@ -85,6 +87,9 @@ VARIANTS = {
     "recompute-clip-accumulate-dp2-layer-wise": (RECOMPUTE_CLIP, {"dp": 2, **LAYER_WISE}),
     "qk-clip-tp2": (QK_CLIP, {"tp": 2}),
     "qk-clip-pp2-dp2-layer-wise": (QK_CLIP, {"pp": 2, "dp": 2, **LAYER_WISE}),
+    "mla-qk-clip-tp2": ({**MLA, **QK_CLIP}, {"tp": 2}),
+    "qk-clip-tp2-fsdp2-dp2": (QK_CLIP, {"tp": 2, "dp": 2, "use-torch-fsdp2": True}),
+    "qk-clip-cp2-dp2-layer-wise": (QK_CLIP, {"cp": 2, "dp": 2, **LAYER_WISE}),
 }
 _references: dict = {}
 

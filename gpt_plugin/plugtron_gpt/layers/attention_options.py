@@ -231,26 +231,11 @@ def validate_yarn(config) -> None:
                           f"--yarn-beta-fast ({o.yarn_beta_fast})")
 
 
-def validate_qk_clip(config) -> None:
-    """What this layer's QK-clip (the largest logit over this rank's keys) covers."""
-    if attention_options(config).multi_latent_attention:
-        raise ConfigError("--qk-clip with --multi-latent-attention is not offered: MLA's layer "
-                          "records no attention logits")
-    if config.parallel.context_parallel_size > 1:
-        raise ConfigError("--qk-clip with --context-parallel-size > 1 is not offered: a rank "
-                          "holds only some of the keys its queries attend to")
-    if selected_driver(config, "data_parallel") == "fsdp2":
-        raise ConfigError("--qk-clip under fsdp2 is not offered: the clipped rows of a "
-                          "parameter sharded over data parallelism are not this rank's")
-
-
 def validate_attention(config) -> None:
     """The options' values, and what they do not combine with; before launch."""
     o = attention_options(config)
     if o.multi_latent_attention:
         validate_mla(config)
-    if config.training.qk_clip:
-        validate_qk_clip(config)
     validate_yarn(config)
     window = parse_window(o.window_size)
     # A window covering the whole sequence is plain causal attention (Mistral's 4096 at shorter

@@ -1,0 +1,44 @@
+"""The attention logits QK-clip (``--qk-clip``) records, for both attention layers here (the
+grouped-query one and MLA).
+
+Under context parallelism a rank holds two chunks of the sequence's queries and keys; its
+queries attend to keys on every cp rank, so the keys are gathered over cp (no gradient: the
+logits are only measured) and masked by their positions in the whole sequence. The maximum over
+the cp ranks is the core's (``clip_qk`` reduces the maxima over dp x cp).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from plugtron.api import all_gather_tensor, local_positions
+
+
+@torch.no_grad()
+def max_logits(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor | None = None,
+               key_positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The largest causal pre-softmax logit ``q . k / sqrt(d)`` of each head (``--qk-clip``);
+    q ``[b, s, heads, d]`` and k ``[b, t, groups, d]``, heads grouped by query group. A key
+    counts for a query at or after its position (default: both ``0..s-1``)."""
+    b, s, heads, d = q.shape
+    groups = k.shape[2]
+    scores = torch.einsum("bsgjd,btgd->bgjst", q.float().view(b, s, groups, heads // groups, d),
+                          k.float()) / math.sqrt(d)
+    if query_positions is None or key_positions is None:
+        future = torch.ones(s, k.shape[1], dtype=torch.bool, device=q.device).triu(1)
+    else:
+        future = key_positions.to(q.device)[None, :] > query_positions.to(q.device)[:, None]
+    return scores.masked_fill(future, float("-inf")).amax(dim=(0, 3, 4)).reshape(heads)
+
+
+def layer_max_logits(q: torch.Tensor, k: torch.Tensor, parallel) -> torch.Tensor:
+    """:func:`max_logits` of this rank's queries over every key of the sequence: under
+    context parallelism the keys of all cp ranks, gathered."""
+    cp = parallel.cp_size
+    if cp == 1:
+        return max_logits(q, k)
+    seq = q.shape[1] * cp
+    keys = all_gather_tensor(k.detach().contiguous(), parallel.cp_group, dim=1)
+    key_positions = torch.cat([local_positions(seq, rank, cp) for rank in range(cp)])
+    return max_logits(q, keys, local_positions(seq, parallel.cp_rank, cp), key_positions)
