@@ -31,7 +31,7 @@ from plugtron.api import (
     tp_split_of,
 )
 
-from .newton_schulz import PRECISIONS, newton_schulz, scale_factor, schedule
+from .newton_schulz import PRECISIONS, matmul_precision, newton_schulz, scale_factor, schedule
 
 
 class Orthogonalizer:
@@ -41,7 +41,8 @@ class Orthogonalizer:
     def __init__(self, options, parallel):
         self.parallel = parallel
         self.coefficients = schedule(options.muon_coefficient_type, options.muon_num_ns_steps)
-        self.dtype = PRECISIONS[options.muon_fp32_matmul_prec]
+        self.precision = options.muon_fp32_matmul_prec
+        self.dtype = PRECISIONS[self.precision]
         self.scale_mode = options.muon_scale_mode
         self.extra_scale = options.muon_extra_scale_factor
         self.duplicated = options.muon_tp_mode == "duplicated"
@@ -87,4 +88,5 @@ class Orthogonalizer:
 
     def _scaled(self, matrix: torch.Tensor) -> torch.Tensor:
         scale = scale_factor(matrix.size(0), matrix.size(1), self.scale_mode) * self.extra_scale
-        return newton_schulz(matrix, self.coefficients, self.dtype).float() * scale
+        with matmul_precision(self.precision):
+            return newton_schulz(matrix, self.coefficients, self.dtype).float() * scale

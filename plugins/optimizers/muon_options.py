@@ -35,9 +35,11 @@ class MuonOptions:
     muon_extra_scale_factor: float = opt(1.0, "--muon-extra-scale-factor", "Extra factor on "
                                          "Muon's update (0.2 with spectral matches AdamW's "
                                          "update RMS).")
-    muon_fp32_matmul_prec: str = opt("medium", "--muon-fp32-matmul-prec", "Precision of the "
-                                     "Newton-Schulz iteration: medium in bf16 (as torch and "
-                                     "Megatron-Core), high in fp32 (equal across layouts).",
+    muon_fp32_matmul_prec: str = opt("medium", "--muon-fp32-matmul-prec", "torch's float32 "
+                                     "matmul precision of the Newton-Schulz iteration: medium "
+                                     "in bf16, fp32 parameters too (as Megatron-Core and "
+                                     "torch); high fp32 with TF32 matmuls on CUDA; highest "
+                                     "fp32 (equal across layouts).",
                                      choices=tuple(PRECISIONS))
     muon_coefficient_type: str = opt("quintic", "--muon-coefficient-type", "Newton-Schulz "
                                      "coefficients (simple is torch.optim.Muon's).",

@@ -87,6 +87,25 @@ LEARNS = {"optimizer": "muon", "lr": 3e-3, "muon_extra_scale_factor": 0.2, "trai
           "min_lr": 3e-4}
 
 
+def test_the_iteration_runs_under_the_flag_s_matmul_precision(monkeypatch):
+    """``--muon-fp32-matmul-prec`` is torch's float32 matmul precision around the iteration
+    (Megatron-Core's), restored after; on this CPU ``high`` and ``highest`` compute alike."""
+    seen = []
+    set_precision = torch.set_float32_matmul_precision
+    monkeypatch.setattr(torch, "set_float32_matmul_precision",
+                        lambda p: seen.append(p) or set_precision(p))
+    before = torch.get_float32_matmul_precision()
+    matrix, update = _params(0)[0], torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    out = {}
+    for precision in ("medium", "high", "highest"):
+        config = tiny_config(optimizer="muon", muon_fp32_matmul_prec=precision)
+        out[precision] = Orthogonalizer(config.muon, ONE_RANK)(matrix, update)
+        assert seen[-2:] == [precision, before]
+    assert torch.get_float32_matmul_precision() == before
+    assert torch.equal(out["high"], out["highest"])
+    assert not torch.equal(out["medium"], out["high"])  # the bf16 iteration
+
+
 def test_a_tiny_gpt_learns_with_muon():
     records, run = train_in_process(tiny_config(**LEARNS), world=single_process())
     losses = [r["lm_loss"] for r in records]
