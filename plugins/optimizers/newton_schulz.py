@@ -23,6 +23,7 @@ import contextlib
 import math
 
 import torch
+from plugtron.api import all_reduce
 
 #: Coefficient schedules by Megatron-Core's ``--muon-coefficient-type`` names. ``simple``
 #: repeats Keller Jordan's (a, b, c), torch.optim.Muon's default; ``quintic`` cycles five
@@ -86,6 +87,28 @@ def newton_schulz(matrix: torch.Tensor, coefficients: list[tuple[float, float, f
         polynomial = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, polynomial, x, beta=a)
     return x.T if tall else x
+
+
+def newton_schulz_sharded(shard: torch.Tensor, coefficients: list[tuple[float, float, float]],
+                          dtype: torch.dtype, sharded_dim: int, group) -> torch.Tensor:
+    """This rank's part of the orthogonalized matrix whose ``sharded_dim`` is split over
+    ``group`` (``--muon-tp-mode distributed``, Megatron-Core's): the iteration runs on the
+    shards, with the Gram matrix of the unsplit side (``X X^T`` once the split side is the
+    columns) and the squared Frobenius norm summed over the group, so every rank steps its
+    columns of the whole matrix's iteration. The odd polynomial of ``X`` is the same from
+    either side: the single process's update, to float rounding; the Gram matrix may be the
+    larger one (of the unsplit side), the price of no gather."""
+    x = shard.to(dtype)
+    if sharded_dim == 0:  # the split side goes to the columns
+        x = x.T
+    square = all_reduce(x.float().square().sum(), group)
+    x = x / square.sqrt().clamp(min=EPS).to(dtype)
+    for a, b, c in coefficients:
+        # summed in fp32 (gloo has no bf16 sum), then the iteration's dtype again
+        gram = all_reduce((x @ x.T).float(), group).to(dtype)
+        polynomial = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, polynomial, x, beta=a)
+    return x.T if sharded_dim == 0 else x
 
 
 @contextlib.contextmanager

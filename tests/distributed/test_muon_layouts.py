@@ -1,6 +1,6 @@
 """``--optimizer muon`` under every layout it supports against one process (fp32, the
 Newton-Schulz iteration in fp32 too: ``--muon-fp32-matmul-prec high``), on one pool of 4 gloo
-ranks: tp 2 duplicated (with and without sequence parallelism), the layer-wise sharded mode at
+ranks: tp 2 duplicated (with and without sequence parallelism) and distributed, the layer-wise sharded mode at
 dp 2 and dp 4 (state per rank ~1/dp), pp 2, vp, cp, MoE experts over ep, MLA, Hybrid, bf16
 with fp32 main parameters, recompute with gradient accumulation and clipping, checkpoints
 that resume bitwise, into another dp size and bit for bit through tp 2 x dp 2 -> layer-wise
@@ -36,6 +36,8 @@ from plugtron.testing.runs import train_run
 
 FLAGS = {"optimizer": "muon", "muon-fp32-matmul-prec": "high", "lr": 5e-3, "train-iters": 3}
 LAYER_WISE = {"use-distributed-optimizer": True}
+#: The Newton-Schulz iteration on the tp shards, its Gram matrices summed over tp.
+DISTRIBUTED = {"muon-tp-mode": "distributed"}
 TOL = 1e-5
 
 
@@ -53,9 +55,9 @@ def reference(pool):
     {"tp": 2}, {"tp": 2, "sequence-parallel": True}, {"dp": 2, **LAYER_WISE},
     {"dp": 4, **LAYER_WISE}, {"pp": 2}, {"tp": 2, "dp": 2, **LAYER_WISE},
     {"pp": 2, "vp": 2}, {"cp": 2, "dp": 2, **LAYER_WISE}, {"dp": 2, "use-torch-fsdp2": True},
-    {"tp": 2, "dp": 2, "use-torch-fsdp2": True},
+    {"tp": 2, "dp": 2, "use-torch-fsdp2": True}, {"tp": 2, **DISTRIBUTED},
 ], ids=["tp2", "tp2-sp", "dp2-layer-wise", "dp4-layer-wise", "pp2", "tp2-dp2-layer-wise",
-        "pp2-vp2", "cp2-dp2-layer-wise", "fsdp2-dp2", "tp2-fsdp2-dp2"])
+        "pp2-vp2", "cp2-dp2-layer-wise", "fsdp2-dp2", "tp2-fsdp2-dp2", "tp2-distributed"])
 def test_layout_steps_like_one_process(pool, reference, layout):
     _assert_like_one_process(pool, FLAGS, layout, reference)
 
@@ -80,6 +82,8 @@ QK_CLIP = {"qk-clip": True, "qk-clip-threshold": 0.01}
 VARIANTS = {
     "moe-ep2-dp2-layer-wise": (MOE, {"expert-model-parallel-size": 2, "dp": 2, **LAYER_WISE}),
     "moe-tp2-ep2-dp2": (MOE, {"tp": 2, "expert-model-parallel-size": 2, "dp": 2}),
+    "moe-tp2-ep2-dp2-distributed": (MOE, {"tp": 2, "expert-model-parallel-size": 2, "dp": 2,
+                                          **DISTRIBUTED}),
     "mla-tp2": (MLA, {"tp": 2}),
     "hybrid-tp2": (HYBRID, {"tp": 2}),
     "hybrid-dp2-layer-wise": (HYBRID, {"dp": 2, **LAYER_WISE}),

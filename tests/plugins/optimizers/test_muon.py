@@ -120,7 +120,6 @@ def test_a_tiny_gpt_learns_with_muon():
 
 @pytest.mark.parametrize("flags,message", [
     (["--sgd-momentum", "0.5"], "--sgd-momentum"),
-    (["--muon-tp-mode", "distributed"], "--muon-tp-mode distributed is not offered"),
     (["--fp16"], "--optimizer muon with --fp16"),
     (["--muon-num-ns-steps", "4"], "quintic needs a multiple of 5 steps"),
     (["--use-torch-fsdp2", "--use-distributed-optimizer", "--nproc-per-node", "2"],
