@@ -33,6 +33,22 @@ def _prompt_ids(text: str) -> list[int]:
                           f"spaces") from None
 
 
+def _chat_prompts(texts: list[str], ids: list, system, tokenizer,
+                  tokenizer_type) -> list[list[int]]:
+    """Each text prompt as a user turn (after ``system``'s turn) in the tokenizer's chat
+    template, ending with the assistant's header (``add_generation_prompt``): the format a chat
+    model was fine-tuned on (``--data sft``)."""
+    if ids:
+        raise ConfigError("--chat renders text prompts in the chat template: give --prompt or "
+                          "--prompt-file, not --prompt-ids (ids are taken as they are)")
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise ConfigError(f"--chat needs a tokenizer with a chat template (HuggingFaceTokenizer "
+                          f"of a chat model); the tokenizer ({tokenizer_type}) has none")
+    head = [] if system is None else [{"role": "system", "content": system}]
+    return [tokenizer.render_chat([*head, {"role": "user", "content": text}],
+                                  add_generation_prompt=True) for text in texts]
+
+
 def _tokenizer(tokenizer_type, tokenizer_model, vocab_size):
     if not tokenizer_type:
         return None
@@ -70,7 +86,13 @@ def build_request(load, prompts, prompt_file, prompt_ids, **values) -> dict:
         raise ConfigError(f"checkpoint {path} names no tokenizer, so text prompts and --stop "
                           f"cannot be encoded: give --prompt-ids, or --tokenizer-type (and "
                           f"--tokenizer-model)")
-    encoded = [tokenizer.tokenize(text) for text in texts] + ids
+    chat, system = values.pop("chat"), values.pop("system")
+    if system is not None and not chat:
+        raise ConfigError("--system gives a chat's system turn: use it with --chat")
+    if chat:
+        encoded = _chat_prompts(texts, ids, system, tokenizer, tokenizer_type)
+    else:
+        encoded = [tokenizer.tokenize(text) for text in texts] + ids
     for i, prompt in enumerate(encoded):
         if not prompt:
             raise ConfigError(f"prompt {i + 1} is empty: every prompt needs at least one token")
@@ -189,6 +211,9 @@ def run_generation(request: dict, world=None) -> None:
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeat for a batch).")
 @click.option("--prompt-file", type=click.Path(dir_okay=False),
               help="A file of prompts, one a line.")
+@click.option("--chat", is_flag=True, help="Each text prompt is a user turn in the tokenizer's "
+              "chat template, followed by the assistant's header.")
+@click.option("--system", default=None, help="With --chat: a system turn before each prompt.")
 @click.option("--prompt-ids", multiple=True,
               help="A prompt as token ids, e.g. 1,2,3 (repeat for a batch).")
 @click.option("--max-new-tokens", type=int, required=True, help="Tokens to add to each prompt.")

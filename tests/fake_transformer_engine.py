@@ -6,7 +6,9 @@ registers ``weight`` ``[out, in]`` and, with ``bias``, ``bias`` (without: a plai
 attribute), marks its weight tensor-parallel along dim 0 even when ``parallel_mode`` is None,
 adds the bias in the GEMM unless ``return_bias``, which returns it instead; ``LayerNorm`` has
 ``weight`` and ``bias``, ``RMSNorm`` ``weight``; ``DotProductAttention`` takes ``bshd`` q, k, v
-and returns ``[b, s, heads * d]``. The maths is plain torch, so a model built on it computes what
+and returns ``[b, s, heads * d]``, or THD (``qkv_format="thd"``, ``[tokens, heads, d]``, mask
+type ``padding_causal``, int32 ``cu_seqlens`` from 0 to the token count, ``max_seqlen`` the
+longest) and returns ``[tokens, heads * d]``, each sequence causal on its own. The maths is plain torch, so a model built on it computes what
 ``local`` computes.
 
 Delayed weight gradients, as TE (2.3 on) has them: ``Linear(..., delay_wgrad_compute=True)``
@@ -158,7 +160,22 @@ class DotProductAttention(torch.nn.Module):
         self.num_groups = num_gqa_groups or num_attention_heads
         self.attention_dropout = attention_dropout  # TE keeps the probability (a float)
 
-    def forward(self, query_layer, key_layer, value_layer):
+    def forward(self, query_layer, key_layer, value_layer, attention_mask=None,
+                qkv_format=None, cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None,
+                max_seqlen_kv=None, attn_mask_type=None):
+        if qkv_format == "thd":  # [tokens, heads, d], one sequence per cu_seqlens interval
+            assert attn_mask_type == "padding_causal" and attention_mask is None
+            assert cu_seqlens_q.dtype == torch.int32 and torch.equal(cu_seqlens_q, cu_seqlens_kv)
+            bounds = cu_seqlens_q.tolist()
+            assert bounds[0] == 0 and bounds[-1] == query_layer.shape[0]
+            assert max_seqlen_q == max_seqlen_kv == max(b - a for a, b in zip(bounds, bounds[1:]))
+            parts = [self._bshd(query_layer[None, a:e], key_layer[None, a:e],
+                                value_layer[None, a:e])[0] for a, e in zip(bounds, bounds[1:])]
+            return torch.cat(parts)
+        assert qkv_format in (None, "bshd") and attention_mask is None
+        return self._bshd(query_layer, key_layer, value_layer)
+
+    def _bshd(self, query_layer, key_layer, value_layer):
         b, s = query_layer.shape[0], query_layer.shape[1]
         q, k, v = (t.transpose(1, 2) for t in (query_layer, key_layer, value_layer))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,

@@ -79,7 +79,9 @@ from plugtron.core.parallel.context import (
 )
 from plugtron.core.parallel.context_parallel import (
     check_context_parallel_layers,
+    chunk_order,
     local_positions,
+    rank_positions,
     split_context_parallel_batch,
     sum_over_context_parallel,
 )
@@ -200,7 +202,8 @@ __all__ = [
     "RNGStatesTracker", "model_parallel_rng_tracker", "EXPERT_PARALLEL_RNG",
     # context parallelism
     "context_parallel_attention", "ring_attention", "all_gather_attention",
-    "all_to_all_attention", "split_context_parallel_batch", "local_positions",
+    "all_to_all_attention", "split_context_parallel_batch", "local_positions", "chunk_order",
+    "rank_positions",
     "check_context_parallel_layers", "sum_over_context_parallel",
     # collectives
     "all_reduce", "all_gather_tensor", "reduce_scatter_tensor", "broadcast", "group_size",

@@ -56,9 +56,9 @@ def documents_masked(config) -> str | None:
 
 def validate_sample_options(config) -> None:
     """Before launch: document numbers (``--reset-attention-mask``, or a dataset that packs)
-    need an attention that reads them. The local backend's does, with context parallelism too
-    (every comm type); TE's (fixed ``causal`` mask type) does not, so it is refused rather than
-    silently attending across documents."""
+    need an attention that reads them. The built-in backends' do, with context parallelism too
+    (every comm type); a backend that does not declare ``supports_document_ids`` is refused
+    rather than silently attending across documents."""
     why = documents_masked(config)
     if why is None:
         return

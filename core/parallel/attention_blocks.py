@@ -3,7 +3,9 @@ all-gather context-parallel attention merge across blocks (online softmax).
 
 Everything is in fp32 with plain matmuls, addressed by *positions*: ``q_pos`` and ``k_pos`` are
 the true sequence positions of the query rows and key rows, so the causal mask (key after query)
-and the dropout mask are the same whichever rank, block or tile a pair lands in.
+and the dropout mask are the same whichever rank, block or tile a pair lands in. Positions are
+``[rows]`` (every sample alike) or ``[b, rows]`` (each sample its own: packed documents split
+per document over cp, :mod:`plugtron.core.parallel.cp_layout`).
 
 * :func:`block_forward` returns the block's output and the log-sum-exp of its scores per row;
   the caller merges blocks with ``logaddexp``.
@@ -73,8 +75,9 @@ def keep_mask(dropout: Dropout, batch: int, heads: int, q_pos: torch.Tensor,
     (probability ``1 - p``), a pure function of the seed and the four indices."""
     device = q_pos.device
     lanes = torch.arange(batch * heads, dtype=torch.int64, device=device).view(batch, heads, 1, 1)
-    rows = _mix((lanes << 32) + q_pos.to(torch.int64).view(1, 1, -1, 1) + dropout.seed)
-    bits = _mix(rows + k_pos.to(torch.int64).view(1, 1, 1, -1) * _GOLDEN)
+    q_pos, k_pos = q_pos.to(torch.int64), k_pos.to(torch.int64)
+    rows = _mix((lanes << 32) + q_pos.view(-1, 1, q_pos.shape[-1], 1) + dropout.seed)
+    bits = _mix(rows + k_pos.view(-1, 1, 1, k_pos.shape[-1]) * _GOLDEN)
     return _shift(bits, 33) >= int(round(dropout.p * (1 << 31)))
 
 
@@ -96,6 +99,17 @@ def _rows(doc, rows):
     return None if doc is None else doc[:, rows]
 
 
+def _at(pos: torch.Tensor, rows) -> torch.Tensor:
+    """Positions of some rows: ``[rows]`` or, per sample, ``[b, rows]``."""
+    return pos[..., rows]
+
+
+def _later(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """True where the key comes after the query, broadcastable to the scores ``[b, h, q, k]``."""
+    later = k_pos[..., None, :] > q_pos[..., :, None]
+    return later if later.dim() == 2 else later[:, None]
+
+
 def _row_tiles(q: torch.Tensor, sk: int):
     b, heads, sq = q.shape[:3]
     step = max(1, TILE_ELEMENTS // max(1, b * heads * sk))
@@ -111,7 +125,7 @@ def _probs(q, k_e, lse, q_pos, k_pos, scale, causal, q_doc=None, k_doc=None):
     this block gets probabilities 0 and a log-sum-exp of -inf."""
     scores = torch.matmul(q, k_e.transpose(-1, -2)).mul_(scale)
     if causal:
-        scores.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        scores.masked_fill_(_later(q_pos, k_pos), float("-inf"))
     if q_doc is not None:
         scores.masked_fill_((q_doc[:, :, None] != k_doc[:, None, :])[:, None], float("-inf"))
     if lse is None:
@@ -131,10 +145,10 @@ def block_forward(q, k, v, q_pos, k_pos, scale: float, causal: bool,
     out = torch.empty(b, heads, sq, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.empty(b, heads, sq, dtype=torch.float32, device=q.device)
     for rows in _row_tiles(q, k.shape[2]):
-        probs, lse[:, :, rows] = _probs(q[:, :, rows].float(), k_e, None, q_pos[rows], k_pos,
-                                        scale, causal, _rows(q_doc, rows), k_doc)
+        probs, lse[:, :, rows] = _probs(q[:, :, rows].float(), k_e, None, _at(q_pos, rows),
+                                        k_pos, scale, causal, _rows(q_doc, rows), k_doc)
         if dropout is not None:
-            keep = keep_mask(dropout, b, heads, q_pos[rows], k_pos)
+            keep = keep_mask(dropout, b, heads, _at(q_pos, rows), k_pos)
             probs.mul_(keep).div_(1.0 - dropout.p)
         out[:, :, rows] = torch.matmul(probs, v_e)
     return out, lse
@@ -153,11 +167,11 @@ def block_backward(q, k, v, out, lse, grad_out, q_pos, k_pos, scale: float, caus
     for rows in _row_tiles(q, k.shape[2]):
         q_t, go = q[:, :, rows].float(), grad_out[:, :, rows].float()
         delta = (go * out[:, :, rows].float()).sum(-1)
-        probs, _ = _probs(q_t, k_e, lse[:, :, rows], q_pos[rows], k_pos, scale, causal,
+        probs, _ = _probs(q_t, k_e, lse[:, :, rows], _at(q_pos, rows), k_pos, scale, causal,
                           _rows(q_doc, rows), k_doc)
         grad_probs = torch.matmul(go, v_e.transpose(-1, -2))
         if dropout is not None:  # out = (P * keep / (1-p)) V: the mask scales both products
-            keep = keep_mask(dropout, b, heads, q_pos[rows], k_pos) / (1.0 - dropout.p)
+            keep = keep_mask(dropout, b, heads, _at(q_pos, rows), k_pos) / (1.0 - dropout.p)
             grad_probs = grad_probs * keep
             grad_v += torch.matmul((probs * keep).transpose(-1, -2), go)
         else:

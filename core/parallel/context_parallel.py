@@ -8,6 +8,15 @@ microbatch whose sequence dimension has the full length travels the same way (to
 mask, position ids, the query rows of an attention mask), so the model sees the true position of
 each local token and RoPE or learned positions stay right.
 
+Packed documents (the batch's ``attention_mask`` holds document numbers) are split per document,
+as Megatron's THD format is under cp: when every document of a sample is a multiple of
+``2 x cp`` long, each document is cut into ``2 x cp`` parts and chunk ``c`` is the ``c``-th part
+of every document, in sequence order (:func:`chunk_order`). Attention stays inside a document, so
+this is what balances the work whatever the documents' lengths (one long document and many short
+ones included). A sample with a document of another length is cut as a whole sequence, which is
+exact too. The chunk order of a sample is a function of its document numbers alone, so the batch
+split and the attention of every rank derive the same one.
+
 Who may run under cp > 1 is declared, never assumed (a layer written without cp in mind would
 silently attend only to its local tokens): the model plugin, the layer backend and every layer
 type the model builds carry ``supports_context_parallel = True``. :func:`check_support` runs before
@@ -21,6 +30,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from plugtron.core.blocks.layer_stack import ComposedLayer
+from plugtron.core.blocks.samples import document_runs
 from plugtron.core.errors import ConfigError
 from plugtron.core.parallel.tensor_parallel import (
     copy_to_tensor_parallel_region,
@@ -45,6 +55,57 @@ def local_positions(seq_length: int, cp_rank: int, cp_size: int,
                       for i in local_chunk_ids(cp_rank, cp_size)])
 
 
+def chunk_order(document_ids: torch.Tensor | None, seq_length: int, cp_size: int,
+                device=None) -> torch.Tensor:
+    """The sequence positions of a sample's tokens in chunk order: chunk ``c`` of ``2 x cp`` is
+    ``order[..., c * n:(c + 1) * n]`` (``n = seq_length / (2 x cp)``), so cp rank ``r`` holds
+    ``order[..., local_positions(seq_length, r, cp_size)]`` (:func:`rank_positions`).
+
+    Without ``document_ids``: ``arange(seq_length)`` (``[seq]``, the sequence cut as a whole).
+    With them (``[b, seq]``): ``[b, seq]``, each document cut in ``2 x cp`` parts where all of the
+    sample's documents allow it, the sequence as a whole otherwise."""
+    if document_ids is None or cp_size == 1:
+        return torch.arange(seq_length, device=device)
+    device = device if device is not None else document_ids.device
+    parts = 2 * cp_size
+    rows = []
+    for runs in document_runs(document_ids):
+        lengths = torch.tensor([end - start for start, end in runs])
+        if bool((lengths % parts).any()):
+            rows.append(torch.arange(seq_length))
+            continue
+        starts = torch.tensor([start for start, _ in runs])
+        start = starts.repeat_interleave(lengths)
+        part = (lengths // parts).repeat_interleave(lengths)
+        position = torch.arange(seq_length)
+        rows.append(torch.argsort((position - start) // part * seq_length + position))
+    return torch.stack(rows).to(device)
+
+
+def rank_positions(order: torch.Tensor, cp_rank: int, cp_size: int) -> torch.Tensor:
+    """The sequence positions of cp rank ``cp_rank``'s tokens, given a :func:`chunk_order`."""
+    return order[..., local_positions(order.shape[-1], cp_rank, cp_size, order.device)]
+
+
+def take_positions(x: torch.Tensor, positions: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """``x`` (``[b, seq, ...]`` along ``dim``) at ``positions`` (``[n]``, or ``[b, n]`` per
+    sample) along ``dim``."""
+    if positions.dim() == 1:
+        return x.index_select(dim, positions.to(x.device))
+    moved = x.movedim(dim, 1)
+    rows = torch.arange(x.shape[0], device=x.device)[:, None]
+    return moved[rows, positions.to(x.device)].movedim(1, dim)
+
+
+def batch_document_ids(batch: dict, seq_length: int) -> torch.Tensor | None:
+    """The microbatch's document numbers (an integer ``attention_mask`` ``[b, seq]``), or None."""
+    ids = batch.get("attention_mask")
+    if (torch.is_tensor(ids) and ids.dim() == 2 and ids.shape[1] == seq_length
+            and not ids.is_floating_point() and ids.dtype != torch.bool):
+        return ids
+    return None
+
+
 def split_tensor(x: torch.Tensor, dim: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     """Keep chunks ``r`` and ``2cp-1-r`` of ``x`` along ``dim`` (cut into ``2 x cp``)."""
     if cp_size == 1:
@@ -62,15 +123,21 @@ def split_context_parallel_batch(batch: dict, seq_length: int, cp_rank: int, cp_
 
     Tensors whose dimension 1 has ``seq_length`` entries are split along it; an
     ``attention_mask`` ``[b, 1, s, s]`` keeps its query rows only (dimension 2: every key stays,
-    attention reaches them across ranks). Anything else passes through unchanged.
+    attention reaches them across ranks); document numbers stay whole, and split the sample per
+    document where they can (:func:`chunk_order`). Anything else passes through unchanged.
     """
     if cp_size == 1:
         return batch
+    documents = batch_document_ids(batch, seq_length)
+    positions = None
+    if documents is not None:
+        positions = rank_positions(chunk_order(documents, seq_length, cp_size), cp_rank, cp_size)
     out = {}
     for key, value in batch.items():
         dim = 2 if key == "attention_mask" else 1
         if torch.is_tensor(value) and value.dim() > dim and value.shape[dim] == seq_length:
-            value = split_tensor(value, dim, cp_rank, cp_size)
+            value = (split_tensor(value, dim, cp_rank, cp_size) if positions is None
+                     else take_positions(value, positions, dim))
         out[key] = value
     return out
 

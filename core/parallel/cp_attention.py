@@ -34,7 +34,11 @@ Values may be narrower than queries and keys (multi-latent attention): a2a takes
 are, p2p and all-gather pad them with zeros to the key size and drop those channels after.
 
 Packed documents: ``document_ids`` (``[b, seq]``, the whole sequence's document numbers, which
-the cp split leaves whole) restrict each query to keys of its own document in all three.
+the cp split leaves whole) restrict each query to keys of its own document in all three. Where
+the batch split cut each document in ``2 x cp`` parts (Megatron's THD layout,
+:func:`plugtron.core.parallel.context_parallel.chunk_order`), chunk ``c`` is the ``c``-th part of
+every document: the ring's and all-gather's skipping of masked blocks holds as for one sequence,
+each query and key addressed by its true position (per sample, ``[b, rows]``).
 """
 
 from __future__ import annotations
@@ -47,7 +51,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from plugtron.core.parallel import comm
 from plugtron.core.parallel.attention_blocks import block_backward, block_forward, draw_dropout
-from plugtron.core.parallel.context_parallel import COMM_TYPES, local_chunk_ids, local_positions
+from plugtron.core.parallel.context_parallel import (
+    COMM_TYPES,
+    chunk_order,
+    local_chunk_ids,
+    local_positions,
+    rank_positions,
+)
 
 KV_TAG = 10  # K/V blocks going round the ring
 GRAD_TAG = 11  # their dK/dV accumulators (backward)
@@ -84,6 +94,18 @@ def context_parallel_attention(q, k, v, parallel, comm_type: str = "p2p",
                                 document_ids)
 
 
+def _order(docs, seq: int, cp: int, device) -> torch.Tensor:
+    """Sequence positions in chunk order (``[seq]``, or ``[b, seq]`` with documents)."""
+    return chunk_order(docs, seq, cp, device)
+
+
+def _docs_at(docs, positions):
+    """Document numbers at ``positions`` (``[n]`` or ``[b, n]``), or None without documents."""
+    if docs is None:
+        return None
+    return docs[:, positions] if positions.dim() == 1 else docs.gather(1, positions)
+
+
 def _padded_values(q, k, v, parallel, comm_type: str, dropout_p: float,
                    document_ids=None) -> torch.Tensor:
     """Values narrower than the keys (multi-latent attention: 128 value channels against 192
@@ -102,10 +124,14 @@ def _padded_values(q, k, v, parallel, comm_type: str, dropout_p: float,
     return out.view(b, s, heads, dk)[..., :dv].reshape(b, s, heads * dv)
 
 
-def _document_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """``[b, 1, s, s]``: causal, and within each document (``document_ids`` ``[b, s]``)."""
+def _document_mask(document_ids: torch.Tensor, positions=None) -> torch.Tensor:
+    """``[b, 1, s, s]``: causal, and within each document (``document_ids`` ``[b, s]`` of tokens
+    at ``positions``, ``[s]`` or ``[b, s]``; in sequence order without)."""
     s = document_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    if positions is None:
+        causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    else:
+        causal = positions[..., None, :] <= positions[..., :, None]
     return (causal & (document_ids[:, :, None] == document_ids[:, None, :]))[:, None]
 
 
@@ -164,17 +190,19 @@ class _AllGatherAttention(torch.autograd.Function):
         chunk = q.shape[2] // 2
         seq = 2 * chunk * cp_size
         scale = 1.0 / math.sqrt(q.shape[-1])
-        kv = _gather_kv(torch.stack([k, v]), group, cp_size)
-        q_pos = local_positions(seq, cp_rank, cp_size, q.device)
-        k_pos = torch.arange(seq, device=q.device)
-        q_doc = None if docs is None else docs[:, q_pos]
+        kv = _gather_kv(torch.stack([k, v]), group, cp_size)  # in chunk order
+        k_pos = _order(docs, seq, cp_size, q.device)
+        q_pos = rank_positions(k_pos, cp_rank, cp_size)
+        q_doc, k_doc = _docs_at(docs, q_pos), _docs_at(docs, k_pos)
         out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         for i, chunk_id in enumerate(local_chunk_ids(cp_rank, cp_size)):
+            # the keys of chunks up to this one: a prefix in chunk order
             rows, end = slice(i * chunk, (i + 1) * chunk), (chunk_id + 1) * chunk
             out[:, :, rows], lse[:, :, rows] = block_forward(
-                q[:, :, rows], kv[0][:, :, :end], kv[1][:, :, :end], q_pos[rows], k_pos[:end],
-                scale, True, dropout, _part(q_doc, rows), _part(docs, slice(0, end)))
+                q[:, :, rows], kv[0][:, :, :end], kv[1][:, :, :end], q_pos[..., rows],
+                k_pos[..., :end], scale, True, dropout, _part(q_doc, rows),
+                _part(k_doc, slice(0, end)))
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.cp_rank, ctx.cp_size, ctx.dropout = group, cp_rank, cp_size, dropout
@@ -189,18 +217,18 @@ class _AllGatherAttention(torch.autograd.Function):
         chunk = q.shape[2] // 2
         seq = 2 * chunk * cp_size
         kv = _gather_kv(torch.stack([k, v]), ctx.group, cp_size)
-        q_pos = local_positions(seq, cp_rank, cp_size, q.device)
-        k_pos = torch.arange(seq, device=q.device)
         docs = ctx.docs
-        q_doc = None if docs is None else docs[:, q_pos]
+        k_pos = _order(docs, seq, cp_size, q.device)
+        q_pos = rank_positions(k_pos, cp_rank, cp_size)
+        q_doc, k_doc = _docs_at(docs, q_pos), _docs_at(docs, k_pos)
         grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         grad_kv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
         for i, chunk_id in enumerate(local_chunk_ids(cp_rank, cp_size)):
             rows, end = slice(i * chunk, (i + 1) * chunk), (chunk_id + 1) * chunk
             grad_q[:, :, rows], dk, dv = block_backward(
                 q[:, :, rows], kv[0][:, :, :end], kv[1][:, :, :end], out[:, :, rows],
-                lse[:, :, rows], grad_out[:, :, rows], q_pos[rows], k_pos[:end], ctx.scale,
-                True, ctx.dropout, _part(q_doc, rows), _part(docs, slice(0, end)))
+                lse[:, :, rows], grad_out[:, :, rows], q_pos[..., rows], k_pos[..., :end],
+                ctx.scale, True, ctx.dropout, _part(q_doc, rows), _part(k_doc, slice(0, end)))
             grad_kv[0][:, :, :end] += dk
             grad_kv[1][:, :, :end] += dv
         del kv
@@ -310,8 +338,11 @@ def all_to_all_attention(q, k, v, group, cp_size: int, dropout_p: float = 0.0,
     positions = layout_positions(seq, cp_size, q.device)
     order = torch.argsort(positions)
     q_all, k_all, v_all = (_SeqToHeads.apply(t, group, cp_size).index_select(1, order)
-                           for t in (q, k, v))
-    mask = None if document_ids is None else _document_mask(document_ids)
+                           for t in (q, k, v))  # in chunk order
+    mask = None
+    if document_ids is not None:
+        true_positions = _order(document_ids, seq, cp_size, q.device)
+        mask = _document_mask(_docs_at(document_ids, true_positions), true_positions)
     with _head_block_dropout_stream(dropout_p, q.device, comm.group_rank(group)):
         out = F.scaled_dot_product_attention(q_all.transpose(1, 2), k_all.transpose(1, 2),
                                              v_all.transpose(1, 2), is_causal=mask is None,
@@ -367,19 +398,20 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        q_pos = local_positions(seq, rank, cp, q.device)
-        q_doc = _part(docs, q_pos)
+        order = _order(docs, seq, cp, q.device)
+        q_pos = rank_positions(order, rank, cp)
+        q_doc = _docs_at(docs, q_pos)
         kv = torch.stack([k, v])
         for step in range(cp):
             # Post the next block's transfer first: it travels while this block is computed.
             pending = _RingExchange(kv, ranks, rank, group, KV_TAG) if step < cp - 1 else None
             src = (rank - step) % cp
-            k_pos = local_positions(seq, src, cp, q.device)
-            k_doc = _part(docs, k_pos)
+            k_pos = rank_positions(order, src, cp)
+            k_doc = _docs_at(docs, k_pos)
             for rows, cols, causal in _visible(step, src, rank, chunk):
                 block_out, block_lse = block_forward(q[:, :, rows], kv[0][:, :, cols],
-                                                     kv[1][:, :, cols], q_pos[rows],
-                                                     k_pos[cols], scale, causal, dropout,
+                                                     kv[1][:, :, cols], q_pos[..., rows],
+                                                     k_pos[..., cols], scale, causal, dropout,
                                                      _part(q_doc, rows), _part(k_doc, cols))
                 # Every row saw its own key at step 0, so ``merged`` is finite from then on
                 # (a block a row sees nothing of, across documents, adds exp(-inf) = 0).
@@ -402,21 +434,23 @@ class _RingAttention(torch.autograd.Function):
         group, ranks, rank, scale = ctx.group, ctx.ranks, ctx.rank, ctx.scale
         cp, chunk = len(ranks), q.shape[2] // 2
         seq = 2 * chunk * cp
-        q_pos = local_positions(seq, rank, cp, q.device)
-        q_doc = _part(ctx.docs, q_pos)
+        order = _order(ctx.docs, seq, cp, q.device)
+        q_pos = rank_positions(order, rank, cp)
+        q_doc = _docs_at(ctx.docs, q_pos)
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         returning = None  # the dK/dV accumulator arriving with the current block
         for step in range(cp):
             pending = _RingExchange(kv, ranks, rank, group, KV_TAG) if step < cp - 1 else None
             src = (rank - step) % cp
-            k_pos = local_positions(seq, src, cp, q.device)
-            k_doc = _part(ctx.docs, k_pos)
+            k_pos = rank_positions(order, src, cp)
+            k_doc = _docs_at(ctx.docs, k_pos)
             parts = []
             for rows, cols, causal in _visible(step, src, rank, chunk):
                 dq, dk, dv = block_backward(q[:, :, rows], kv[0][:, :, cols],
                                             kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
-                                            grad_out[:, :, rows], q_pos[rows], k_pos[cols],
+                                            grad_out[:, :, rows], q_pos[..., rows],
+                                            k_pos[..., cols],
                                             scale, causal, ctx.dropout, _part(q_doc, rows),
                                             _part(k_doc, cols))
                 grad_q[:, :, rows] += dq

@@ -73,6 +73,23 @@ def _corpus_split(dataset) -> dict:
             "mean_length": float(lengths.mean()) if len(lengths) else 0.0}
 
 
+def _records_split(dataset) -> dict:
+    """A packed instruction-data split (``--data sft``): its records, sequences, packing."""
+    lengths = np.asarray([len(d.tokens) for d in dataset.documents])
+    return {"corpus": dataset.files, "records": len(dataset.documents),
+            "sequences": len(dataset.packs), "packing_efficiency": float(dataset.efficiency),
+            "samples_built": len(dataset), "length_histogram": length_histogram(lengths),
+            "mean_length": float(lengths.mean()) if len(lengths) else 0.0}
+
+
+def _part_stats(dataset) -> dict:
+    if hasattr(dataset, "corpus"):
+        return _corpus_split(dataset)
+    if hasattr(dataset, "efficiency"):
+        return _records_split(dataset)
+    return {}
+
+
 def split_stats(dataset, needed: int) -> dict:
     """One split: the samples the run draws (``needed``) and what they come from."""
     if dataset is None:
@@ -83,10 +100,10 @@ def split_stats(dataset, needed: int) -> dict:
         counts = np.bincount(drawn, minlength=len(dataset.datasets))
         out["blend"] = [{"weight": float(w),
                          "effective_weight": float(n / max(1, len(drawn))),
-                         "samples_drawn": int(n), **_corpus_split(part)}
+                         "samples_drawn": int(n), **_part_stats(part)}
                         for w, n, part in zip(dataset.weights, counts, dataset.datasets)]
-    elif hasattr(dataset, "corpus"):
-        out.update(_corpus_split(dataset))
+    else:
+        out.update(_part_stats(dataset))
     return out
 
 
@@ -104,9 +121,15 @@ def format_stats(stats: dict) -> str:
             if "weight" in part:
                 weight = (f"weight {part['weight']:.4f} (effective "
                           f"{part['effective_weight']:.4f}, {part['samples_drawn']} drawn), ")
-            lines.append(f"  {part['corpus']}: {weight}{part['documents']} documents, "
-                         f"{part['tokens']} tokens (mean {part['mean_length']:.1f}), "
-                         f"{part['epochs']} epoch(s) of {part['samples_per_epoch']} samples")
+            if "records" in part:
+                lines.append(f"  {part['corpus']}: {weight}{part['records']} records (mean "
+                             f"{part['mean_length']:.1f} tokens) in {part['sequences']} "
+                             f"sequences, packing efficiency {part['packing_efficiency']:.1%}")
+            else:
+                lines.append(f"  {part['corpus']}: {weight}{part['documents']} documents, "
+                             f"{part['tokens']} tokens (mean {part['mean_length']:.1f}), "
+                             f"{part['epochs']} epoch(s) of {part['samples_per_epoch']} "
+                             f"samples")
             for row in part["length_histogram"]:
                 lines.append(f"    length {row['min']:>7}-{row['max']:<7} "
                              f"{row['documents']} documents")

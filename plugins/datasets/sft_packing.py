@@ -6,6 +6,11 @@ next document's first. Each position carries its document's number (``attention_
 attention keeps documents apart) and its position within the document; the rest of the sequence
 is padding, a document of its own without loss. A pack's loss is therefore the sum of its
 documents' losses, each computed alone.
+
+``multiple`` (``--sft-pad-to-multiple-of``): each document's positions padded up to a multiple,
+the padding part of the document (after its last token, so nothing of the document sees it) and
+without loss. ``2 x cp`` lets context parallelism cut every document in ``2 x cp`` parts, which
+balances the attention work across the cp ranks (Megatron's THD split).
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import torch
 ORDERS = ("ffd", "in-order")
 
 
-def positions(length: int) -> int:
-    return length - 1
+def positions(length: int, multiple: int = 1) -> int:
+    """Positions a document of ``length`` tokens fills, padded up to a ``multiple``."""
+    return -(-(length - 1) // multiple) * multiple
 
 
-def pack(lengths: Sequence[int], capacity: int, order: str, window: int) -> list[list[int]]:
-    """Packs of document indices whose positions add up to at most ``capacity`` each.
+def pack(lengths: Sequence[int], capacity: int, order: str, window: int,
+         multiple: int = 1) -> list[list[int]]:
+    """Packs of document indices whose (padded) positions add up to at most ``capacity`` each.
 
     ``ffd``: the documents of each window of ``window`` (in the given order) placed largest
     first into the first pack with room; ``in-order``: a new pack whenever the next document
@@ -33,7 +40,7 @@ def pack(lengths: Sequence[int], capacity: int, order: str, window: int) -> list
     if order == "in-order":
         room = 0
         for index, length in enumerate(lengths):
-            need = positions(length)
+            need = positions(length, multiple)
             if not packs or need > room:
                 packs.append([])
                 room = capacity
@@ -42,11 +49,11 @@ def pack(lengths: Sequence[int], capacity: int, order: str, window: int) -> list
         return packs
     for begin in range(0, len(lengths), window):
         chunk = list(range(begin, min(begin + window, len(lengths))))
-        chunk.sort(key=lambda i: -positions(lengths[i]))  # stable: ties keep their order
+        chunk.sort(key=lambda i: -positions(lengths[i], multiple))  # stable: ties keep order
         rooms: list[int] = []
         first = len(packs)
         for index in chunk:
-            need = positions(lengths[index])
+            need = positions(lengths[index], multiple)
             slot = next((k for k, room in enumerate(rooms) if room >= need), None)
             if slot is None:
                 packs.append([])
@@ -58,7 +65,7 @@ def pack(lengths: Sequence[int], capacity: int, order: str, window: int) -> list
 
 
 def packed_sample(documents: Sequence[tuple[np.ndarray, np.ndarray]], seq_length: int,
-                  document_ids: bool) -> dict[str, torch.Tensor]:
+                  document_ids: bool, multiple: int = 1) -> dict[str, torch.Tensor]:
     """The sample of ``documents`` (``(tokens, targets)`` each) laid end to end and padded.
 
     ``document_ids``: carry ``attention_mask`` (document numbers); without it (one document per
@@ -70,13 +77,13 @@ def packed_sample(documents: Sequence[tuple[np.ndarray, np.ndarray]], seq_length
     numbers = np.full(seq_length, len(documents), dtype=np.int64)  # padding: its own document
     at = 0
     for number, (ids, targets) in enumerate(documents):
-        n = positions(len(ids))
+        n, padded = positions(len(ids)), positions(len(ids), multiple)
         tokens[at:at + n] = ids[:-1]
         labels[at:at + n] = ids[1:]
         loss[at:at + n] = targets[1:]
-        position_ids[at:at + n] = np.arange(n)
-        numbers[at:at + n] = number
-        at += n
+        position_ids[at:at + padded] = np.arange(padded)
+        numbers[at:at + padded] = number
+        at += padded
     position_ids[at:] = np.arange(seq_length - at)
     sample = {"tokens": torch.from_numpy(tokens), "labels": torch.from_numpy(labels),
               "loss_mask": torch.from_numpy(loss), "position_ids": torch.from_numpy(position_ids)}

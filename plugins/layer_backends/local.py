@@ -217,6 +217,11 @@ class CoreAttention(torch.nn.Module):
         runs = None
         if document_ids is not None and self.window_size is None:
             runs = document_runs(document_ids)
+            if document_attention.applies_with_dropout(q, p):
+                with self._dropout_rng():
+                    out = document_attention.per_document_dropout_attention(
+                        *(t.transpose(1, 2) for t in (q, k, v)), runs, p)
+                return out.transpose(1, 2).reshape(b, s, -1)
             if not document_attention.applies(q.transpose(1, 2), p, runs):
                 runs = None  # one masked kernel
         mask = None if runs is not None else attention_mask(
@@ -230,7 +235,11 @@ class CoreAttention(torch.nn.Module):
             # give zero outputs, sliced off; the gradient of the padding is dropped.
             v = torch.nn.functional.pad(v, (0, q.shape[-1] - v_dim))
         if runs is not None:  # each document alone: less work than the masked kernel
-            out = document_attention.per_document_attention(q, k, v, runs)
+            if q.dtype != torch.float32 and _fp32_on_cpu(q.dtype):  # as _training_attention
+                out = document_attention.per_document_attention(
+                    q.float(), k.float(), v.float(), runs).to(q.dtype)
+            else:
+                out = document_attention.per_document_attention(q, k, v, runs)
             return out[..., :v_dim].transpose(1, 2).reshape(b, s, -1)
         with self._dropout_rng():
             out = _training_attention(q, k, v, attn_mask=mask, is_causal=mask is None,

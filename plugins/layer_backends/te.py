@@ -18,6 +18,11 @@ kept as TE's own ``bias`` (returned by TE, added after the reduction); the norms
 ``LayerNorm`` (``weight``, ``bias``) and ``RMSNorm`` (``weight``) as they are. TE's fused
 norm + linear (``LayerNormLinear``, whose norm is ``layer_norm_weight``) is not used, so the
 norm keeps its own module and Megatron-Core's local-spec name.
+
+Packed documents (the forward context's ``document_ids``): TE's attention takes them as Megatron
+does, in its THD format: the batch's tokens laid end to end, ``cu_seqlens`` at each document's
+start, mask type ``padding_causal``. Under cp, plugtron's cp attention keeps them apart (TE's own
+THD cp wants each document's chunks in another order than plugtron's cp split gives).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from plugtron.api import (
     PluginError,
     context_parallel_attention,
     copy_to_tensor_parallel_region,
+    current_forward_context,
+    document_runs,
     gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region,
     mark_sequence_parallel,
@@ -170,28 +177,50 @@ def _te_module_classes(te):
         chunks ``r`` and ``2cp-1-r``); a TE without ``set_context_parallel_group`` falls back
         to plugtron's ``context_parallel_attention``."""
 
-        #: (parallel, comm type, dropout stream) when plugtron's cp attention is used
-        _plugtron_cp = None
+        #: (parallel, comm type, dropout stream) under cp; ``_plugtron_cp``: plugtron's cp
+        #: attention runs every batch (a TE without its own cp), else only packed documents'
+        _cp = None
+        _plugtron_cp = False
 
         def use_context_parallel(self, parallel, comm_type, dropout_rng):
+            self._cp = (parallel, comm_type, dropout_rng)
             if hasattr(self, "set_context_parallel_group"):
                 self.set_context_parallel_group(
                     parallel.cp_group, list(parallel.cp_ranks), torch.cuda.Stream(),
                     _TE_CP_COMM_TYPES[comm_type])
             else:
-                self._plugtron_cp = (parallel, comm_type, dropout_rng)
+                self._plugtron_cp = True
 
         def forward(self, q, k, v):
-            if self._plugtron_cp is not None:
-                parallel, comm_type, dropout_rng = self._plugtron_cp
+            documents = current_forward_context().document_ids
+            if self._cp is not None and (self._plugtron_cp or documents is not None):
+                parallel, comm_type, dropout_rng = self._cp
                 p = getattr(self, "attention_dropout", 0.0) if self.training else 0.0
                 # TE forks its tracker only around its own dropout; plugtron's primitive draws
                 # its mask seed from the current stream, so enter the layer's dropout stream as
                 # local.CoreAttention does (else it would draw from the default stream).
                 with dropout_rng():
-                    return context_parallel_attention(q, k, v, parallel, comm_type, p)
+                    return context_parallel_attention(q, k, v, parallel, comm_type, p,
+                                                      documents)
+            if documents is not None:
+                return self._documents(q, k, v, documents)
             out = super().forward(q.contiguous(), k.contiguous(), v.contiguous())
             return out.reshape(q.shape[0], q.shape[1], -1)
+
+        def _documents(self, q, k, v, documents):
+            """Each document attending within itself: TE's THD format (Megatron's packed
+            sequences), the batch's rows laid end to end, a document starting at each
+            ``cu_seqlens`` entry."""
+            b, s = q.shape[:2]
+            runs = document_runs(documents)
+            starts = [row * s + a for row, spans in enumerate(runs) for a, _ in spans]
+            cu_seqlens = torch.tensor([*starts, b * s], dtype=torch.int32, device=q.device)
+            longest = max(e - a for spans in runs for a, e in spans)
+            q, k, v = (t.reshape(b * s, *t.shape[2:]).contiguous() for t in (q, k, v))
+            out = super().forward(q, k, v, qkv_format="thd", attn_mask_type="padding_causal",
+                                  cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                  max_seqlen_q=longest, max_seqlen_kv=longest)
+            return out.reshape(b, s, -1)
 
     return TensorParallelTELinear, TECoreAttention
 
@@ -199,6 +228,7 @@ def _te_module_classes(te):
 class TEBackend(LayerBackend):
     name = "te"
     supports_context_parallel = True  # TE's own cp, or plugtron's (see TECoreAttention)
+    supports_document_ids = True  # TE's THD attention (plugtron's under cp)
 
     @classmethod
     def check_available(cls) -> None:

@@ -61,9 +61,10 @@ def test_hf_model_lora_sft_at_tp2_cp2_exported_generates_like_transformers(
 
     prompt = chat_tokenizer.render_chat([{"role": "user", "content": "what is 3 and 4?"}],
                                         add_generation_prompt=True)
-    generated = json.loads(_plugtron("generate", "--load", str(ckpt), "--prompt-ids",
-                                     " ".join(map(str, prompt)), "--max-new-tokens", "8",
+    generated = json.loads(_plugtron("generate", "--load", str(ckpt), "--chat", "--prompt",
+                                     "what is 3 and 4?", "--max-new-tokens", "8",
                                      "--greedy", "--json").strip().splitlines()[-1])
+    assert generated["prompt_ids"] == prompt  # --chat: the user turn in the chat template
     ours = generated["tokens"]  # the new tokens
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():

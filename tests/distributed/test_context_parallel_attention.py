@@ -14,7 +14,13 @@ import torch
 import torch.nn.functional as F
 from plugtron.core.parallel.attention_blocks import draw_dropout, keep_mask
 from plugtron.core.parallel.context import ParallelContext
-from plugtron.core.parallel.context_parallel import split_tensor
+from plugtron.core.parallel.context_parallel import (
+    chunk_order,
+    rank_positions,
+    split_context_parallel_batch,
+    split_tensor,
+    take_positions,
+)
 from plugtron.core.parallel.cp_attention import context_parallel_attention
 
 from tests.distributed.harness import worker_cache
@@ -229,3 +235,93 @@ def test_packed_documents_under_cp_equal_one_process(pool, cp, comm_type):
     results = pool.run(_rank_documents, comm_type, 8, 4, world_size=cp)
     _check(results, want, cp, f"documents cp {cp} {comm_type}")
     assert all(torch.isfinite(t).all() for got, _ in results for t in got)
+
+
+#: Documents whose lengths are multiples of 2 x cp: each is cut in 2 x cp parts (Megatron's THD
+#: split under cp). The samples differ; cp 4's second sample is one document.
+DOCUMENTS_BY_PARTS = {
+    2: torch.tensor([[0] * 4 + [1] * 8 + [2] * 4, [0] * 12 + [1] * 4]),
+    4: torch.tensor([[0] * 8 + [1] * 8, [0] * 16]),
+}
+
+
+def _reference_by_parts(heads, groups, documents, dropout_p):
+    """One process with the positional dropout mask applied by hand (as :func:`_reference`)."""
+    q, k, v, grad = _inputs(heads, groups)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    seq = q.shape[1]
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    kt, vt = (t.repeat_interleave(heads // groups, dim=1) for t in (kt, vt))
+    allowed = torch.ones(seq, seq, dtype=torch.bool).tril() & \
+        (documents[:, :, None] == documents[:, None, :])
+    scores = ((qt @ kt.transpose(-1, -2)) / q.shape[-1] ** 0.5).masked_fill(
+        ~allowed[:, None], -torch.inf)
+    probs = scores.softmax(-1)
+    if dropout_p:
+        torch.manual_seed(DROPOUT_SEED)
+        pos = torch.arange(seq)
+        probs = probs * keep_mask(draw_dropout(dropout_p, "cpu"), q.shape[0], heads, pos, pos) \
+            / (1 - dropout_p)
+    out = (probs @ vt).transpose(1, 2).reshape(q.shape[0], seq, -1)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _rank_by_parts(rank, world_size, comm_type, heads, groups, dropout_p):
+    cache = worker_cache()
+    parallel = cache.setdefault(("cp", world_size),
+                                ParallelContext.build(world_size, rank, cp=world_size))
+    documents = DOCUMENTS_BY_PARTS[world_size]
+    q, k, v, grad = _inputs(heads, groups)
+    batch = split_context_parallel_batch({"q": q, "k": k, "v": v, "grad": grad,
+                                          "attention_mask": documents}, 16, rank, world_size)
+    q, k, v = (batch[n].clone().requires_grad_() for n in "qkv")
+    torch.manual_seed(DROPOUT_SEED)
+    out = context_parallel_attention(q, k, v, parallel, comm_type, dropout_p, documents)
+    out.backward(batch["grad"])
+    return (out.detach(), q.grad, k.grad, v.grad), 0
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("comm_type,dropout_p", [("p2p", 0.0), ("allgather", 0.0),
+                                                 ("a2a", 0.0), ("p2p", DROPOUT),
+                                                 ("allgather", DROPOUT)])
+def test_documents_cut_in_parts_under_cp_equal_one_process(pool, cp, comm_type, dropout_p):
+    """Each document cut in 2 x cp parts, rank r holding parts r and 2cp-1-r of every one: every
+    comm type (and the positional dropout mask) equals one process (fp32, relative 1e-5)."""
+    documents = DOCUMENTS_BY_PARTS[cp]
+    want = _reference_by_parts(8, 4, documents, dropout_p)
+    results = pool.run(_rank_by_parts, comm_type, 8, 4, dropout_p, world_size=cp)
+    order = chunk_order(documents, 16, cp)
+    # A document's first query sees one key: its dq is 0 on one process and the rounding of
+    # (dP - delta) * P ~ 1e-6 blockwise, which the dropout mask's 1/(1-p) scales up.
+    atol = 5 * ATOL if dropout_p else ATOL
+    for rank, (got, _) in enumerate(results):
+        mine = rank_positions(order, rank, cp)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(g, take_positions(w, mine), rtol=RTOL, atol=atol,
+                                       msg=lambda m: f"cp {cp} {comm_type} rank {rank} {name}: {m}")
+
+
+def _attention_pairs(documents, positions):
+    """Query-key pairs a rank computes: its queries against earlier keys of their document."""
+    seq = documents.shape[1]
+    before = torch.arange(seq)[None, :] <= positions[..., :, None]  # [b, n, seq]
+    same = documents.gather(1, positions)[..., None] == documents[:, None, :]
+    return int((before & same).sum())
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cutting_each_document_balances_attention_work(cp):
+    """One long document and short ones: cut as a whole sequence, the rank holding the long
+    document's end does most of the work; cut per document, every rank does the same."""
+    documents = torch.tensor([[0] * 48 + [1] * 8 + [2] * 8])
+    seq = documents.shape[1]
+    whole = [_attention_pairs(documents, rank_positions(torch.arange(seq)[None], r, cp))
+             for r in range(cp)]
+    parts = [_attention_pairs(documents, rank_positions(chunk_order(documents, seq, cp), r, cp))
+             for r in range(cp)]
+    assert len(set(parts)) == 1 and sum(parts) == sum(whole)
+    assert max(whole) > min(whole) * 1.2, whole
+    mixed = torch.tensor([[0] * 48 + [1] * 8 + [2] * 7 + [3]])  # a length not a multiple
+    assert torch.equal(chunk_order(mixed, seq, cp), torch.arange(seq)[None])

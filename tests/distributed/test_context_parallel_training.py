@@ -9,6 +9,7 @@ the Hybrid model's attention and MLP layers under cp.
 import math
 
 import pytest
+import torch
 from plugtron.testing import assert_layouts_match
 
 COMM_TYPES = ("p2p", "allgather", "a2a")
@@ -45,6 +46,27 @@ def test_cp_composes_with_tp_sp_pp_dp(pool):
         {"tp": 2, "cp": 2, "pp": 2, "sequence-parallel": True, "cp-comm-type": "allgather"},
     ]
     assert_layouts_match({**GPT, "position-embedding-type": "rope"}, layouts=layouts, pool=pool)
+
+
+def test_packed_records_cut_in_parts_at_cp4_and_composed(pool, tmp_path):
+    """Packed instruction records (--data sft), each padded to a multiple of 2 x 4 so that cp
+    cuts every record in 8 parts: cp 4 over each comm type, and cp 2 with tp 2 + sp, equal one
+    process (the records of one file, 2 to 3 a sequence)."""
+    import json
+
+    path = tmp_path / "records.jsonl"
+    gen = torch.Generator().manual_seed(0)
+    with open(path, "w") as f:
+        for n in (5, 9, 14, 3, 11, 7, 6, 12):
+            ids = torch.randint(0, 120, (n + 3,), generator=gen).tolist()
+            f.write(json.dumps({"prompt": " ".join(map(str, ids[:n])),
+                                "response": " ".join(map(str, ids[n:]))}) + "\n")
+    flags = {**GPT, "position-embedding-type": "rope", "data": "sft", "data-path": str(path),
+             "tokenizer-type": "NullTokenizer", "vocab-size": 128, "seq-length": 48,
+             "split": "100,0,0", "sft-pad-to-multiple-of": 8, "global-batch-size": 4}
+    assert_layouts_match(flags, layouts=[*_cp_layouts(4), {"tp": 2, "cp": 2,
+                                                          "sequence-parallel": True}],
+                         pool=pool)
 
 
 def test_hybrid_attention_and_mlp_layers_under_cp(pool):

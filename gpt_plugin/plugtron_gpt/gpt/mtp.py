@@ -39,6 +39,7 @@ from plugtron.api import (
     ConfigError,
     ConfigSection,
     add_loss,
+    current_forward_context,
     load_layer_types,
     normal_init,
     opt,
@@ -160,7 +161,8 @@ class MultiTokenPrediction(torch.nn.Module):
         are the model's embedding and output layer with its cross entropy."""
         out, h = hidden, hidden
         shifted = ShiftedInputs([tokens, position_ids, labels, loss_mask.float()],
-                                len(self.layers), self.cp_group)
+                                len(self.layers), self.cp_group,
+                                current_forward_context().document_ids)
         for k, layer in enumerate(self.layers, start=1):
             tokens, position_ids, labels, mask = shifted.at(k)
             h = layer(h, embed(tokens, position_ids), rotary)

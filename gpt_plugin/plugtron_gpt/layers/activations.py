@@ -110,7 +110,9 @@ def attention_layer_bytes(layer, shape) -> int:
         total += math_attention(shape, heads, d, dropout, kernel_bytes) + shape.tensor(heads * d)
     else:
         total += fused_attention(shape, heads, groups, d, kernel_bytes)
-        documents = getattr(layer, "document_masks", False)
+        # packed documents on CPU run each document's flash attention alone (keeping what
+        # flash keeps); elsewhere, as a sliding window, through a mask
+        documents = getattr(layer, "document_masks", False) and shape.cuda
         if documents or windowed:  # each layer builds its mask ([b, 1, s, s] with packed
             # documents, else [1, 1, s, s]); SDPA keeps it in its additive form
             total += ((shape.micro_batch_size if documents else 1) * shape.seq_length

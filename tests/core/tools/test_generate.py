@@ -153,6 +153,9 @@ def test_bad_arguments_are_value_errors(gpt_checkpoint):
     (["--prompt-ids", "1", "--tp", "3", "--nproc-per-node", "3"], "must divide"),
     (["--prompt-ids", "1", "--tp", "2"], "needs exactly 2 ranks"),
     (["--prompt-ids", "100"], "outside the model's vocabulary"),
+    (["--prompt-ids", "1", "--chat"], "not --prompt-ids"),
+    (["--prompt", "hi", "--chat", "--tokenizer-type", "ByteTokenizer"], "(ByteTokenizer) has none"),
+    (["--prompt-ids", "1", "--system", "be brief"], "use it with --chat"),
 ])
 def test_cli_refuses_bad_input_with_exit_2(gpt_checkpoint, args, message):
     if "--max-new-tokens" not in args:

@@ -113,8 +113,8 @@ def test_half_precision_layer_bytes_on_each_kind_of_cpu(monkeypatch, flags, feat
     the attention computes in fp32 and keeps fp32 copies of q, k, v and its output (the rotated
     q and k of the model dtype are then not kept); with AMX-BF16 causal attention takes the
     matmul backward (plugins/layer_backends/cpu_attention.py), which keeps what flash keeps
-    (a mask, of a sliding window or packed documents, as booleans where flash keeps it
-    additive)."""
+    (a sliding window's mask as booleans where flash keeps it additive); packed documents run
+    each document's flash attention alone (document_attention.py) and keep no mask."""
     from plugtron.core.blocks import cpu_features
     from plugtron.plugins.layer_backends import cpu_attention
 
@@ -132,7 +132,8 @@ def test_half_precision_layer_bytes_on_each_kind_of_cpu(monkeypatch, flags, feat
                          dtype=dtype, requires_grad=True)
     saved = _saved_by_layer(layer, hidden, model, config, shape)
     said = module_activation_bytes(layer, shape)
-    takes_it = not flags.get("attention_dropout")  # causal attention without dropout
+    # causal attention without dropout; packed documents run each document's flash alone
+    takes_it = not flags.get("attention_dropout") and not flags.get("reset_attention_mask")
     assert bool(calls) == (amx_attention and takes_it)
     assert said == pytest.approx(saved, rel=0.05), (said, saved)
 

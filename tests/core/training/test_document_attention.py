@@ -26,14 +26,15 @@ def test_causal_mask_alone_and_with_documents():
         [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
 
 
-@pytest.mark.parametrize("lengths", [(70, 1, 185), (100, 156)])
+@pytest.mark.parametrize("lengths", [(70, 1, 185), (100, 156), (9, 3, 17, 40, 1, 9, 30, 12)])
 @pytest.mark.parametrize("heads,groups,v_dim", [(4, 4, 8), (4, 2, 8), (4, 4, 6)])
 def test_documents_alone_equal_one_masked_kernel_and_keep_what_flash_keeps(
         monkeypatch, lengths, heads, groups, v_dim):
-    """fp32 on CPU, documents of 64 tokens or more on average: each document's flash attention
-    alone (document_attention.py) gives the masked kernel's output and gradients (a one-token
-    document between long ones; the second row's documents differ; grouped queries; values
-    narrower than the keys, as MLA's), and keeps for backward what causal flash keeps."""
+    """fp32 on CPU: each document's flash attention alone (document_attention.py; documents of
+    similar length batched, zero-padded) gives the masked kernel's output and gradients (a
+    one-token document between long ones; short documents sharing a padded batch; the second
+    row's documents differ; grouped queries; values narrower than the keys, as MLA's), and keeps
+    for backward what causal flash keeps."""
     import contextlib
 
     from plugtron.api import forward_context
@@ -55,19 +56,83 @@ def test_documents_alone_equal_one_masked_kernel_and_keep_what_flash_keeps(
     monkeypatch.setattr(document_attention, "per_document_attention",
                         lambda *args: calls.append(1) or real(*args))
     results = []
-    for floor in (1, 10 ** 9):  # each document alone; one masked kernel
-        monkeypatch.setattr(document_attention, "MIN_DOCUMENT_RUN", floor)
+    applies = document_attention.applies
+    for alone in (True, False):  # each document alone; one masked kernel
+        monkeypatch.setattr(document_attention, "applies",
+                            applies if alone else (lambda *args: False))
         with forward_context(document_ids=ids):
             out = attention(q, k, v)
         results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
     assert len(calls) == 1  # the first pass took the per-document path, the second did not
     for got, want, name in zip(*results, ("out", "dq", "dk", "dv")):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
-    monkeypatch.setattr(document_attention, "MIN_DOCUMENT_RUN", 1)
+    monkeypatch.setattr(document_attention, "applies", applies)
     with forward_context(document_ids=ids):
         alone = saved_activation_bytes(attention, q, k, v)
     causal = saved_activation_bytes(attention, q, k, v)
     assert alone <= causal, (alone, causal)
+
+
+def test_documents_alone_with_dropout_keep_documents_apart_and_equal_flash_without():
+    """With attention dropout each document runs alone too (padded batches through torch's
+    attention): at p 0 it gives the flash path's result; at p 0.3 a document's output does not
+    move when another document's values do (same seed), and it is not the undropped output."""
+    from plugtron.plugins.layer_backends import document_attention as da
+
+    gen = torch.Generator().manual_seed(4)
+    lengths = [150, 7, 30, 1, 69]
+    runs = [[(sum(lengths[:i]), sum(lengths[:i + 1])) for i in range(len(lengths))]]
+    s = sum(lengths)
+    q = torch.randn(1, 4, s, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, s, 8, generator=gen, requires_grad=True) for _ in range(2))
+    grad = torch.randn(1, 4, s, 8, generator=gen)
+    flash = da.per_document_attention(q, k, v, runs)
+    plain = da.per_document_dropout_attention(q, k, v, runs, 0.0)
+    torch.testing.assert_close(plain, flash, rtol=1e-5, atol=1e-6)
+    want = torch.autograd.grad(flash, (q, k, v), grad)
+    got = torch.autograd.grad(plain, (q, k, v), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(9)
+    dropped = da.per_document_dropout_attention(q, k, v, runs, 0.3)
+    other = v.detach().clone()
+    other[:, :, 150:] += 1.0  # every document but the first
+    torch.manual_seed(9)
+    moved = da.per_document_dropout_attention(q, k, other, runs, 0.3)
+    assert torch.equal(dropped[:, :, :150], moved[:, :, :150])
+    assert not torch.allclose(dropped[:, :, 150:], moved[:, :, 150:])
+    assert not torch.allclose(dropped, flash)
+
+
+@pytest.mark.parametrize("fp32_kernel", [True, False])
+def test_documents_alone_in_bf16_equal_the_masked_kernel(monkeypatch, fp32_kernel):
+    """bf16 takes the per-document path too, natively (AMX) or through fp32 copies (a CPU
+    without bf16 matrix instructions): the masked kernel's result within bf16's rounding."""
+    import contextlib
+
+    from plugtron.api import forward_context
+    from plugtron.plugins.layer_backends import document_attention, local
+
+    monkeypatch.setattr(local, "_fp32_on_cpu", lambda dtype: fp32_kernel)
+    gen = torch.Generator().manual_seed(5)
+    lengths = torch.tensor([150, 7, 30, 69])
+    s = int(lengths.sum())
+    q, k, v = (torch.randn(1, s, 4, 8, generator=gen).bfloat16().requires_grad_()
+               for _ in range(3))
+    grad = torch.randn(1, s, 32, generator=gen).bfloat16()
+    ids = torch.repeat_interleave(torch.arange(4), lengths)[None]
+    attention = local.CoreAttention(4, 4, 8, 0.0, contextlib.nullcontext)
+    applies = document_attention.applies
+    results = []
+    for alone in (True, False):
+        monkeypatch.setattr(document_attention, "applies",
+                            applies if alone else (lambda *args: False))
+        with forward_context(document_ids=ids):
+            out = attention(q, k, v)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), grad)))
+    for got, want, name in zip(*results, ("out", "dq", "dk", "dv")):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=name)
 
 
 @pytest.mark.parametrize("positions", ["learned_absolute", "rope"])
@@ -108,8 +173,11 @@ def _train(*flags):
     return CliRunner().invoke(cli, args, catch_exceptions=False)
 
 
-def test_te_backend_is_refused_with_exit_2():
+def test_a_backend_that_cannot_mask_documents_is_refused_with_exit_2(monkeypatch):
     from plugtron.core.training.validate import validate
+    from plugtron.plugins.layer_backends.te import TEBackend
+
+    monkeypatch.setattr(TEBackend, "supports_document_ids", False)  # te masks them (THD)
 
     from tests.utils import tiny_config
 

@@ -82,7 +82,10 @@ def test_a_third_party_dataset_gets_the_sample_flags(third_party_data):
     assert torch.equal(sample["attention_mask"], torch.tensor([0, 0, 0, 1, 1, 1, 2, 2]))
 
 
-def test_its_sample_flags_are_validated_like_the_built_ins(third_party_data):
+def test_its_sample_flags_are_validated_like_the_built_ins(third_party_data, monkeypatch):
+    from plugtron.plugins.layer_backends.te import TEBackend
+
+    monkeypatch.setattr(TEBackend, "supports_document_ids", False)  # a backend that cannot
     config = _config(**{"reset-attention-mask": True, "layer-backend": "te"})
     with pytest.raises(ConfigError, match="--reset-attention-mask is not supported by "
                                           "--layer-backend te"):

@@ -157,14 +157,19 @@ def test_the_cli_refuses_what_sft_cannot_do(pairs, tmp_path):
     for extra, message in (
             (["--sft-prompt-template", "{question}"], "may hold only {prompt}"),
             (["--reset-attention-mask"], "--data sft keeps documents apart itself"),
+            (["--sft-pad-to-multiple-of", "5"], "must be a positive divisor of --seq-length 32"),
+            (["--data-path", "0.5", pairs, "0.5", str(tmp_path / "no.jsonl")], "is not a file"),
             (["--data-path", str(tmp_path / "nope.jsonl")], "is not a file")):
         result = CliRunner().invoke(cli, [*base, *extra], catch_exceptions=False)
         assert result.exit_code == 2 and message in result.output, (extra, result.output)
 
 
-def test_packing_is_refused_where_attention_cannot_keep_records_apart(pairs):
+def test_packing_is_refused_where_attention_cannot_keep_records_apart(pairs, monkeypatch):
     from plugtron.core.training.validate import validate
+    from plugtron.plugins.layer_backends.te import TEBackend
     from plugtron.testing import make_config
+
+    monkeypatch.setattr(TEBackend, "supports_document_ids", False)  # a backend that cannot
 
     with pytest.raises(ConfigError, match=r"--data sft with packing \(--no-sft-packing: one "
                                           r"record per sequence\) is not supported by "
@@ -209,9 +214,61 @@ CP_LAYOUTS = tuple({"cp": 2, "cp-comm-type": comm} for comm in ("p2p", "allgathe
 
 @pytest.mark.parametrize("model", ["gpt", "hybrid", "mla"])
 def test_packed_layouts_train_like_one_process(pairs, pool, model):
+    """GPT's records are padded to multiples of 2 x cp, so cp cuts each in parts (Megatron's THD
+    split); MLA's are not, so cp cuts the sequence as a whole: both equal one process."""
     layouts = LAYOUTS + (CP_LAYOUTS if model != "hybrid" else ())
-    assert_layouts_match(_flags(pairs, **MODELS[model], **{"global-batch-size": 4}),
+    padded = {"sft-pad-to-multiple-of": 4} if model == "gpt" else {}
+    assert_layouts_match(_flags(pairs, **MODELS[model], **{"global-batch-size": 4}, **padded),
                          layouts=layouts if model != "mla" else CP_LAYOUTS, pool=pool)
+
+
+#: The other layouts packed records must train under: vp, fsdp2, full recompute, ep (MoE).
+MORE_LAYOUTS = {
+    "vp": ("gpt", {"pp": 2, "vp": 2}),
+    "fsdp2": ("gpt", {"dp": 2, "data-parallel": "fsdp2"}),
+    "recompute": ("gpt", {"recompute-granularity": "full", "recompute-method": "uniform"}),
+    "ep": ("moe", {"dp": 2, "expert-model-parallel-size": 2}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE_LAYOUTS))
+def test_packed_records_under_vp_fsdp2_recompute_and_ep(pairs, pool, name):
+    model, layout = MORE_LAYOUTS[name]
+    flags = _flags(pairs, **MODELS[model], **{"global-batch-size": 4})
+    if name == "vp":
+        flags["num-layers"] = 4  # two chunks of two layers on each of the two stages
+    assert_layouts_match(flags, layouts=[layout], pool=pool)
+
+
+def test_multi_token_prediction_on_records_cut_in_parts_under_cp(pairs, pool):
+    """MTP's shifted inputs cross the cp ranks in the per-record split: cp 2 equals one
+    process."""
+    flags = _flags(pairs, **{"global-batch-size": 4, "sft-pad-to-multiple-of": 4,
+                             "mtp-num-layers": 2, "mtp-loss-scaling-factor": 0.3,
+                             "position-embedding-type": "rope"})
+    assert_layouts_match(flags, layouts=[{"cp": 2}], pool=pool)
+
+
+def test_records_padded_to_a_multiple_learn_the_same(pairs, pool):
+    """Padding each record (after its last token, without loss) changes no loss or gradient:
+    here the packs are the same two records either way (13 positions, padded to 16)."""
+    flags = _flags(pairs, **{"global-batch-size": 4, "train-iters": 2})
+    plain = train_run(flags, 1, pool)
+    padded = train_run({**flags, "sft-pad-to-multiple-of": 16}, 1, pool)
+    for a, b in zip(plain.records, padded.records):
+        assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+
+
+def test_padding_lays_each_record_on_a_multiple():
+    documents = [(np.arange(1, 7), np.ones(6)), (np.arange(10, 13), np.ones(3))]  # 5, 2 positions
+    assert pack([6, 3], 16, "in-order", 10, multiple=4) == [[0, 1]]
+    assert pack([6, 3], 11, "in-order", 10, multiple=4) == [[0], [1]]  # 8 + 4 > 11
+    sample = packed_sample(documents, 16, True, multiple=4)
+    assert sample["attention_mask"].tolist() == [0] * 8 + [1] * 4 + [2] * 4
+    assert sample["position_ids"].tolist() == [*range(8), *range(4), *range(4)]
+    assert sample["loss_mask"].tolist() == [1] * 5 + [0] * 3 + [1] * 2 + [0] * 6
+    assert sample["labels"][:5].tolist() == [2, 3, 4, 5, 6]
 
 
 def test_a_sample_depends_only_on_seed_split_and_index(pairs):
@@ -226,6 +283,48 @@ def test_a_sample_depends_only_on_seed_split_and_index(pairs):
         assert all(torch.equal(short[i][k], long[i][k]) for k in short[i])
     assert {tuple(long[i]["tokens"].tolist()) for i in range(4)} == \
         {tuple(long[i]["tokens"].tolist()) for i in range(4, 8)}  # the next epoch: reordered
+
+
+def test_files_blended_by_weight_give_each_its_share(tmp_path):
+    """``--data-path 0.25 A 0.75 B``: every prefix of the samples holds each file's share
+    (Megatron's greedy blend), each file packed on its own; a sample depends only on the seed,
+    the split and its index (a run drawing more samples draws the same first ones)."""
+    from plugtron.plugins.datasets.sft import SFTPlugin
+    from plugtron.testing import make_config
+
+    a = _pairs(tmp_path / "a.jsonl", count=6, seed=1)
+    b = _pairs(tmp_path / "b.jsonl", count=10, seed=2)
+    tokens_of_a = {tuple(json.loads(line)["prompt"].split()) for line in open(a)}
+    config = make_config(_flags(["0.25", a, "0.75", b]))
+    short = SFTPlugin().dataset_provider(config=config, split_sizes=(8, 0, 0))[0]
+    long = SFTPlugin().dataset_provider(config=config, split_sizes=(40, 0, 0))[0]
+    assert len(long) == 40 and long.weights == [0.25, 0.75]
+
+    def from_a(sample):  # a pack holds records of one file only
+        first = tuple(str(t) for t in sample["tokens"][:9].tolist())
+        return first in tokens_of_a
+
+    picks = [from_a(long[i]) for i in range(40)]
+    assert sum(picks[:8]) == 2 and sum(picks[:20]) == 5 and sum(picks) == 10
+    for i in range(8):
+        assert all(torch.equal(short[i][k], long[i][k]) for k in short[i])
+    unweighted = SFTPlugin().dataset_provider(config=make_config(_flags([a, b])),
+                                              split_sizes=(8, 0, 0))[0]
+    assert len(unweighted.packs) == 8  # one pool of the 16 records, two to a pack
+
+
+def test_data_stats_gives_each_file_its_records_and_packing(tmp_path):
+    a = _pairs(tmp_path / "a.jsonl", count=6, seed=1)
+    b = _pairs(tmp_path / "b.jsonl", count=10, seed=2)
+    result = CliRunner().invoke(cli, ["data", "stats", "--data", "sft", "--data-path", "0.25",
+                                      a, "0.75", b, "--tokenizer-type", "NullTokenizer",
+                                      "--vocab-size", str(VOCAB), "--seq-length", "32",
+                                      "--split", "100,0,0", "--train-iters", "10",
+                                      "--global-batch-size", "4"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "train: 40 samples built, the run draws 40" in result.output
+    assert (f"  {a}: weight 0.2500 (effective 0.2500, 10 drawn), 6 records (mean 14.0 tokens) "
+            f"in 3 sequences, packing efficiency 81.2%") in result.output, result.output
 
 
 def test_data_inspect_shows_each_record_and_what_it_learns(tmp_path):
