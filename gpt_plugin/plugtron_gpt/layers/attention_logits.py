@@ -4,7 +4,9 @@ grouped-query one and MLA).
 Under context parallelism a rank holds two chunks of the sequence's queries and keys; its
 queries attend to keys on every cp rank, so the keys are gathered over cp (no gradient: the
 logits are only measured) and masked by their positions in the whole sequence. The maximum over
-the cp ranks is the core's (``clip_qk`` reduces the maxima over dp x cp).
+the cp ranks is the core's (``clip_qk`` reduces the maxima over dp x cp). Packed documents
+(``--reset-attention-mask``) count only the pairs inside a document, the ones attention computes
+(refused under cp, which cuts each document apart).
 """
 
 from __future__ import annotations
@@ -12,15 +14,17 @@ from __future__ import annotations
 import math
 
 import torch
-from plugtron.api import all_gather_tensor, local_positions
+from plugtron.api import all_gather_tensor, current_forward_context, local_positions
 
 
 @torch.no_grad()
 def max_logits(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor | None = None,
-               key_positions: torch.Tensor | None = None) -> torch.Tensor:
+               key_positions: torch.Tensor | None = None,
+               document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """The largest causal pre-softmax logit ``q . k / sqrt(d)`` of each head (``--qk-clip``);
     q ``[b, s, heads, d]`` and k ``[b, t, groups, d]``, heads grouped by query group. A key
-    counts for a query at or after its position (default: both ``0..s-1``)."""
+    counts for a query at or after its position (default: both ``0..s-1``) and, with
+    ``document_ids`` (``[b, s]``, queries and keys the same tokens), in its document."""
     b, s, heads, d = q.shape
     groups = k.shape[2]
     scores = torch.einsum("bsgjd,btgd->bgjst", q.float().view(b, s, groups, heads // groups, d),
@@ -29,7 +33,11 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor |
         future = torch.ones(s, k.shape[1], dtype=torch.bool, device=q.device).triu(1)
     else:
         future = key_positions.to(q.device)[None, :] > query_positions.to(q.device)[:, None]
-    return scores.masked_fill(future, float("-inf")).amax(dim=(0, 3, 4)).reshape(heads)
+    hidden = future[None, None, None]
+    if document_ids is not None:
+        other = document_ids[:, :, None] != document_ids[:, None, :]
+        hidden = hidden | other.to(q.device)[:, None, None]
+    return scores.masked_fill(hidden, float("-inf")).amax(dim=(0, 3, 4)).reshape(heads)
 
 
 def layer_max_logits(q: torch.Tensor, k: torch.Tensor, parallel) -> torch.Tensor:
@@ -37,7 +45,7 @@ def layer_max_logits(q: torch.Tensor, k: torch.Tensor, parallel) -> torch.Tensor
     context parallelism the keys of all cp ranks, gathered."""
     cp = parallel.cp_size
     if cp == 1:
-        return max_logits(q, k)
+        return max_logits(q, k, document_ids=current_forward_context().document_ids)
     seq = q.shape[1] * cp
     keys = all_gather_tensor(k.detach().contiguous(), parallel.cp_group, dim=1)
     key_positions = torch.cat([local_positions(seq, rank, cp) for rank in range(cp)])

@@ -61,6 +61,19 @@ def test_the_logit_is_the_causal_maximum_per_head():
         assert got[head] == pytest.approx(want.item(), rel=1e-6)
 
 
+def test_packed_documents_count_the_pairs_inside_a_document():
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 6, 2, 4, generator=g), torch.randn(2, 6, 1, 4, generator=g)
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 2]])
+    got = max_logits(q, k, document_ids=documents)
+    scores = torch.einsum("bshd,btd->bhst", q, k[:, :, 0]) / 2.0
+    allowed = (torch.ones(6, 6).tril().bool()[None]
+               & (documents[:, :, None] == documents[:, None, :]))[:, None]
+    want = scores.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(got, want)
+    assert (got < max_logits(q, k)).any()  # a pair across documents was the largest
+
+
 def test_a_bf16_run_scales_the_master_copies_with_the_weights():
     config = tiny_config(optimizer="muon", qk_clip=True, qk_clip_threshold=0.05, bf16=True,
                          train_iters=3)
