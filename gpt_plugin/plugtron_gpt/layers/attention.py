@@ -82,6 +82,7 @@ class SelfAttention(torch.nn.Module):
                 mark_sequence_parallel(self.q_layernorm)
                 mark_sequence_parallel(self.k_layernorm)
         window = parse_window(options.window_size)
+        self.window = window  # what QK-clip's logits cover too
         extra = {"window_size": window} if window is not None else {}
         self.core_attention = backend.core_attention(self.num_heads, self.num_groups,
                                                      self.head_dim, m.attention_dropout, **extra)
@@ -114,7 +115,7 @@ class SelfAttention(torch.nn.Module):
         inference = current_forward_context().inference
         if self.qk_clip and self.training and inference is None:
             record_max_logits(self, self.linear_qkv.weight,
-                              layer_max_logits(q, k, self.parallel))
+                              layer_max_logits(q, k, self.parallel, self.window))
         if inference is not None:  # generation: attend over the cached keys too
             k, v = inference.update(self.cache_key, k, v)
         # Selective recompute (Megatron's default, core_attn): the [s, s] scores and softmax

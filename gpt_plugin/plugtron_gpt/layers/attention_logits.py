@@ -20,33 +20,42 @@ from plugtron.api import all_gather_tensor, current_forward_context, local_posit
 @torch.no_grad()
 def max_logits(q: torch.Tensor, k: torch.Tensor, query_positions: torch.Tensor | None = None,
                key_positions: torch.Tensor | None = None,
-               document_ids: torch.Tensor | None = None) -> torch.Tensor:
+               document_ids: torch.Tensor | None = None,
+               window_left: int | None = None) -> torch.Tensor:
     """The largest causal pre-softmax logit ``q . k / sqrt(d)`` of each head (``--qk-clip``);
     q ``[b, s, heads, d]`` and k ``[b, t, groups, d]``, heads grouped by query group. A key
-    counts for a query at or after its position (default: both ``0..s-1``) and, with
-    ``document_ids`` (``[b, s]``, queries and keys the same tokens), in its document."""
+    counts for a query at or after its position (default: both ``0..s-1``), at most
+    ``window_left`` before it (``--window-size``) and, with ``document_ids`` (``[b, s]``,
+    queries and keys the same tokens), in its document."""
     b, s, heads, d = q.shape
     groups = k.shape[2]
     scores = torch.einsum("bsgjd,btgd->bgjst", q.float().view(b, s, groups, heads // groups, d),
                           k.float()) / math.sqrt(d)
     if query_positions is None or key_positions is None:
-        future = torch.ones(s, k.shape[1], dtype=torch.bool, device=q.device).triu(1)
-    else:
-        future = key_positions.to(q.device)[None, :] > query_positions.to(q.device)[:, None]
-    hidden = future[None, None, None]
+        query_positions, key_positions = torch.arange(s), torch.arange(k.shape[1])
+    behind = query_positions.to(q.device)[:, None] - key_positions.to(q.device)[None, :]
+    hidden = behind < 0
+    if window_left is not None:
+        hidden = hidden | (behind > window_left)
+    hidden = hidden[None, None, None]
     if document_ids is not None:
         other = document_ids[:, :, None] != document_ids[:, None, :]
         hidden = hidden | other.to(q.device)[:, None, None]
     return scores.masked_fill(hidden, float("-inf")).amax(dim=(0, 3, 4)).reshape(heads)
 
 
-def layer_max_logits(q: torch.Tensor, k: torch.Tensor, parallel) -> torch.Tensor:
-    """:func:`max_logits` of this rank's queries over every key of the sequence: under
-    context parallelism the keys of all cp ranks, gathered."""
+def layer_max_logits(q: torch.Tensor, k: torch.Tensor, parallel,
+                     window: tuple[int, int] | None = None) -> torch.Tensor:
+    """:func:`max_logits` of this rank's queries over every key of the sequence they attend
+    to (``window``: ``--window-size``'s ``(left, 0)``): under context parallelism the keys of
+    all cp ranks, gathered."""
     cp = parallel.cp_size
+    left = None if window is None else window[0]
     if cp == 1:
-        return max_logits(q, k, document_ids=current_forward_context().document_ids)
+        return max_logits(q, k, document_ids=current_forward_context().document_ids,
+                          window_left=left)
     seq = q.shape[1] * cp
     keys = all_gather_tensor(k.detach().contiguous(), parallel.cp_group, dim=1)
     key_positions = torch.cat([local_positions(seq, rank, cp) for rank in range(cp)])
-    return max_logits(q, keys, local_positions(seq, parallel.cp_rank, cp), key_positions)
+    return max_logits(q, keys, local_positions(seq, parallel.cp_rank, cp), key_positions,
+                      window_left=left)

@@ -114,6 +114,7 @@ class MultiLatentAttention(torch.nn.Module):
             o.kv_lora_rank, heads * (o.qk_head_dim + o.v_head_dim), bias=False,
             init_method=init("linear_kv_up_proj"))
         window = parse_window(o.window_size)
+        self.window = window  # what QK-clip's logits cover too
         extra = {"window_size": window} if window is not None else {}
         self.core_attention = backend.core_attention(self.num_heads, self.num_heads,
                                                      self.q_head_dim, m.attention_dropout,
@@ -182,7 +183,7 @@ class MultiLatentAttention(torch.nn.Module):
             q = q * self.query_scale
         if self.qk_clip and self.training and inference is None:
             record_max_logits(self, (self._query_weight(), self.linear_kv_up_proj.weight),
-                              layer_max_logits(q, k, self.parallel))
+                              layer_max_logits(q, k, self.parallel, self.window))
         context = (recompute(self.core_attention, q, k, v) if self.recompute_core
                    else self.core_attention(q, k, v))
         out, _ = self.linear_proj(context)

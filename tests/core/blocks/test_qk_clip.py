@@ -61,7 +61,8 @@ def test_the_logit_is_the_causal_maximum_per_head():
         assert got[head] == pytest.approx(want.item(), rel=1e-6)
 
 
-def test_packed_documents_count_the_pairs_inside_a_document():
+def test_the_logits_are_the_pairs_attention_computes():
+    """Inside a document where documents are packed; inside the window with --window-size."""
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 6, 2, 4, generator=g), torch.randn(2, 6, 1, 4, generator=g)
     documents = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 2]])
@@ -72,6 +73,10 @@ def test_packed_documents_count_the_pairs_inside_a_document():
     want = scores.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3))
     torch.testing.assert_close(got, want)
     assert (got < max_logits(q, k)).any()  # a pair across documents was the largest
+    # --window-size 2,0: a query sees itself and the two keys before it
+    near = torch.ones(6, 6).tril().bool() & ~torch.ones(6, 6).tril(-3).bool()
+    want = scores.masked_fill(~near[None, None], -math.inf).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(max_logits(q, k, window_left=2), want)
 
 
 def test_a_bf16_run_scales_the_master_copies_with_the_weights():
