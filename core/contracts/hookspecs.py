@@ -480,8 +480,9 @@ def data_parallel_memory(config: TrainConfig, chunks: list[torch.nn.Module], dp_
     :param state_per_param: the largest answer of hook ``optimizer_state_per_param`` over
         these chunks' parameters (fp32 optimizer values per element, the main copy not
         included): a bound, for a wrapper that counts one number for every parameter.
-    :param state_values: ``state_values(param)``, the optimizer's answer for one trainable
-        parameter of ``chunks``: what a wrapper counts exactly with, parameter by parameter.
+    :param state_values: ``state_values(param)``, the optimizer's answer for one parameter of
+        ``chunks`` (0 for a frozen one): what a wrapper counts exactly with, parameter by
+        parameter.
     :param shard_gradients: the optimizer's answer to ``optimizer_shards_gradients``.
     :returns: a ``plugtron.api.DataParallelMemory``.
 
