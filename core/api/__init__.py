@@ -19,7 +19,7 @@ from plugtron.core.blocks.forward_context import (
 from plugtron.core.blocks.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.blocks.layer_stack import ComposedLayer
 from plugtron.core.blocks.linear import linear
-from plugtron.core.blocks.qk_clip import record_max_logits
+from plugtron.core.blocks.qk_clip import mark_qk_clip_rows, record_max_logits
 from plugtron.core.blocks.rotary import (
     apply_rotary,
     rotary_freqs,
@@ -196,7 +196,7 @@ __all__ = [
     "set_tensor_parallel", "is_tensor_parallel", "shard_of", "block_sizes",
     "mark_sequence_parallel", "mark_fused_parts", "fused_part_rows", "gather_tp_shards",
     "tp_split_of",
-    "record_max_logits",
+    "record_max_logits", "mark_qk_clip_rows",
     "apply_rotary", "rotary_freqs", "rotary_freqs_at", "yarn_attention_factor", "yarn_mscale",
     "VocabParallelEmbedding", "parallel_logits", "vocab_parallel_cross_entropy",
     "RNGStatesTracker", "model_parallel_rng_tracker", "EXPERT_PARALLEL_RNG",

@@ -380,18 +380,28 @@ def optimizer_shards_gradients(config: TrainConfig) -> bool:
 
 
 @hookspec(firstresult=True)
-def optimizer_state_per_param(config: TrainConfig) -> int:
-    """Say how many fp32 values the optimizer keeps per parameter, for ``plugtron estimate``
-    and the memory check before launch.
+def optimizer_state_per_param(config: TrainConfig, name: str, param: torch.nn.Parameter) -> int:
+    """Say how many fp32 values the optimizer keeps per element of one parameter, for
+    ``plugtron estimate`` and the memory check before launch.
 
     :param config: the run's ``TrainConfig``.
-    :returns: the state values per parameter, the fp32 main copy under bf16/fp16 not included
-        (the core counts it): Adam's two moments 2, SGD 1 with momentum and 0 without, Lion 1.
-        An optimizer that answers ``optimizer_shards_gradients`` with ``True`` has them counted
-        sharded over dp x cp.
+    :param name: the parameter's name as ``plugtron.api.named_params`` gives it.
+    :param param: the trainable parameter, on the meta device, at this rank's local shape, with
+        the attributes the model set on it (``ndim``, ``is_embedding_or_output_parameter``,
+        ``allreduce``...): what an optimizer that treats parameters apart needs to tell them
+        apart (Muon: its matrices 1, AdamW's others 2).
+    :returns: the state values per element of ``param``, the fp32 main copy under bf16/fp16
+        not included (the core counts it): Adam's two moments 2, SGD 1 with momentum and 0
+        without, Lion 1. Scalars kept per tensor (torch's step counters) are not counted. An
+        optimizer that answers ``optimizer_shards_gradients`` with ``True`` has them counted
+        sharded over dp x cp; one that answers ``optimizer_shards_layer_wise`` with ``True``
+        has each parameter counted on the rank that steps it.
 
-    Optional; implemented by the optimizer driver only. Without an implementation the estimate
-    counts 2 (Adam's) and says so in its notes. Called before launch, without process groups.
+    Optional; implemented by the optimizer driver only. An implementation may take ``config``
+    alone (the form before contract 3's non-element-wise optimizers): its one answer then
+    counts for every parameter. Without an implementation the estimate counts 2 (Adam's) and
+    says so in its notes. Called before launch, without process groups, once per trainable
+    parameter of every rank position.
     """
 
 
@@ -456,8 +466,9 @@ def wrap_model_chunk(config: TrainConfig, module: torch.nn.Module, parallel: Par
 
 @hookspec(firstresult=True)
 def data_parallel_memory(config: TrainConfig, chunks: list[torch.nn.Module], dp_cp: int,
-                         edp: int, state_per_param: int, shard_gradients: bool
-                         ) -> DataParallelMemory:
+                         edp: int, state_per_param: int,
+                         state_values: Callable[[torch.nn.Parameter], int],
+                         shard_gradients: bool) -> DataParallelMemory:
     """Count one rank's parameters, gradients and optimizer state under this wrapper, for
     ``plugtron estimate`` and the memory check before launch.
 
@@ -466,8 +477,12 @@ def data_parallel_memory(config: TrainConfig, chunks: list[torch.nn.Module], dp_
         only, unwrapped); expert parameters carry ``allreduce = False``.
     :param dp_cp: ranks that share the dense parameters (dp x cp).
     :param edp: ranks that share the expert parameters (the expert data-parallel group).
-    :param state_per_param: fp32 optimizer values per parameter (hook
-        ``optimizer_state_per_param``), the main copy not included.
+    :param state_per_param: the largest answer of hook ``optimizer_state_per_param`` over
+        these chunks' parameters (fp32 optimizer values per element, the main copy not
+        included): a bound, for a wrapper that counts one number for every parameter.
+    :param state_values: ``state_values(param)``, the optimizer's answer for one parameter of
+        ``chunks`` (0 for a frozen one): what a wrapper counts exactly with, parameter by
+        parameter.
     :param shard_gradients: the optimizer's answer to ``optimizer_shards_gradients``.
     :returns: a ``plugtron.api.DataParallelMemory``.
 

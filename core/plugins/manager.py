@@ -9,6 +9,9 @@ implementation, and every transform hook one per transform.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import pluggy
 from plugtron.core.contracts import hookspecs
 from plugtron.core.errors import PluginError
@@ -23,6 +26,9 @@ from plugtron.core.plugins.selection import (
     selected_drivers,
     selected_transforms,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["build_plugin_manager", "data_parallel_memory", "new_plugin_manager", "optimizer_state_per_param",
            "implements", "register_transforms", "takes_dtensor_params", "transform_caller",
@@ -157,10 +163,19 @@ def shards_layer_wise(config, pm: pluggy.PluginManager | None = None) -> bool:
     return bool(_optimizer_hooks(config, pm).optimizer_shards_layer_wise(config=config))
 
 
-def optimizer_state_per_param(config, pm: pluggy.PluginManager | None = None) -> int | None:
-    """The answer of hook ``optimizer_state_per_param``; None when the optimizer does not
-    implement it. ``pm`` as for :func:`wants_sharded_gradients`."""
-    return _optimizer_hooks(config, pm).optimizer_state_per_param(config=config)
+def optimizer_state_per_param(config, pm: pluggy.PluginManager | None = None
+                              ) -> Callable[[str, torch.nn.Parameter], int] | None:
+    """The answer of hook ``optimizer_state_per_param`` as ``values(name, param)``, fp32 values
+    per element of one parameter; None when the optimizer does not implement the hook. ``pm``
+    as for :func:`wants_sharded_gradients` (one plugin manager for every parameter asked)."""
+    hook = _optimizer_hooks(config, pm).optimizer_state_per_param
+    if not hook.get_hookimpls():
+        return None
+
+    def values(name: str, param: torch.nn.Parameter) -> int:
+        return int(hook(config=config, name=name, param=param))
+
+    return values
 
 
 def data_parallel_memory(config, **kwargs):

@@ -6,9 +6,11 @@ tp rank, expert rank) builds its model chunks on the meta device with the model 
 ``model_provider``, so parameter counts are those of the built model. Each chunk then says what
 one microbatch keeps for backward (``activation_bytes``, core/contracts/activations.py); the selected
 schedule's own action lists (core/pipeline/plan.py) say how many microbatch-chunks each stage
-holds at its peak. Optimizer plugins say how many fp32 values they keep per parameter
-(hook ``optimizer_state_per_param``, default 2: Adam's moments) and whether they shard them
-(hook ``optimizer_shards_gradients``).
+holds at its peak. Optimizer plugins say how many fp32 values they keep per element of each
+parameter (hook ``optimizer_state_per_param``, default 2: Adam's moments; Muon keeps 1 for its
+matrices and AdamW's 2 for the rest) and whether they shard them (hooks
+``optimizer_shards_gradients``, element ranges, and ``optimizer_shards_layer_wise``, whole
+parameters per rank: counted with the optimizer's own split, plus its all-gather buffers).
 
 Counted per rank: parameters (model dtype), gradient buffers (fp32 under
 ``--accumulate-allreduce-grads-in-fp32`` with bf16/fp16, else the model dtype), optimizer state
@@ -59,6 +61,8 @@ from plugtron.core.plugins.options import with_plugin_sections
 from plugtron.core.plugins.selection import resolve_data_parallel, resolve_schedule, selected_driver
 from plugtron.core.plugins.tokenizers import build_tokenizer
 from plugtron.core.training.builder import build_model, model_plugins_of
+from plugtron.core.training.optimizer import named_params
+from plugtron.core.training.optimizer_shards import layer_wise_memory
 from plugtron.core.training.validate import apply_schedule_placement
 
 GIB = 2**30
@@ -99,7 +103,8 @@ class RankEstimate:
     #: The run's optimizer state as its data-parallel wrapper counts it (hook
     #: ``data_parallel_memory``): one of the two columns above under ddp.
     optimizer_selected: int = 0
-    #: Parameters and gradients a sharding wrapper gathers for compute at the peak.
+    #: Parameters and gradients a sharding wrapper gathers for compute at the peak; with a
+    #: layer-wise sharded optimizer, the buffers it all-gathers the stepped parameters into.
     gathered_bytes: int = 0
     #: CPU only: freed memory the heap keeps resident (:data:`CPU_HEAP_SLACK_FRACTION`).
     heap_slack_bytes: int = 0
@@ -300,7 +305,6 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
                                    microbatches, config)
     wrapper = resolve_data_parallel(config)
     declared_state = optimizer_state_per_param(config)
-    state_values = 2 if declared_state is None else int(declared_state)
     distributed = wants_sharded_gradients(config)
     # whole parameters per data-parallel rank: the state is split, the gradients are not
     layer_wise = not distributed and shards_layer_wise(config)
@@ -316,6 +320,7 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
         result.notes.append(f"optimizer {selected_driver(config, 'optimizer')!r} does not implement "
                             f"optimizer_state_per_param: counted as 2 fp32 values per "
                             f"parameter (Adam)")
+    main_copy = 4 if mixed else 0  # the fp32 main parameter beside bf16/fp16 weights
     for (pp_rank, tp_rank, ep_rank, _), (ctx, ranks) in sorted(_contexts(config,
                                                                          world_size).items()):
         chunks = _meta_chunks(config, ctx, plugins)
@@ -329,9 +334,18 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
                                 f"only its layers that do are counted")
         stored = [c.stored for c in per_chunk]
         held, in_flight = _held_peak(actions[pp_rank], list(per_chunk))
-        optimizer = trainable * (4 * state_values + (4 if mixed else 0))
+        named = named_params(chunks)
+        values = {id(param): 2 if declared_state is None else declared_state(name, param)
+                  for name, param in named}
+
+        def param_bytes(name, param):
+            return param.numel() * (4 * values[id(param)] + main_copy)
+
+        optimizer = sum(param_bytes(name, param) for name, param in named)
         counted = data_parallel_memory(config, chunks=chunks, dp_cp=dp * cp,
-                                       edp=ctx.edp_size, state_per_param=state_values,
+                                       edp=ctx.edp_size,
+                                       state_per_param=max(values.values(), default=0),
+                                       state_values=lambda param: values.get(id(param), 0),
                                        shard_gradients=distributed)
         if counted is None:  # the wrapper does not count itself: whole tensors, as ddp
             counted = DataParallelMemory(numel * e, trainable * grad_e, -(-optimizer // (dp * cp))
@@ -342,11 +356,13 @@ def estimate_memory(config, world_size: int, cuda: bool | None = None) -> Memory
             note = counted.note
         if note and note not in result.notes:
             result.notes.append(note)
-        if layer_wise:
-            counted = dataclasses.replace(
-                counted, optimizer_bytes=-(-counted.optimizer_bytes // (dp * cp)))
+        if layer_wise:  # the wrapper counted whole tensors; the optimizer keeps its own
+            state, gather = layer_wise_memory(named, param_bytes, dp * cp, ctx.edp_size)
+            counted = dataclasses.replace(counted, optimizer_bytes=state,
+                                          gathered_bytes=counted.gathered_bytes + gather)
             note = (f"optimizer {selected_driver(config, 'optimizer')!r} shards its state "
-                    f"layer-wise: whole parameters per dp x cp rank, counted as 1/{dp * cp}")
+                    f"layer-wise: whole parameters per dp x cp rank, the fullest rank "
+                    f"counted; gathered: its all-gather of the stepped parameters")
             if note not in result.notes:
                 result.notes.append(note)
         result.ranks.append(RankEstimate(

@@ -143,13 +143,47 @@ class OwnedParams:
 def layer_wise_owners(named, parallel) -> list[OwnedParams]:
     """``named`` (``named_params``' pairs) split into whole parameters per data-parallel rank,
     balanced by size: dense ones over dp x cp, expert ones over expert data parallelism."""
+    return [OwnedParams(group, params) for group, _, params in _owned(
+        named, ((False, parallel.dp_cp_group, comm.group_size(parallel.dp_cp_group)),
+                (True, parallel.edp_group, comm.group_size(parallel.edp_group))))]
+
+
+def _owned(named, groups) -> list:
+    """``(group, size, ((name, param, owner), ...))`` for each of ``groups`` (``(expert, group,
+    size)``) that has parameters: the split of :func:`layer_wise_owners`, which the estimate
+    makes too, from sizes alone."""
     out = []
-    for expert, group in ((False, parallel.dp_cp_group), (True, parallel.edp_group)):
+    for expert, group, size in groups:
         members = [(n, p) for n, p in named if is_expert(p) == expert]
         if members:
-            owners = owners_by_size([p.numel() for _, p in members], comm.group_size(group))
-            out.append(OwnedParams(group, tuple((n, p, o) for (n, p), o in zip(members, owners))))
+            owners = owners_by_size([p.numel() for _, p in members], size)
+            out.append((group, size,
+                        tuple((n, p, o) for (n, p), o in zip(members, owners))))
     return out
+
+
+def layer_wise_memory(named, state_bytes: Callable, dp_cp: int, edp: int) -> tuple[int, int]:
+    """What :class:`LayerWiseOptimizer` holds on its fullest rank, for ``plugtron estimate``:
+    ``(state, gather)``. ``named``: a rank position's trainable ``(name, param)`` pairs in
+    ``named_params`` order (meta tensors do); ``state_bytes(name, param)``: the optimizer's
+    bytes for one parameter on the rank that steps it (the fp32 main copy included where there
+    is one). ``state`` is the fullest rank's sum over the parameters it owns (the dense and the
+    expert group's fullest ranks added: they may be one process); ``gather`` the
+    largest pair of buffers :meth:`LayerWiseOptimizer.share_params` fills at once after a step
+    (this rank's parameters padded to the fullest rank's, and the group's all-gather of them)."""
+    state = gather = 0
+    for _, size, params in _owned(named, ((False, None, dp_cp), (True, None, edp))):
+        per_rank = [0] * size
+        for name, param, owner in params:
+            per_rank[owner] += state_bytes(name, param)
+        state += max(per_rank)
+        if size == 1:
+            continue
+        for dtype in {p.dtype for _, p, _ in params}:
+            width = max(sum(p.numel() for _, p, o in params if o == r and p.dtype == dtype)
+                        for r in range(size))
+            gather = max(gather, width * (size + 1) * dtype.itemsize)
+    return state, gather
 
 
 class LayerWiseOptimizer(TorchOptimizer):

@@ -38,17 +38,17 @@ class DDP:
         return DistributedDataParallel(module, config, parallel, sharded=shard_gradients)
 
     @hookimpl
-    def data_parallel_memory(self, config, chunks, dp_cp, edp, state_per_param,
-                             shard_gradients):
+    def data_parallel_memory(self, config, chunks, dp_cp, edp, state_values, shard_gradients):
         mixed = model_dtype(config).itemsize == 2
         e = model_dtype(config).itemsize
         grad_e = 4 if mixed and config.parallel.accumulate_allreduce_grads_in_fp32 else e
         numel = sum(q.numel() for chunk in chunks for q in chunk.parameters())
         # frozen parameters have no gradient buffer and no optimizer state
-        trainable = sum(q.numel() for chunk in chunks for q in chunk.parameters()
-                        if q.requires_grad)
-        optimizer = trainable * (4 * state_per_param + (4 if mixed else 0))
+        trainable = [q for chunk in chunks for q in chunk.parameters() if q.requires_grad]
+        optimizer = sum(q.numel() * (4 * state_values(q) + (4 if mixed else 0))
+                        for q in trainable)
         if shard_gradients:
             optimizer = -(-optimizer // dp_cp)
-        return DataParallelMemory(param_bytes=numel * e, grad_bytes=trainable * grad_e,
+        return DataParallelMemory(param_bytes=numel * e,
+                                  grad_bytes=sum(q.numel() for q in trainable) * grad_e,
                                   optimizer_bytes=optimizer)

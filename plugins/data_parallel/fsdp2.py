@@ -299,8 +299,7 @@ class FSDP2:
         return FSDP2Chunk(module, config, parallel)
 
     @hookimpl
-    def data_parallel_memory(self, config, chunks, dp_cp, edp, state_per_param,
-                             shard_gradients):
+    def data_parallel_memory(self, config, chunks, dp_cp, edp, state_values, shard_gradients):
         compute = model_dtype(config).itemsize
         mixed = compute == 2
         reduce_e = 4 if (not mixed or config.parallel.accumulate_allreduce_grads_in_fp32) \
@@ -308,13 +307,17 @@ class FSDP2:
         t = config.training
         dp = max(1, dp_cp // config.parallel.context_parallel_size)
         microbatches = max(1, t.global_batch_size // (t.micro_batch_size * dp))
-        shard = trainable_shard = 0
+        shard = trainable_shard = state_shard = 0
         gathered = 0
         for chunk in chunks:
             params = list(chunk.parameters())
             shard += _shard_numel(params, dp_cp, edp)
             # frozen parameters (a model transform's) have no gradient and no optimizer state
-            trainable_shard += _shard_numel([q for q in params if q.requires_grad], dp_cp, edp)
+            trainable = [q for q in params if q.requires_grad]
+            trainable_shard += _shard_numel(trainable, dp_cp, edp)
+            # fp32 state values: each parameter's, over its shard (its elements split alike)
+            state_shard += sum(_shard_numel([q], dp_cp, edp) * state_values(q)
+                               for q in trainable)
             managed: set[int] = set()
             units = []
             for unit in wrapping_units(chunk):
@@ -334,6 +337,6 @@ class FSDP2:
             gathered = max(gathered, units_in_flight)
         return DataParallelMemory(
             param_bytes=shard * 4, grad_bytes=trainable_shard * reduce_e,
-            optimizer_bytes=trainable_shard * 4 * state_per_param, gathered_bytes=gathered,
+            optimizer_bytes=state_shard * 4, gathered_bytes=gathered,
             note="fsdp2: parameters, gradients and optimizer state sharded over dp x cp "
                  "(experts over the expert data-parallel group), plus the gathered units")

@@ -13,8 +13,8 @@ class Adam:
         return [SECTION]
 
     @hookimpl
-    def optimizer_state_per_param(self, config):
-        return 2  # the two moments
+    def optimizer_state_per_param(self, config, name, param):
+        return 2  # the two moments of every element
 
     @hookimpl
     def optimizer_takes_dtensor_params(self, config):

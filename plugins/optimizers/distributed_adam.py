@@ -17,7 +17,7 @@ class DistributedAdam:
         return [SECTION]
 
     @hookimpl
-    def optimizer_state_per_param(self, config):
+    def optimizer_state_per_param(self, config, name, param):
         return 2  # the two moments, sharded over dp x cp
 
     @hookimpl

@@ -83,8 +83,10 @@ class Muon:
         return True  # fsdp2's shards: each matrix is gathered whole for its update
 
     @hookimpl
-    def optimizer_state_per_param(self, config):
-        return 1  # the momentum of the matrices, most of the parameters (AdamW keeps 2)
+    def optimizer_state_per_param(self, config, name, param):
+        if takes_muon(name, param):
+            return 1  # the momentum buffer
+        return 1 if config.muon.muon_scalar_optimizer == "lion" else 2  # AdamW's two moments
 
     @hookimpl
     def optimizer_shards_layer_wise(self, config):

@@ -8,7 +8,8 @@ gather per matrix and step that the layer-wise mode (ddp) does without.
 A tensor-parallel rank holds a shard of each matrix. ``--muon-tp-mode duplicated`` (the
 default) gathers the whole matrix over the parameter's tensor-parallel group (etp for experts),
 orthogonalizes it on every rank alike and keeps this rank's shard: the update is the single
-process's. ``blockwise`` orthogonalizes each shard alone, with no communication: another
+process's. ``distributed`` gets the same update without the gather: the iteration runs on the
+shards, its Gram matrices summed over the group (newton_schulz.py). ``blockwise`` orthogonalizes each shard alone, with no communication: another
 update, which changes with the tp size (Megatron-Core's stated approximation).
 
 A layer that fuses projections into one weight declares its parts (``plugtron.api.
@@ -31,7 +32,14 @@ from plugtron.api import (
     tp_split_of,
 )
 
-from .newton_schulz import PRECISIONS, newton_schulz, scale_factor, schedule
+from .newton_schulz import (
+    PRECISIONS,
+    matmul_precision,
+    newton_schulz,
+    newton_schulz_sharded,
+    scale_factor,
+    schedule,
+)
 
 
 class Orthogonalizer:
@@ -41,10 +49,11 @@ class Orthogonalizer:
     def __init__(self, options, parallel):
         self.parallel = parallel
         self.coefficients = schedule(options.muon_coefficient_type, options.muon_num_ns_steps)
-        self.dtype = PRECISIONS[options.muon_fp32_matmul_prec]
+        self.precision = options.muon_fp32_matmul_prec
+        self.dtype = PRECISIONS[self.precision]
         self.scale_mode = options.muon_scale_mode
         self.extra_scale = options.muon_extra_scale_factor
-        self.duplicated = options.muon_tp_mode == "duplicated"
+        self.tp_mode = options.muon_tp_mode
         self.split = {"qkv": options.muon_split_qkv, "gate_up": options.muon_split_gate_up}
 
     def __call__(self, param: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
@@ -59,15 +68,20 @@ class Orthogonalizer:
             return self._orthogonalize(update, self._parts(param, update.size(0)))
         dim = getattr(param, "partition_dim")
         chunks = getattr(param, "partition_chunks", 1)
-        if self.duplicated:  # the whole matrix, the same on every rank of the group
+        if self.tp_mode == "duplicated":  # the whole matrix, the same on every rank of the group
             whole = gather_tp_shards(update, param, group)
             out = self._orthogonalize(whole, self._parts(param, whole.size(0)))
             return shard_of(out, dim, rank, size, chunks)
-        if dim != 0:  # blockwise, split across columns: every part's rows are all here
-            return self._orthogonalize(update, self._parts(param, update.size(0)))
-        parts = self._parts(param, update.size(0) * size)  # blockwise: this shard's rows
-        return self._orthogonalize(update, None if parts is None
-                                   else shard_of(parts, 0, rank, size, chunks))
+        # distributed and blockwise: this shard's rows of each part (all of them when the
+        # split is across columns)
+        if dim != 0:
+            parts = self._parts(param, update.size(0))
+        else:
+            parts = self._parts(param, update.size(0) * size)
+            parts = None if parts is None else shard_of(parts, 0, rank, size, chunks)
+        if self.tp_mode == "distributed":  # each part's iteration over the group's shards
+            return self._orthogonalize(update, parts, (group, dim, size))
+        return self._orthogonalize(update, parts)
 
     def _parts(self, param: torch.Tensor, rows: int) -> torch.Tensor | None:
         """The part of each row of the full matrix, when the parts are orthogonalized apart."""
@@ -76,15 +90,27 @@ class Orthogonalizer:
             return None
         return declared[1]
 
-    def _orthogonalize(self, matrix: torch.Tensor, parts: torch.Tensor | None) -> torch.Tensor:
+    def _orthogonalize(self, matrix: torch.Tensor, parts: torch.Tensor | None,
+                       sharded: tuple | None = None) -> torch.Tensor:
+        """``sharded``: ``(group, dim, size)`` when ``matrix`` is a shard of a matrix split
+        along ``dim`` over ``group`` (``distributed``), None when it is the whole matrix."""
         if parts is None:
-            return self._scaled(matrix)
+            return self._scaled(matrix, sharded)
         out = torch.empty(matrix.shape, dtype=torch.float32, device=matrix.device)
         for part in torch.unique(parts).tolist():
             rows = (parts == part).nonzero().squeeze(1).to(matrix.device)
-            out[rows] = self._scaled(matrix[rows])
+            out[rows] = self._scaled(matrix[rows], sharded)
         return out
 
-    def _scaled(self, matrix: torch.Tensor) -> torch.Tensor:
-        scale = scale_factor(matrix.size(0), matrix.size(1), self.scale_mode) * self.extra_scale
-        return newton_schulz(matrix, self.coefficients, self.dtype).float() * scale
+    def _scaled(self, matrix: torch.Tensor, sharded: tuple | None = None) -> torch.Tensor:
+        shape = list(matrix.shape)
+        if sharded is not None:  # the scale of the whole matrix
+            shape[sharded[1]] *= sharded[2]
+        scale = scale_factor(shape[0], shape[1], self.scale_mode) * self.extra_scale
+        with matmul_precision(self.precision):
+            if sharded is None:
+                out = newton_schulz(matrix, self.coefficients, self.dtype)
+            else:
+                group, dim, _ = sharded
+                out = newton_schulz_sharded(matrix, self.coefficients, self.dtype, dim, group)
+            return out.float() * scale

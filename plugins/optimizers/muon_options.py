@@ -35,9 +35,11 @@ class MuonOptions:
     muon_extra_scale_factor: float = opt(1.0, "--muon-extra-scale-factor", "Extra factor on "
                                          "Muon's update (0.2 with spectral matches AdamW's "
                                          "update RMS).")
-    muon_fp32_matmul_prec: str = opt("medium", "--muon-fp32-matmul-prec", "Precision of the "
-                                     "Newton-Schulz iteration: medium in bf16 (as torch and "
-                                     "Megatron-Core), high in fp32 (equal across layouts).",
+    muon_fp32_matmul_prec: str = opt("medium", "--muon-fp32-matmul-prec", "torch's float32 "
+                                     "matmul precision of the Newton-Schulz iteration: medium "
+                                     "in bf16, fp32 parameters too (as Megatron-Core and "
+                                     "torch); high fp32 with TF32 matmuls on CUDA; highest "
+                                     "fp32 (equal across layouts).",
                                      choices=tuple(PRECISIONS))
     muon_coefficient_type: str = opt("quintic", "--muon-coefficient-type", "Newton-Schulz "
                                      "coefficients (simple is torch.optim.Muon's).",
@@ -45,7 +47,9 @@ class MuonOptions:
     muon_num_ns_steps: int = opt(5, "--muon-num-ns-steps", "Newton-Schulz steps.")
     muon_tp_mode: str = opt("duplicated", "--muon-tp-mode", "Tensor-parallel matrices: "
                             "duplicated gathers each and orthogonalizes it whole on every tp "
-                            "rank (the single process's update); blockwise orthogonalizes each "
+                            "rank (the single process's update); distributed runs the "
+                            "iteration on the shards, its Gram matrices summed over tp (the "
+                            "same update, less compute per rank); blockwise orthogonalizes each "
                             "shard alone (an approximation that changes with tp).",
                             choices=("duplicated", "blockwise", "distributed"))
     muon_scalar_optimizer: str = opt("adam", "--muon-scalar-optimizer", "Optimizer of what "
@@ -69,10 +73,6 @@ def validate_muon(config) -> None:
         raise ConfigError("--optimizer muon with --use-distributed-optimizer under fsdp2: fsdp2 "
                           "already shards the state over data parallelism; drop one (the "
                           "layer-wise mode needs the ddp wrapper)")
-    if options.muon_tp_mode == "distributed":
-        raise ConfigError("--muon-tp-mode distributed is not offered: duplicated computes the "
-                          "same update (the whole matrix); blockwise is the approximation "
-                          "without communication")
     if not 0.0 <= options.muon_momentum < 1.0:
         raise ConfigError(f"--muon-momentum must be in [0, 1), got {options.muon_momentum}")
     for flag, beta in (("--lion-beta1", options.lion_beta1),

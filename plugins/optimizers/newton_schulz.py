@@ -6,17 +6,24 @@ polynomial ``a x + b x^3 + c x^5``, applied as ``X <- a X + (b G + c G^2) X`` wi
 matrix ``G = X X^T`` of the shorter side. Five steps of well chosen coefficients leave the
 singular values near 1 (not exactly: close enough for an optimizer, and cheap on matrix units).
 
-``medium`` precision runs it in bfloat16, as torch.optim.Muon and Megatron-Core's default do
-(fp32 matmuls at "medium" precision are bf16 matmuls); ``high`` keeps fp32, which is what makes
-a tensor- or data-parallel run equal a single process to fp32 rounding: a bf16 iteration turns
-the float noise of a differently summed gradient into whole bf16 steps.
+``--muon-fp32-matmul-prec`` is Megatron-Core's: torch's float32 matmul precision, set around
+the iteration. At ``medium`` (its default, and here) the iteration runs in bfloat16, whatever the
+parameters' dtype: Megatron-Core's Newton-Schulz (emerging_optimizers) casts the matrix to bf16
+whenever the precision is ``medium``, as torch.optim.Muon always does. So an fp32 run is not
+exact under the default, in Megatron-Core either: a bf16 iteration turns the float noise of a
+differently summed gradient (another tp, dp or pp layout) into whole bf16 steps. ``high`` keeps
+fp32 tensors and lets matmuls use TF32 where the hardware has it (CUDA); ``highest`` is fp32
+throughout, what makes a parallel run equal a single process to fp32 rounding (``high`` does
+too on the CPUs the suite runs on, which compute both alike).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+from plugtron.api import all_reduce
 
 #: Coefficient schedules by Megatron-Core's ``--muon-coefficient-type`` names. ``simple``
 #: repeats Keller Jordan's (a, b, c), torch.optim.Muon's default; ``quintic`` cycles five
@@ -32,8 +39,9 @@ COEFFICIENTS: dict[str, tuple[tuple[float, float, float], ...]] = {
                       (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)),
 }
 
-#: ``--muon-fp32-matmul-prec`` -> the dtype the iteration runs in.
-PRECISIONS = {"medium": torch.bfloat16, "high": torch.float32}
+#: ``--muon-fp32-matmul-prec`` (torch's float32 matmul precisions) -> the dtype the iteration
+#: runs in.
+PRECISIONS = {"medium": torch.bfloat16, "high": torch.float32, "highest": torch.float32}
 
 #: How the orthogonalized update is scaled for a matrix of ``rows x cols`` (Megatron-Core's
 #: ``--muon-scale-mode``): ``spectral`` sqrt(max(rows, cols)) (times 0.2 it matches AdamW's
@@ -79,6 +87,40 @@ def newton_schulz(matrix: torch.Tensor, coefficients: list[tuple[float, float, f
         polynomial = torch.addmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.addmm(x, polynomial, x, beta=a)
     return x.T if tall else x
+
+
+def newton_schulz_sharded(shard: torch.Tensor, coefficients: list[tuple[float, float, float]],
+                          dtype: torch.dtype, sharded_dim: int, group) -> torch.Tensor:
+    """This rank's part of the orthogonalized matrix whose ``sharded_dim`` is split over
+    ``group`` (``--muon-tp-mode distributed``, Megatron-Core's): the iteration runs on the
+    shards, with the Gram matrix of the unsplit side (``X X^T`` once the split side is the
+    columns) and the squared Frobenius norm summed over the group, so every rank steps its
+    columns of the whole matrix's iteration. The odd polynomial of ``X`` is the same from
+    either side: the single process's update, to float rounding; the Gram matrix may be the
+    larger one (of the unsplit side), the price of no gather."""
+    x = shard.to(dtype)
+    if sharded_dim == 0:  # the split side goes to the columns
+        x = x.T
+    square = all_reduce(x.float().square().sum(), group)
+    x = x / square.sqrt().clamp(min=EPS).to(dtype)
+    for a, b, c in coefficients:
+        # summed in fp32 (gloo has no bf16 sum), then the iteration's dtype again
+        gram = all_reduce((x @ x.T).float(), group).to(dtype)
+        polynomial = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, polynomial, x, beta=a)
+    return x.T if sharded_dim == 0 else x
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    """torch's float32 matmul precision ``precision`` for the ``with`` block (Megatron-Core
+    sets ``--muon-fp32-matmul-prec`` so around its iteration), the previous one after."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def scale_factor(rows: int, cols: int, mode: str) -> float:

@@ -20,7 +20,7 @@ class SGD:
         return [ConfigSection("sgd", SGDOptions, title="SGD", formerly=("training",))]
 
     @hookimpl
-    def optimizer_state_per_param(self, config):
+    def optimizer_state_per_param(self, config, name, param):
         return 1 if config.sgd.sgd_momentum else 0  # the momentum buffer
 
     @hookimpl

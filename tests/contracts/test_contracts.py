@@ -175,11 +175,18 @@ def test_hook_optimizer_shards_layer_wise():
 
 def test_hook_optimizer_state_per_param():
     # The built-in optimizers answer through the run's plugin manager and before launch alike.
+    # Asked per parameter: Muon keeps one value for its matrices, AdamW's two for the rest.
     config, run = _built()
-    assert run.pm.hook.optimizer_state_per_param(config=config) == 2
-    assert optimizer_state_per_param(tiny_config(optimizer="distributed-adam")) == 2
-    assert optimizer_state_per_param(tiny_config(optimizer="sgd")) == 1
-    assert optimizer_state_per_param(tiny_config(optimizer="sgd", sgd_momentum=0.0)) == 0
+    name, param = next(iter(run.model_chunks[0].named_parameters()))
+    assert run.pm.hook.optimizer_state_per_param(config=config, name=name, param=param) == 2
+    matrix, bias = torch.empty(4, 4, device="meta"), torch.empty(4, device="meta")
+    for optimizer, flags, want in (("distributed-adam", {}, (2, 2)), ("sgd", {}, (1, 1)),
+                                   ("sgd", {"sgd_momentum": 0.0}, (0, 0)),
+                                   ("muon", {}, (1, 2)),
+                                   ("muon", {"muon_scalar_optimizer": "lion"}, (1, 1))):
+        values = optimizer_state_per_param(tiny_config(optimizer=optimizer, **flags))
+        assert values is not None
+        assert (values("w", matrix), values("b", bias)) == want, (optimizer, flags)
 
 
 class Recorder:

@@ -19,7 +19,6 @@ before rotary, Megatron-Core's ``q_layernorm`` / ``k_layernorm``) and ``--window
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +35,7 @@ from plugtron.api import (
     yarn_attention_factor,
 )
 from plugtron_gpt.layers.activations import attention_layer_bytes, attention_weight_grad_bytes
+from plugtron_gpt.layers.attention_logits import layer_max_logits
 from plugtron_gpt.layers.attention_options import (
     SECTION,
     attention_options,
@@ -82,6 +82,7 @@ class SelfAttention(torch.nn.Module):
                 mark_sequence_parallel(self.q_layernorm)
                 mark_sequence_parallel(self.k_layernorm)
         window = parse_window(options.window_size)
+        self.window = window  # what QK-clip's logits cover too
         extra = {"window_size": window} if window is not None else {}
         self.core_attention = backend.core_attention(self.num_heads, self.num_groups,
                                                      self.head_dim, m.attention_dropout, **extra)
@@ -92,6 +93,7 @@ class SelfAttention(torch.nn.Module):
             input_is_parallel=True)
         self.recompute_core = recompute_module(config, "core_attn")
         self.qk_clip = config.training.qk_clip
+        self.parallel = parallel
         #: cos and sin times this: YaRN's attention factor (1 otherwise)
         self.rotary_mscale = yarn_attention_factor(rope_scaling(config))
 
@@ -112,7 +114,8 @@ class SelfAttention(torch.nn.Module):
             k = apply_rotary(k, rotary, self.rotary_mscale)
         inference = current_forward_context().inference
         if self.qk_clip and self.training and inference is None:
-            record_max_logits(self, self.linear_qkv.weight, max_logits(q, k))
+            record_max_logits(self, self.linear_qkv.weight,
+                              layer_max_logits(q, k, self.parallel, self.window))
         if inference is not None:  # generation: attend over the cached keys too
             k, v = inference.update(self.cache_key, k, v)
         # Selective recompute (Megatron's default, core_attn): the [s, s] scores and softmax
@@ -171,18 +174,6 @@ class SelfAttentionLayer(torch.nn.Module):
                   else self.input_layernorm(hidden))
         out = self.self_attention(normed, rotary)
         return hidden + dropout(out, self.hidden_dropout, self.training, self.backend)
-
-
-@torch.no_grad()
-def max_logits(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """The largest causal pre-softmax logit ``q . k / sqrt(d)`` of each head (``--qk-clip``);
-    q ``[b, s, heads, d]`` and k ``[b, s, groups, d]``, heads grouped by query group."""
-    b, s, heads, d = q.shape
-    groups = k.shape[2]
-    scores = torch.einsum("bsgjd,btgd->bgjst", q.float().view(b, s, groups, heads // groups, d),
-                          k.float()) / math.sqrt(d)
-    future = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-    return scores.masked_fill(future, float("-inf")).amax(dim=(0, 3, 4)).reshape(heads)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, backend) -> torch.Tensor:

@@ -232,16 +232,16 @@ def validate_yarn(config) -> None:
 
 
 def validate_qk_clip(config) -> None:
-    """What this layer's QK-clip (the largest logit over this rank's keys) covers."""
-    if attention_options(config).multi_latent_attention:
-        raise ConfigError("--qk-clip with --multi-latent-attention is not offered: MLA's layer "
-                          "records no attention logits")
-    if config.parallel.context_parallel_size > 1:
-        raise ConfigError("--qk-clip with --context-parallel-size > 1 is not offered: a rank "
-                          "holds only some of the keys its queries attend to")
-    if selected_driver(config, "data_parallel") == "fsdp2":
-        raise ConfigError("--qk-clip under fsdp2 is not offered: the clipped rows of a "
-                          "parameter sharded over data parallelism are not this rank's")
+    """What the recorded logits (``attention_logits.py``) cover: under cp they are measured
+    against every key by position in the sequence, which packed documents, cut per document
+    under cp, do not keep."""
+    samples = getattr(config, "samples", None)  # the datasets' section, when installed
+    if (config.parallel.context_parallel_size > 1 and samples is not None
+            and samples.reset_attention_mask):
+        raise ConfigError("--qk-clip with --context-parallel-size > 1 and packed documents "
+                          "(--reset-attention-mask) is not offered: cp cuts each document "
+                          "apart, and the logits are measured by position in the whole "
+                          "sequence")
 
 
 def validate_attention(config) -> None:

@@ -22,6 +22,11 @@ not the expanded keys and values (heads x (``--qk-head-dim`` + ``--qk-pos-emb-he
 ``linear_kv_up_proj``, as the full-sequence forward computes them, so cached and uncached
 generation agree.
 
+With ``--qk-clip`` a training forward records each head's largest logit with the query and
+key up-projections, whose rows it declares per head (Megatron-Core's MLA clip: ``q_nope`` and
+``k_nope`` share the scale by ``--qk-clip-alpha``, ``q_rope`` takes all of it, the shared
+rotary key none).
+
 Tensor parallelism splits the heads: the up-projections are column-parallel, ``linear_proj``
 row-parallel, and the down-projections and latent norms are replicated on every tp rank, as in
 Megatron-Core. Gradients: without sequence parallelism the up-projections' backward sums their
@@ -40,14 +45,17 @@ from plugtron.api import (
     copy_to_tensor_parallel_region,
     current_forward_context,
     linear,
+    mark_qk_clip_rows,
     mark_sequence_parallel,
     normal_init,
     recompute,
     recompute_module,
+    record_max_logits,
     scaled_normal_init,
     yarn_attention_factor,
     yarn_mscale,
 )
+from plugtron_gpt.layers.attention_logits import layer_max_logits
 from plugtron_gpt.layers.attention_options import attention_options, parse_window, rope_scaling
 
 
@@ -106,6 +114,7 @@ class MultiLatentAttention(torch.nn.Module):
             o.kv_lora_rank, heads * (o.qk_head_dim + o.v_head_dim), bias=False,
             init_method=init("linear_kv_up_proj"))
         window = parse_window(o.window_size)
+        self.window = window  # what QK-clip's logits cover too
         extra = {"window_size": window} if window is not None else {}
         self.core_attention = backend.core_attention(self.num_heads, self.num_heads,
                                                      self.q_head_dim, m.attention_dropout,
@@ -116,9 +125,25 @@ class MultiLatentAttention(torch.nn.Module):
                                            f"{prefix}.linear_proj.weight"),
             input_is_parallel=True)
         self.recompute_core = recompute_module(config, "core_attn")
+        self.qk_clip = config.training.qk_clip
+        if self.qk_clip:
+            self._declare_qk_clip_rows(heads)
         #: cos and sin times this (YaRN's attention factor), and the queries times
         #: ``query_scale`` (YaRN's softmax-scale correction; 1 without YaRN)
         self.rotary_mscale, self.query_scale = mla_scales(config)
+
+    def _query_weight(self) -> torch.nn.Parameter:
+        return (self.linear_q_proj if self.q_layernorm is None else self.linear_q_up_proj).weight
+
+    def _declare_qk_clip_rows(self, heads: int) -> None:
+        """QK-clip's rows (``--qk-clip``, Megatron-Core's MLA clip): per head, the query's
+        ``q_nope`` rows take ``eta ** alpha`` and its ``q_rope`` rows the whole ``eta`` (the
+        rotary key is one for all heads, so it is not scaled); the key up-projection's
+        ``k_nope`` rows take ``eta ** (1 - alpha)``, its value rows nothing."""
+        mark_qk_clip_rows(self._query_weight(), ((self.qk_head_dim, "query"),
+                                                 (self.pos_dim, "query_whole")), heads)
+        mark_qk_clip_rows(self.linear_kv_up_proj.weight, ((self.qk_head_dim, "key"),
+                                                          (self.v_head_dim, "none")), heads)
 
     def forward(self, x: torch.Tensor, rotary: torch.Tensor | None = None) -> torch.Tensor:
         b = x.shape[0]
@@ -156,6 +181,9 @@ class MultiLatentAttention(torch.nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, self.num_heads, -1)], dim=-1)
         if self.query_scale != 1.0:
             q = q * self.query_scale
+        if self.qk_clip and self.training and inference is None:
+            record_max_logits(self, (self._query_weight(), self.linear_kv_up_proj.weight),
+                              layer_max_logits(q, k, self.parallel, self.window))
         context = (recompute(self.core_attention, q, k, v) if self.recompute_core
                    else self.core_attention(q, k, v))
         out, _ = self.linear_proj(context)

@@ -1,7 +1,8 @@
 """QK-clip (``--qk-clip``): after a step, the query and key rows of every query group whose
 largest logit exceeded the threshold are scaled so that its logit falls to the threshold,
-split between queries and keys by ``--qk-clip-alpha``; the fp32 main copies alike; a layer
-under the threshold is left alone; and what the attention layer cannot record is refused."""
+split between queries and keys by ``--qk-clip-alpha``; rows declared per head (MLA's) take
+their role's share; the fp32 main copies alike; a layer under the threshold is left alone; and
+what cannot be clipped is refused."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from plugtron.api import ConfigError, mark_fused_parts, record_max_logits
-from plugtron.core.blocks.qk_clip import clip_qk
+from plugtron.api import ConfigError, mark_fused_parts, mark_qk_clip_rows, record_max_logits
+from plugtron.core.blocks.qk_clip import RECORD, clip_qk
 from plugtron.core.parallel.distributed import single_process
+from plugtron.core.training.loop import setup
 from plugtron.core.training.validate import validate
-from plugtron_gpt.layers.attention import max_logits
+from plugtron_gpt.layers.attention_logits import max_logits
 
 from tests.utils import tiny_config, train_in_process
 
@@ -59,6 +61,24 @@ def test_the_logit_is_the_causal_maximum_per_head():
         assert got[head] == pytest.approx(want.item(), rel=1e-6)
 
 
+def test_the_logits_are_the_pairs_attention_computes():
+    """Inside a document where documents are packed; inside the window with --window-size."""
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 6, 2, 4, generator=g), torch.randn(2, 6, 1, 4, generator=g)
+    documents = torch.tensor([[0, 0, 0, 1, 1, 1], [0, 1, 1, 1, 1, 2]])
+    got = max_logits(q, k, document_ids=documents)
+    scores = torch.einsum("bshd,btd->bhst", q, k[:, :, 0]) / 2.0
+    allowed = (torch.ones(6, 6).tril().bool()[None]
+               & (documents[:, :, None] == documents[:, None, :]))[:, None]
+    want = scores.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(got, want)
+    assert (got < max_logits(q, k)).any()  # a pair across documents was the largest
+    # --window-size 2,0: a query sees itself and the two keys before it
+    near = torch.ones(6, 6).tril().bool() & ~torch.ones(6, 6).tril(-3).bool()
+    want = scores.masked_fill(~near[None, None], -math.inf).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(max_logits(q, k, window_left=2), want)
+
+
 def test_a_bf16_run_scales_the_master_copies_with_the_weights():
     config = tiny_config(optimizer="muon", qk_clip=True, qk_clip_threshold=0.05, bf16=True,
                          train_iters=3)
@@ -74,11 +94,68 @@ def test_a_bf16_run_scales_the_master_copies_with_the_weights():
     assert weight.float().norm() < other.linear_qkv.weight.float().norm()
 
 
+def test_declared_rows_take_their_role_s_share_per_head():
+    """``mark_qk_clip_rows``: per head, query rows ``eta ** alpha``, key rows
+    ``eta ** (1 - alpha)``, a query part against a shared key all of ``eta``, values nothing."""
+    heads, hidden = 2, 3
+    layer = torch.nn.Module()
+    layer.q = torch.nn.Parameter(torch.ones(heads * 5, hidden))
+    layer.kv = torch.nn.Parameter(torch.ones(heads * 4, hidden))
+    mark_qk_clip_rows(layer.q, ((3, "query"), (2, "query_whole")), heads)
+    mark_qk_clip_rows(layer.kv, ((3, "key"), (1, "none")), heads)
+    record_max_logits(layer, (layer.q, layer.kv), torch.tensor([50.0, 400.0]))
+    optimizer = _Optimizer()
+    assert clip_qk([layer], optimizer, ONE_RANK, threshold=100.0, alpha=0.25) == 400.0
+    eta = 0.25  # head 1's; head 0 stays
+    assert layer.q[:, 0].tolist() == pytest.approx([1.0] * 5 + [eta ** 0.25] * 3 + [eta] * 2)
+    assert layer.kv[:, 0].tolist() == pytest.approx([1.0] * 4 + [eta ** 0.75] * 3 + [1.0])
+    assert len(optimizer.scaled) == 2
+    with pytest.raises(ValueError, match="unknown QK-clip row roles"):
+        mark_qk_clip_rows(layer.q, ((5, "value"),), heads)
+
+
+#: A one-layer MLA (with query compression, and YaRN's softmax correction on the queries).
+MLA_FLAGS = {"num-layers": 1, "multi-latent-attention": True, "kv-lora-rank": 8,
+             "qk-head-dim": 6, "qk-pos-emb-head-dim": 4, "v-head-dim": 5, "q-lora-rank": 12,
+             "position-embedding-type": "rope", "normalization": "RMSNorm",
+             "add-bias-linear": False, "num-attention-heads": 4, "hidden-size": 32,
+             "qk-clip": True, "rope-type": "yarn", "rotary-scaling-factor": 40.0,
+             "yarn-original-max-position-embeddings": 16}
+
+
+@pytest.mark.parametrize("q_rank", [12, None], ids=["q-compressed", "q-uncompressed"])
+def test_mla_heads_above_the_threshold_fall_to_it(q_rank):
+    """MLA (Megatron-Core's clip): q_nope and k_nope share the scale, q_rope takes all of it
+    (the rotary key is shared by the heads and left alone), so every logit of a clipped head is
+    multiplied by ``t / m`` and its largest becomes the threshold; the others do not move."""
+    from plugtron.core.blocks.rotary import rotary_freqs
+    from plugtron.testing import make_config
+
+    flags = {**MLA_FLAGS, **({"q-lora-rank": q_rank} if q_rank else {"q-lora-rank": None})}
+    run = setup(make_config({k: v for k, v in flags.items() if v is not None}),
+                world=single_process())
+    attention = run.model_chunks[0].module.decoder.layers["0"].self_attention
+    shared = {n: p.detach().clone() for n, p in attention.named_parameters()
+              if "down_proj" in n or "layernorm" in n}
+    x = torch.randn(2, 16, 32, generator=torch.Generator().manual_seed(1))
+    rotary = rotary_freqs(16, 4, 10000.0)
+    attention(x, rotary)
+    before = getattr(attention, RECORD)[1].clone()
+    threshold = float(before.median())
+    clip_qk([attention], _Optimizer(), ONE_RANK, threshold, alpha=0.3)
+    attention(x, rotary)
+    after = getattr(attention, RECORD)[1]
+    want = torch.clamp(before, max=threshold)
+    torch.testing.assert_close(after, want, rtol=1e-5, atol=0)
+    assert (before > threshold).any() and (before <= threshold).any()
+    for name, value in shared.items():  # the shared rotary key and the latents: untouched
+        assert torch.equal(dict(attention.named_parameters())[name], value), name
+
+
 @pytest.mark.parametrize("flags,message", [
     ({"qk_clip_alpha": 1.0}, "0 < --qk-clip-alpha < 1"),
-    ({"multi_latent_attention": True, "position_embedding_type": "rope"},
-     "--qk-clip with --multi-latent-attention"),
-    ({"cp": 2}, "--qk-clip with --context-parallel-size > 1"),
+    ({"cp": 2, "reset_attention_mask": True}, "--qk-clip with --context-parallel-size > 1 and "
+                                              "packed documents"),
     ({"bf16": True, "use_distributed_optimizer": True}, "a sharded optimizer"),
 ])
 def test_refusals(flags, message):

@@ -262,6 +262,38 @@ def test_a_third_party_optimizer_is_counted_as_it_declares(third_party_optimizer
     assert any("does not implement optimizer_state_per_param" in n for n in silent.notes)
 
 
+OLD_FORM_WRAPPER = """
+    from plugtron.api import DataParallelMemory, hookimpl
+
+    class OneNumber:
+        # data_parallel_memory as written before the optimizer answered per parameter
+
+        @hookimpl
+        def data_parallel_memory(self, config, chunks, dp_cp, state_per_param):
+            numel = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+            return DataParallelMemory(numel * 4, numel * 4, numel * 4 * state_per_param)
+
+        @hookimpl
+        def wrap_model_chunk(self, config, module, parallel, shard_gradients):
+            raise NotImplementedError
+"""
+
+
+def test_a_wrapper_counting_one_number_gets_the_largest_per_parameter_answer(tmp_path):
+    """Muon answers 1 for its matrices and 2 for AdamW's parameters: a wrapper of the old form
+    (``state_per_param`` alone) counts 2 for every parameter, a bound; ddp counts each."""
+    install_fake_distribution(tmp_path, "plugtron-one-number", "0.1",
+                              {"plugtron.data_parallel": {"one-number": "one_number:OneNumber"}},
+                              {"one_number": OLD_FORM_WRAPPER})
+    try:
+        bound = _rows({"optimizer": "muon", "data_parallel": "one-number"}, 1)[0]
+    finally:
+        remove_path(tmp_path)
+    exact = _rows({"optimizer": "muon"}, 1)[0]
+    assert bound.optimizer_selected == 8 * bound.parameters
+    assert 4 * exact.parameters < exact.optimizer_selected < bound.optimizer_selected
+
+
 # --------------------------------------------------------------------------- CLI
 
 

@@ -82,3 +82,16 @@ def test_the_distributed_optimizer_uses_only_the_public_interface():
         for number, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#")[0]
             assert not internals.search(code), f"{path.name}:{number} reads DDP internals"
+
+
+def test_the_layer_wise_estimate_splits_as_the_optimizer_does():
+    """``layer_wise_memory`` owns parameters as ``owners_by_size`` does (sizes 64, 48, 32, 8 on
+    2 ranks: {64, 8} and {48, 32}), sums each rank's bytes and counts the share's buffers."""
+    from plugtron.core.training.optimizer_shards import layer_wise_memory, owners_by_size
+
+    named = [(f"p{i}", torch.empty(n, device="meta")) for i, n in enumerate((8, 64, 32, 48))]
+    assert owners_by_size([8, 64, 32, 48], 2) == [0, 0, 1, 1]
+    state, gather = layer_wise_memory(named, lambda name, p: 3 * p.numel(), dp_cp=2, edp=2)
+    assert state == 3 * 80  # the fuller rank: 48 + 32 elements against 64 + 8
+    assert gather == 80 * (2 + 1) * 4  # its padded share and the group's all-gather, fp32
+    assert layer_wise_memory(named, lambda name, p: p.numel(), dp_cp=1, edp=1) == (152, 0)

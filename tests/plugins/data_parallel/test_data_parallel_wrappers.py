@@ -135,14 +135,21 @@ def test_hook_data_parallel_memory():
     meta = torch.nn.Linear(64, 64, device="meta")
     config = tiny_config(use_torch_fsdp2=True)
     counted = data_parallel_memory(config, chunks=[meta], dp_cp=4, edp=4, state_per_param=2,
-                                   shard_gradients=False)
+                                   state_values=lambda q: 2, shard_gradients=False)
     numel = 64 * 64 + 64
     assert counted.param_bytes == 4 * (-(-numel // 4)) and counted.grad_bytes == counted.param_bytes
     assert counted.optimizer_bytes == 2 * counted.param_bytes
     whole = data_parallel_memory(tiny_config(), chunks=[meta], dp_cp=4, edp=4,
-                                 state_per_param=2, shard_gradients=False)
+                                 state_per_param=2, state_values=lambda q: 2,
+                                 shard_gradients=False)
     assert (whole.param_bytes, whole.optimizer_bytes, whole.gathered_bytes) == (
         4 * numel, 8 * numel, 0)
+    # an optimizer that keeps one value for the matrix and two for the bias (Muon and AdamW)
+    for cfg, dp_cp in ((config, 4), (tiny_config(), 1)):
+        mixed = data_parallel_memory(cfg, chunks=[meta], dp_cp=dp_cp, edp=dp_cp,
+                                     state_per_param=2, shard_gradients=False,
+                                     state_values=lambda q: 1 if q.ndim == 2 else 2)
+        assert mixed.optimizer_bytes == 4 * (64 * 64 + 2 * 64) // dp_cp
 
 
 def test_the_estimate_counts_fsdp2_shards_and_gathered_units():
