@@ -231,26 +231,11 @@ def validate_yarn(config) -> None:
                           f"--yarn-beta-fast ({o.yarn_beta_fast})")
 
 
-def validate_qk_clip(config) -> None:
-    """What the recorded logits (``attention_logits.py``) cover: under cp they are measured
-    against every key by position in the sequence, which packed documents, cut per document
-    under cp, do not keep."""
-    samples = getattr(config, "samples", None)  # the datasets' section, when installed
-    if (config.parallel.context_parallel_size > 1 and samples is not None
-            and samples.reset_attention_mask):
-        raise ConfigError("--qk-clip with --context-parallel-size > 1 and packed documents "
-                          "(--reset-attention-mask) is not offered: cp cuts each document "
-                          "apart, and the logits are measured by position in the whole "
-                          "sequence")
-
-
 def validate_attention(config) -> None:
     """The options' values, and what they do not combine with; before launch."""
     o = attention_options(config)
     if o.multi_latent_attention:
         validate_mla(config)
-    if config.training.qk_clip:
-        validate_qk_clip(config)
     validate_yarn(config)
     window = parse_window(o.window_size)
     # A window covering the whole sequence is plain causal attention (Mistral's 4096 at shorter

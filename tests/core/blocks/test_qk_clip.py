@@ -154,8 +154,6 @@ def test_mla_heads_above_the_threshold_fall_to_it(q_rank):
 
 @pytest.mark.parametrize("flags,message", [
     ({"qk_clip_alpha": 1.0}, "0 < --qk-clip-alpha < 1"),
-    ({"cp": 2, "reset_attention_mask": True}, "--qk-clip with --context-parallel-size > 1 and "
-                                              "packed documents"),
     ({"bf16": True, "use_distributed_optimizer": True}, "a sharded optimizer"),
 ])
 def test_refusals(flags, message):

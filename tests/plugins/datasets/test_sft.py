@@ -249,6 +249,15 @@ def test_multi_token_prediction_on_records_cut_in_parts_under_cp(pairs, pool):
     assert_layouts_match(flags, layouts=[{"cp": 2}], pool=pool)
 
 
+def test_qk_clip_on_records_cut_in_parts_under_cp(pairs, pool):
+    """QK-clip's logits under cp 2 go by each token's position in the per-record split, inside
+    its record: the clipped steps equal one process's (Muon, fp32 Newton-Schulz)."""
+    flags = _flags(pairs, **{"global-batch-size": 4, "sft-pad-to-multiple-of": 4,
+                             "optimizer": "muon", "muon-fp32-matmul-prec": "high",
+                             "qk-clip": True, "qk-clip-threshold": 0.01, "lr": 5e-3})
+    assert_layouts_match(flags, layouts=[{"cp": 2}], pool=pool)
+
+
 def test_records_padded_to_a_multiple_learn_the_same(pairs, pool):
     """Padding each record (after its last token, without loss) changes no loss or gradient:
     here the packs are the same two records either way (13 positions, padded to 16)."""
