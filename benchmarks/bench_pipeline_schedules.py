@@ -10,7 +10,11 @@ schedule shares).
 
 Idle fraction: ``1 - compute / wall`` of the executor's call on that rank, ``compute`` being the
 time inside forward, backward, I and W (``ExecutionTrace.idle_fraction``): the bubble as the rank
-lived it, communication included. Simulated: the same lists with F = I = W = 1 per action.
+lived it, communication included. Simulated: the same lists with F = I = W = 1 per action; and
+predicted: the same lists simulated with each action's measured cost (the median F, B, I or W
+of that rank and chunk; the first and last stages carry the embedding and the loss), as
+``1 - work / end`` of each rank, the measured idle's definition: what the simulator predicts
+given what the actions cost (communication free).
 
 Memory, one step per schedule after the timing: the peak of live torch CPU allocations during
 the step over what was live at its start (torch.profiler's memory events), and the resident-set
@@ -44,8 +48,9 @@ MODEL = {"model": "gpt", "num-layers": 8, "hidden-size": 256, "num-attention-hea
 MICROBATCHES = 8
 
 
-def _flags(schedule: str, pp: int) -> dict:
-    flags = {**MODEL, "pp": pp, "schedule": schedule,
+def _flags(schedule: str, pp: int, hidden: int, seq: int) -> dict:
+    flags = {**MODEL, "pp": pp, "schedule": schedule, "hidden-size": hidden, "seq-length": seq,
+             "max-position-embeddings": seq,
              "global-batch-size": MICROBATCHES * MODEL["micro-batch-size"]}
     if schedule in LOOPED_CHUNKS:
         flags["vp"] = LOOPED_CHUNKS[schedule]
@@ -91,7 +96,7 @@ def _memory(run, micro) -> tuple[int, int]:
     return live_peak_bytes(prof), rss
 
 
-def rank_main(rank, world_size, rounds):
+def rank_main(rank, world_size, rounds, hidden, seq):
     from plugtron.core.pipeline import executor
     from plugtron.core.tools.estimate import estimate_memory
     from plugtron.core.training.loop import setup
@@ -100,12 +105,13 @@ def rank_main(rank, world_size, rounds):
     torch.set_num_threads(1)
     runs = {}
     for name in SCHEDULES:
-        config = make_config(_flags(name, world_size))
+        config = make_config(_flags(name, world_size, hidden, seq))
         config.plugins.disabled = ["no:logging"]
         run = setup(config)
         runs[name] = (run, _microbatches(run))
     walls = {name: [] for name in SCHEDULES}
     idle = {name: [] for name in SCHEDULES}
+    seconds: dict = {name: {} for name in SCHEDULES}  # kind -> every action's seconds
     for step in range(rounds + 1):  # the first round warms up
         order = SCHEDULES if step % 2 else SCHEDULES[::-1]
         for name in order:
@@ -115,6 +121,8 @@ def rank_main(rank, world_size, rounds):
             if step:
                 walls[name].append(executor.last_trace.wall_seconds)
                 idle[name].append(executor.last_trace.idle_fraction)
+                for key, spent in executor.last_trace.action_seconds.items():
+                    seconds[name].setdefault(key, []).extend(spent)
     memory = {}
     for name in SCHEDULES:
         run, micro = runs[name]
@@ -126,22 +134,49 @@ def rank_main(rank, world_size, rounds):
         live_estimate = mine.activation_bytes + mine.workspace_bytes
         memory[name] = {"live": live, "rss": rss, "estimate": live_estimate,
                         "estimate_rss": live_estimate + mine.heap_slack_bytes}
-    return {"walls": walls, "idle": idle, "memory": memory}
+    costs = {name: {key: statistics.median(spent) for key, spent in by_kind.items()}
+             for name, by_kind in seconds.items()}
+    return {"walls": walls, "idle": idle, "memory": memory, "costs": costs}
 
 
-def simulated(name: str, pp: int) -> tuple[float, list]:
+def simulated(name: str, pp: int) -> float:
     from plugtron.cli.schedule_cmd import describe_schedule
 
     report, _ = describe_schedule(name, pp, LOOPED_CHUNKS.get(name), MICROBATCHES)
-    return report["bubble_fraction"], [r["idle_in_span"] for r in report["ranks"]]
+    return report["bubble_fraction"]
 
 
-def measure(pp: int, rounds: int) -> list[dict]:
+def predicted_idle(name: str, pp: int, per_rank: list[dict]) -> list[float]:
+    """Each rank's ``1 - work / end`` of the schedule simulated with every action's measured
+    cost (that rank's and chunk's median of its kind)."""
+    from plugtron.cli.schedule_cmd import describe_schedule
+    from plugtron.core.pipeline.plan import simulate
+
+    report, _ = describe_schedule(name, pp, LOOPED_CHUNKS.get(name), MICROBATCHES)
+    per_rank_actions = [[_action(a) for a in r["actions"]] for r in report["ranks"]]
+
+    def cost(rank, action):
+        return per_rank[rank]["costs"][name][(action.kind, action.chunk)]
+
+    chunks = 2 if report["vp"] or report["pipeline_placement"] != "looped" else 1
+    slots = simulate(per_rank_actions, chunks, placement=report["pipeline_placement"],
+                     action_cost=cost)
+    return [1.0 - sum(x.end - x.start for x in rank) / max(x.end for x in rank)
+            for rank in slots]
+
+
+def _action(entry: dict):
+    from plugtron.core.pipeline.plan import Action
+
+    return Action(**entry)
+
+
+def measure(pp: int, rounds: int, hidden: int, seq: int) -> list[dict]:
     from plugtron.testing import DistributedPool
 
     with DistributedPool(pp, timeout=1800) as pool:
-        per_rank = pool.run(rank_main, rounds, world_size=pp)
-    tokens = MICROBATCHES * MODEL["micro-batch-size"] * MODEL["seq-length"]
+        per_rank = pool.run(rank_main, rounds, hidden, seq, world_size=pp)
+    tokens = MICROBATCHES * MODEL["micro-batch-size"] * seq
     rows = []
     for name in SCHEDULES:
         # a step ends with its slowest rank: per round the max over ranks, then the median
@@ -150,7 +185,8 @@ def measure(pp: int, rounds: int) -> list[dict]:
         rows.append({
             "schedule": name, "pp": pp, "step": step, "tokens_per_s": tokens / step,
             "idle": [statistics.median(r["idle"][name]) for r in per_rank],
-            "simulated": simulated(name, pp)[0],
+            "simulated": simulated(name, pp),
+            "predicted": predicted_idle(name, pp, per_rank),
             "memory": [r["memory"][name] for r in per_rank]})
     base = next(r for r in rows if r["schedule"] == "1f1b")["step"]
     for row in rows:
@@ -160,16 +196,19 @@ def measure(pp: int, rounds: int) -> list[dict]:
 
 def format_rows(rows: list[dict]) -> list[str]:
     lines = ["| pp | schedule | step (s) | tokens/s | speed vs 1f1b | idle fraction per rank "
-             "(measured) | bubble (simulated) | estimate / live peak per rank | estimate / "
-             "RSS peak per rank |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "(measured) | idle per rank predicted from the measured action costs | bubble "
+             "(simulated, unit costs) | estimate / live peak per rank | estimate / RSS peak per "
+             "rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         live = " ".join(f"{m['estimate'] / m['live']:.2f}" for m in r["memory"])
         rss = " ".join(f"{m['estimate_rss'] / m['rss']:.2f}" for m in r["memory"])
         idle = " ".join(f"{x:.3f}" for x in r["idle"])
+        predicted = " ".join(f"{x:.3f}" for x in r["predicted"])
         lines.append(
             f"| {r['pp']} | {r['schedule']} | {r['step']:.3f} | {r['tokens_per_s']:.0f} | "
-            f"{r['vs_1f1b']:.2f} | {idle} | {r['simulated']:.3f} | {live} | {rss} |")
+            f"{r['vs_1f1b']:.2f} | {idle} | {predicted} | {r['simulated']:.3f} | "
+            f"{live} | {rss} |")
     return lines
 
 
@@ -177,25 +216,33 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--hidden", type=int, default=MODEL["hidden-size"])
+    parser.add_argument("--seq", type=int, default=MODEL["seq-length"])
     parser.add_argument("--no-record", action="store_true")
     args = parser.parse_args()
-    rows = [row for pp in args.pp for row in measure(pp, args.rounds)]
+    rows = [row for pp in args.pp for row in measure(pp, args.rounds, args.hidden, args.seq)]
     lines = format_rows(rows)
     print("\n".join(lines))
     if not args.no_record:
-        m = MODEL
+        m = {**MODEL, "hidden-size": args.hidden, "seq-length": args.seq}
+        default = (args.hidden, args.seq) == (MODEL["hidden-size"], MODEL["seq-length"])
+        which = "" if default else f", hidden {args.hidden} x seq {args.seq}"
         write_section(
-            f"\n## Pipeline schedules measured ({datetime.date.today()})\n\n"
+            f"\n## Pipeline schedules measured{which} ({datetime.date.today()})\n\n"
             f"Machine: 2-core Intel Xeon VM (AVX-512, AMX), gloo, one thread per rank; pp 4 "
             f"runs 4 ranks on the 2 cores (oversubscribed: a rank's idle time there includes "
             f"waiting for a core).\n\n"
-            f"Command: `.venv/bin/python benchmarks/bench_pipeline_schedules.py`\n\n"
+            f"Command: `.venv/bin/python benchmarks/bench_pipeline_schedules.py "
+            f"--rounds {args.rounds} --pp {' '.join(map(str, args.pp))}"
+            f"{'' if default else f' --hidden {args.hidden} --seq {args.seq}'}`\n\n"
             f"GPT {m['num-layers']} layers, hidden {m['hidden-size']}, seq {m['seq-length']}, "
             f"vocab {m['vocab-size']}, micro batch {m['micro-batch-size']}, {MICROBATCHES} "
             f"microbatches, fp32, dp 1. Step: forward and backward of one global batch (median "
             f"round, slowest rank), all schedules round-robin in the same processes. Idle "
             f"fraction: 1 - compute / wall of the executor on that rank, from its trace. "
-            f"Simulated: F = I = W = 1 per action, free communication. Memory: the estimate's "
+            f"Predicted: the same per-rank lists simulated with every action's measured cost "
+            f"(that rank's and chunk's median F, B, I or W), free communication, as 1 - work / "
+            f"end per rank. Simulated: F = I = W = 1 per action. Memory: the estimate's "
             f"activations + backward transient + receive buffers over the step's measured peak "
             f"of live torch allocations (what a GPU's allocator counts); and with the CPU heap's "
             f"slack over the step's resident-set peak.\n\n" + "\n".join(lines) + "\n")

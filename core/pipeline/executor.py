@@ -86,6 +86,14 @@ class ExecutionTrace:
     compute_seconds: float = 0.0  # inside forward_step / backward_step and the W's
     wait_seconds: float = 0.0  # blocked on receives
     wall_seconds: float = 0.0  # the whole call
+    #: compute seconds of each action by ``(kind, chunk)`` (kind ``F``, ``B``, ``I``, ``W``):
+    #: the measured costs a simulation of the schedule takes (``plan.simulate``'s
+    #: ``action_cost``, ``plugtron schedule show --costs``)
+    action_seconds: dict = field(default_factory=dict)
+
+    def record(self, action, seconds: float) -> None:
+        self.compute_seconds += seconds
+        self.action_seconds.setdefault((action.kind, action.chunk), []).append(seconds)
 
     @property
     def idle_fraction(self) -> float:
@@ -319,7 +327,7 @@ class _Runner:
             output = schedule_utils.forward_step(self.forward_step_func, self.iterators[chunk],
                                                  self.chunks[chunk], input_tensor, is_last,
                                                  self.forward_only, self.reports)
-        self.trace.compute_seconds += time.perf_counter() - start
+        self.trace.record(action, time.perf_counter() - start)
         if not is_last and self.is_local(stage + 1):
             self.handed_over[(FORWARD, action.microbatch, stage + 1)] = output.detach()
         elif not is_last:
@@ -357,7 +365,7 @@ class _Runner:
                                                           self.loss_scale)
         if action.kind == BACKWARD_INPUT:
             self.weight_grads[(action.microbatch, chunk)] = store
-        self.trace.compute_seconds += time.perf_counter() - start
+        self.trace.record(action, time.perf_counter() - start)
         if stage > 0:
             grad = input_grad if input_grad is not None else torch.zeros_like(input_tensor)
             if self.is_local(stage - 1):
@@ -373,7 +381,7 @@ class _Runner:
         last = action in self.syncing
         with schedule_utils.sync_context(self.chunks[chunk], last):
             store.run()
-        self.trace.compute_seconds += time.perf_counter() - start
+        self.trace.record(action, time.perf_counter() - start)
 
     def communicate(self, step: Step) -> None:
         output, self.output = self.output, None

@@ -19,6 +19,7 @@ cannot finish is rejected with the cycle's first waits named.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -175,10 +176,13 @@ class Slot:
 
 def simulate(per_rank: list[list[Action]], num_chunks: int, forward_time: float = 1.0,
              backward_time: float = 2.0, input_time: float | None = None,
-             weight_time: float | None = None, placement: str = LOOPED) -> list[list[Slot]]:
+             weight_time: float | None = None, placement: str = LOOPED,
+             action_cost: Callable[[int, Action], float] | None = None) -> list[list[Slot]]:
     """Place every action at the earliest time its rank is free and its inputs exist.
 
-    ``I`` and ``W`` cost half of ``backward_time`` each unless given. Communication is free.
+    ``I`` and ``W`` cost half of ``backward_time`` each unless given. ``action_cost(rank,
+    action)``, when given, is each action's own cost instead (e.g. measured per rank and chunk:
+    the first and last stages carry the embedding and the loss). Communication is free.
     Raises ``ConfigError`` when the lists wait on each other forever.
     """
     costs = {FORWARD: forward_time, BACKWARD: backward_time,
@@ -201,7 +205,8 @@ def simulate(per_rank: list[list[Action]], num_chunks: int, forward_time: float 
                 if any(d not in finished for d in deps):
                     break
                 start = max([clock[rank]] + [finished[d] for d in deps])
-                cost = costs[action.kind]
+                cost = (costs[action.kind] if action_cost is None
+                        else action_cost(rank, action))
                 finished[(action.kind, action.microbatch, stage)] = clock[rank] = start + cost
                 if action.kind == BACKWARD_INPUT:
                     finished[(BACKWARD, action.microbatch, stage)] = start + cost
