@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from plugtron.api import ConfigError, ConfigSection, hookimpl, opt
 
 from .lora_adapter import attach_adapter, parallel_kind
+from .lora_peft import from_peft, to_peft
 
 NAME = "lora"
 ROLE = "model_transform"
@@ -129,6 +130,16 @@ class LoRA:
     def transform_merged_tensors(self, config, tensors):
         o = lora_options(config)
         return MergedLoRA(tensors, o.lora_alpha / o.lora_rank)
+
+    @hookimpl
+    def transform_peft_adapter(self, config, tensors, linears):
+        return to_peft(config, lora_options(config), tensors, linears)
+
+    @hookimpl
+    def transform_from_peft_adapter(self, adapter_config, tensors, linears, base):
+        if adapter_config.get("peft_type") != "LORA":
+            return None
+        return from_peft(adapter_config, tensors, linears, base)
 
 
 #: Names of an adapter's matrices after their linear's module name.
