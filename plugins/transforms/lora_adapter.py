@@ -63,7 +63,11 @@ class LoRAAdapter(torch.nn.Module):
     """The low-rank update of one linear: ``linear_in`` is A, ``linear_out`` is B."""
 
     def __init__(self, base: torch.nn.Module, name: str, kind: str, *, rank: int, alpha: float,
-                 dropout: float, seed: int, layer_backend, parallel):
+                 dropout: float, seed: int, layer_backend, parallel,
+                 part: tuple[str, int] | None = None):
+        """``part``: ``(its name, its output features)``: the adapter of one projection of a
+        fused column-parallel ``base`` (canonical LoRA, lora_split.py), named
+        ``<name>.adapter.adapter_<part>``."""
         super().__init__()
         weight = base.weight
         assert isinstance(weight, torch.nn.Parameter)  # parallel_kind found it
@@ -72,6 +76,9 @@ class LoRAAdapter(torch.nn.Module):
         column = kind == COLUMN
         in_features = local_in if column else local_in * tp
         out_features = local_out * tp if column else local_out
+        prefix = f"{name}.adapter"
+        if part is not None:
+            prefix, out_features = f"{prefix}.adapter_{part[0]}", part[1]
         if column and rank % tp:
             raise ConfigError(f"--lora-rank {rank}: the adapter of column-parallel {name} splits "
                               f"its rank over tp {tp}; give a multiple of {tp}")
@@ -79,12 +86,12 @@ class LoRAAdapter(torch.nn.Module):
             raise ConfigError(f"LoRA on row-parallel {name}: its output of {out_features} does "
                               f"not split over tp {tp}")
         # A: Xavier-normal (Megatron-Bridge's default), drawn whole by its global name
-        a_key = f"{name}.adapter.linear_in.weight"
+        a_key = f"{prefix}.linear_in.weight"
         a_full = normal_init(math.sqrt(2.0 / (in_features + rank)), seed, a_key)((rank,
                                                                                  in_features))
         a_dim = 0 if column else 1
         self.linear_in = _Weight(shard_of(a_full, a_dim, tp_rank, tp), a_dim)
-        chunks = getattr(weight, "partition_chunks", 1) if column else 1
+        chunks = getattr(weight, "partition_chunks", 1) if column and part is None else 1
         b_full = torch.zeros((out_features, rank))
         self.linear_out = _Weight(shard_of(b_full, 0, tp_rank, tp, chunks), 0, chunks)
         self.column, self.chunks = column, chunks
@@ -121,19 +128,21 @@ def _add_adapter_output(module: torch.nn.Module, args: tuple, output):
     """Forward hook of an adapted linear: its ``(output, bias)`` plus the adapter's output."""
     out, bias = output
     adapter = module.adapter
-    assert isinstance(adapter, LoRAAdapter)
+    assert isinstance(adapter, torch.nn.Module)
     return out + adapter(args[0]), bias
 
 
-def attach_adapter(base: torch.nn.Module, name: str, kind: str, **options) -> LoRAAdapter:
+def attach_adapter(base: torch.nn.Module, name: str, kind: str, split=None,
+                   **options) -> torch.nn.Module:
     """Give ``base`` (module ``name`` of the chunk) an adapter as its child ``adapter`` and add
-    its output to every forward; the base keeps its own parameters and their names."""
+    its output to every forward; the base keeps its own parameters and their names. ``split``:
+    build the adapter with it instead (canonical LoRA's per-projection adapters)."""
     if kind == COLUMN and getattr(base, "gather_output", False):
         raise ConfigError(f"LoRA on {name}: a column-parallel linear that gathers its output is "
                           f"not supported")
     if kind == ROW and getattr(base, "input_is_parallel", True) is False:
         raise ConfigError(f"LoRA on {name}: a row-parallel linear that scatters its input is "
                           f"not supported")
-    base.adapter = LoRAAdapter(base, name, kind, **options)
+    base.adapter = (split or LoRAAdapter)(base, name, kind, **options)
     base.register_forward_hook(_add_adapter_output)
     return base.adapter

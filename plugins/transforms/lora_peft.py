@@ -3,8 +3,10 @@
 PEFT adapts Hugging Face's modules one by one; plugtron's one adapter on a fused linear (q, k,
 v in ``linear_qkv``, gate and up in ``linear_fc1``) is, exactly, one adapter per module with
 the same ``lora_A`` and its part of ``lora_B`` (``B A x`` split along the output features).
-Read back, a fused linear needs an adapter on each of its modules with one common ``lora_A``;
-anything else PEFT can say that plugtron's LoRA cannot compute is refused naming the setting.
+Canonical LoRA's per-projection adapters are PEFT's per-module ones as they are. Read back, a
+fused linear whose modules share one ``lora_A`` in every layer gets one adapter; otherwise
+(different A's, or some of its modules adapted) canonical adapters, per module. Anything else
+PEFT can say that plugtron's LoRA cannot compute is refused naming the setting.
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ from collections.abc import Mapping
 
 import torch
 from plugtron.api import ConfigError
+
+from .lora_split import CANONICAL, PARTS
+
+#: (fused linear, part) -> canonical LoRA's target name
+CANONICAL_NAMES = {value: name for name, value in CANONICAL.items()}
 
 #: PEFT's key of one module's adapter matrix: ``{PREFIX}{module}.lora_A.weight``.
 PREFIX = "base_model.model."
@@ -46,11 +53,31 @@ def to_peft(config, options, tensors: Mapping, linears) -> tuple[dict, dict]:
             weights[PREFIX + module + LORA_A] = a
             weights[PREFIX + module + LORA_B] = b_part
             targets.add(module.rpartition(".")[2])
+    for linear, part, prefix in _canonical_adapters(tensors):
+        modules = linears.modules.get(linear)
+        if modules is None:
+            raise ConfigError(f"--adapter-only: {linear} is not a linear of the Hugging Face "
+                              f"layout the model exports as; PEFT cannot address its adapter")
+        module = modules[PARTS[linear.rpartition(".")[2]].index(part)]
+        weights[PREFIX + module + LORA_A] = tensors[prefix + ".linear_in.weight"]
+        weights[PREFIX + module + LORA_B] = tensors[prefix + ".linear_out.weight"]
+        targets.add(module.rpartition(".")[2])
     adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": options.lora_rank,
                       "lora_alpha": options.lora_alpha, "lora_dropout": options.lora_dropout,
                       "target_modules": sorted(targets), "base_model_name_or_path": None,
                       "inference_mode": True, **PLAIN}
     return adapter_config, weights
+
+
+def _canonical_adapters(tensors: Mapping) -> list[tuple[str, str, str]]:
+    """(linear, part, the part adapter's module name) of canonical LoRA's tensors."""
+    out = []
+    for name in tensors:
+        head, sep, tail = name.partition(".adapter.adapter_")
+        if sep and tail.endswith(".linear_in.weight"):
+            part = tail.removesuffix(".linear_in.weight")
+            out.append((head, part, f"{head}.adapter.adapter_{part}"))
+    return sorted(out)
 
 
 def _refuse_settings(c: dict) -> None:
@@ -86,6 +113,23 @@ def _module_adapters(tensors: Mapping) -> dict[str, dict[str, torch.Tensor]]:
     return found
 
 
+def _one_adapter(modules: list[str], found: Mapping) -> bool:
+    """Whether a fused linear's modules all have adapters with one common A."""
+    if any(m not in found for m in modules):
+        return False
+    a = found[modules[0]]["A"]
+    return all(torch.equal(found[m]["A"], a) for m in modules[1:])
+
+
+def _check_shapes(a, b, rank: int, weight_shape, what: str) -> None:
+    out_features, in_features = weight_shape
+    if tuple(a.shape) != (rank, in_features) or tuple(b.shape) != (out_features, rank):
+        raise ConfigError(f"adapter_model.safetensors: the adapter of {what} has A "
+                          f"{list(a.shape)}, B {list(b.shape)}; r {rank} over its weight "
+                          f"{[out_features, in_features]} needs A {[rank, in_features]}, "
+                          f"B {[out_features, rank]}")
+
+
 def from_peft(c: dict, tensors: Mapping, linears, base: Mapping) -> tuple[dict, dict]:
     _refuse_settings(c)
     rank, alpha = int(c["r"]), float(c["lora_alpha"])
@@ -97,39 +141,45 @@ def from_peft(c: dict, tensors: Mapping, linears, base: Mapping) -> tuple[dict, 
         raise ConfigError(f"adapter_config.json target_modules: {unknown[0]} is not a linear "
                           f"plugtron's LoRA adapts (it adapts "
                           f"{', '.join(sorted({m.rpartition('.')[2] for m in owner}))})")
+    adapted = sorted({owner[m] for m in found})
+    # One adapter on a fused linear where every layer's modules share one A; else canonical
+    # LoRA's adapter per module, for every linear of that name.
+    canonical = {linear.rpartition(".")[2] for linear in adapted
+                 if not _one_adapter(linears.modules[linear], found)}
     out: dict[str, torch.Tensor] = {}
-    for linear in sorted({owner[m] for m in found}):
-        modules = linears.modules[linear]
-        lacking = [m for m in modules if m not in found]
-        if lacking:
-            raise ConfigError(f"adapter_config.json target_modules: adapts "
-                              f"{', '.join(m for m in modules if m in found)} but not "
-                              f"{', '.join(lacking)}; plugtron fuses them into one linear "
-                              f"({linear}) with one adapter")
-        a = found[modules[0]]["A"]
-        if any(not torch.equal(found[m]["A"], a) for m in modules[1:]):
-            raise ConfigError(f"adapter_model.safetensors: the lora_A of "
-                              f"{', '.join(modules)} differ; plugtron's one adapter on the "
-                              f"fused {linear} has a single A (per-projection adapters are "
-                              f"not supported yet)")
-        b = linears.fuse(linear, [found[m]["B"] for m in modules])
+    names = set()
+    for linear in adapted:
+        modules, kind = linears.modules[linear], linear.rpartition(".")[2]
         weight = base[linear + ".weight"]
-        if tuple(a.shape) != (rank, weight.shape[1]) or tuple(b.shape) != (weight.shape[0], rank):
-            raise ConfigError(f"adapter_model.safetensors: the adapter of {', '.join(modules)} "
-                              f"has A {list(a.shape)}, B {list(b.shape)}; r {rank} over the "
-                              f"base's {list(weight.shape)} needs A {[rank, weight.shape[1]]}, "
-                              f"B {[weight.shape[0], rank]}")
+        if kind in canonical and kind in PARTS:
+            for module, part, rows in zip(modules, PARTS[kind],
+                                          linears.split(linear, weight), strict=True):
+                if module in found:
+                    a, b = found[module]["A"], found[module]["B"]
+                    _check_shapes(a, b, rank, rows.shape, module)
+                    prefix = f"{linear}.adapter.adapter_{part}"
+                    out[prefix + ".linear_in.weight"], out[prefix + ".linear_out.weight"] = a, b
+                    names.add(CANONICAL_NAMES[kind, part])
+            continue
+        if kind in canonical:
+            raise ConfigError(f"adapter_model.safetensors: {modules[0]} has no adapter")
+        a = found[modules[0]]["A"]
+        b = linears.fuse(linear, [found[m]["B"] for m in modules])
+        _check_shapes(a, b, rank, weight.shape, ", ".join(modules))
         out[linear + ADAPTER_A], out[linear + ADAPTER_B] = a, b
-    names = {linear.rpartition(".")[2] for linear in (n.removesuffix(ADAPTER_A) for n in out
-                                                      if n.endswith(ADAPTER_A))}
-    # plugtron adapts every linear of a targeted name: so must the file
-    missing = sorted(linear for linear in linears.modules
-                     if linear.rpartition(".")[2] in names and linear + ADAPTER_A not in out)
-    if missing:
-        raise ConfigError(f"adapter_model.safetensors has no adapter for "
-                          f"{', '.join(linears.modules[missing[0]])}; plugtron's LoRA adapts "
-                          f"every {missing[0].rpartition('.')[2]} (layers_to_transform-like "
-                          f"subsets are not supported)")
+        names.add(kind)
+    # plugtron adapts every linear (or part) of a targeted name: so must the file
+    for linear, modules in linears.modules.items():
+        kind = linear.rpartition(".")[2]
+        wanted = ([m for m, p in zip(modules, PARTS[kind])
+                   if CANONICAL_NAMES[kind, p] in names] if kind in canonical
+                  else modules if kind in names else [])
+        lacking = [m for m in wanted if m not in found]
+        if lacking:
+            raise ConfigError(f"adapter_model.safetensors has no adapter for {lacking[0]}; "
+                              f"plugtron's LoRA adapts every "
+                              f"{lacking[0].rpartition('.')[2]} (layers_to_transform-like "
+                              f"subsets are not supported)")
     if not out:
         raise ConfigError("adapter_model.safetensors holds no adapter")
     flags = {"lora-rank": rank, "lora-alpha": alpha,

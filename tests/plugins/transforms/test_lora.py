@@ -133,3 +133,53 @@ def test_experts_are_refused_and_a_moe_model_takes_adapters_on_attention():
     adapted = {n.split(".adapter.")[0].rsplit(".", 1)[1] for n, _ in chunk.named_parameters()
                if ".adapter." in n}
     assert adapted == {"linear_qkv", "linear_proj"}
+
+
+CANONICAL = {"lora_rank": 4, "lora_alpha": 8.0, "swiglu": True, "num_query_groups": 2,
+             "lora_target_modules": ["linear_q,linear_v,linear_fc1_up,linear_proj"]}
+
+
+def test_canonical_adapters_add_each_projection_at_its_place_and_merge():
+    """linear_q / linear_v / linear_fc1_up: one adapter per projection, its output at that
+    projection's rows of the fused output (q, k, v per query group, as the Hugging Face import
+    fuses them), nothing at k's or gate's; the merged weight computes the same."""
+    from plugtron.plugins.transforms.lora import MergedLoRA
+    from plugtron_gpt.gpt.hf_linears import split_qkv
+
+    config = tiny_config(**CANONICAL)
+    chunk = _chunk(**CANONICAL)
+    modules = dict(chunk.named_modules())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in chunk.named_parameters():
+            if name.endswith("linear_out.weight"):
+                param.normal_()
+    heads, groups = config.model.num_attention_heads, 2
+    state = {k: v.detach() for k, v in chunk.state_dict().items()}
+    merged = MergedLoRA(state, 8.0 / 4, config.model)
+    for name, parts in (("decoder.layers.0.self_attention.linear_qkv", ("q", None, "v")),
+                        ("decoder.layers.1.mlp.linear_fc1", (None, "up"))):
+        linear = modules[name]
+        x = torch.randn(2, 5, linear.weight.shape[1])
+        with torch.no_grad():
+            added = (linear(x)[0] - F.linear(x, linear.weight)).reshape(10, -1).t()
+        pieces = split_qkv(added, heads, groups) if "qkv" in name else added.chunk(2)
+        for piece, part in zip(pieces, parts):
+            if part is None:
+                assert torch.equal(piece, torch.zeros_like(piece))
+                continue
+            adapter = getattr(linear.adapter, f"adapter_{part}")
+            by_hand = 2.0 * (x @ adapter.linear_in.weight.t() @ adapter.linear_out.weight.t())
+            torch.testing.assert_close(piece, by_hand.reshape(10, -1).t(), rtol=1e-5,
+                                       atol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(F.linear(x, merged[f"{name}.weight"]), linear(x)[0],
+                                       rtol=1e-5, atol=1e-5)
+    assert not [n for n in merged if "adapter" in n]
+
+
+def test_canonical_targets_and_their_fused_linear_together_are_refused():
+    with pytest.raises(ConfigError, match="names linear_qkv and its parts"):
+        validate(tiny_config(lora_rank=4, lora_target_modules=["linear_qkv,linear_q"]), 1)
+    with pytest.raises(ConfigError, match="is not a gated"):
+        _chunk(lora_rank=4, lora_target_modules=["linear_fc1_gate"])

@@ -7,6 +7,8 @@ SwiGLU) built from a config (no downloads):
 * an adapter written by ``peft`` itself (one ``lora_A`` per fused group, random ``lora_B``),
   imported with ``convert import-hf --peft-adapter``, gives peft's logits within 1e-5, and
   exports back to the same tensors;
+* peft's adapter as peft makes it (each module its own lora_A, some of q/k/v and gate/up
+  adapted) imports as canonical LoRA's per-projection adapters, to peft's logits, and back;
 * what plugtron's LoRA cannot express is refused with exit 2 naming the setting."""
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def _edited(source: str, directory, config=None, drop=()) -> str:
     ({"modules_to_save": ["lm_head"]}, (), "modules_to_save"),
     ({"rank_pattern": {"q_proj": 8}}, (), "rank_pattern"),
     ({"bias": "all"}, (), "bias 'all'"),
-    ({}, ("k_proj",), "self_attn.v_proj but not model.layers.0.self_attn.k_proj"),
+    ({}, ("layers.0.self_attn.k_proj",), "no adapter for model.layers.0.self_attn.k_proj"),
     ({}, ("layers.1.mlp.down_proj",), "no adapter for model.layers.1.mlp.down_proj"),
 ])
 def test_what_plugtrons_lora_cannot_express_is_refused_naming_it(
@@ -153,13 +155,28 @@ def test_what_plugtrons_lora_cannot_express_is_refused_naming_it(
     assert message in result.output
 
 
-def test_differing_q_k_v_a_matrices_are_refused(base, peft_adapter, tmp_path):
-    edited = _edited(peft_adapter, tmp_path / "edited")
-    from safetensors.torch import save_file
-    file = f"{edited}/adapter_model.safetensors"
-    tensors = load_file(file)
-    tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight"] += 1
-    save_file(tensors, file)
-    result = convert("import-hf", base[0], str(tmp_path / "out"), "--peft-adapter", edited,
-                     exit_code=2)
-    assert "the lora_A of model.layers.0.self_attn.q_proj" in result.output
+def test_per_module_adapters_import_as_canonical_lora_and_export_back(base, tmp_path):
+    """peft's own adapter as it makes it (each module its own A) on some of the fused
+    modules: canonical LoRA's per-projection adapters, peft's logits within 1e-5, and back."""
+    hf_dir, _, _ = base
+    adapter, ckpt, back = (str(tmp_path / n) for n in ("adapter", "ckpt", "back"))
+    torch.manual_seed(2)
+    adapted = peft.get_peft_model(
+        transformers.LlamaForCausalLM.from_pretrained(hf_dir),
+        peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj",
+                                                           "down_proj"]))
+    with torch.no_grad():
+        for name, param in adapted.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    adapted.save_pretrained(adapter)
+    result = convert("import-hf", hf_dir, ckpt, "--peft-adapter", adapter)
+    assert "--lora-target-modules linear_fc1_up,linear_fc2,linear_q,linear_v" in result.output
+    batch = tokens(VOCAB, (2, SEQ))
+    torch.testing.assert_close(logits_of(ckpt, batch, VOCAB),
+                               _peft_logits(hf_dir, adapter, batch), rtol=0, atol=1e-5)
+    convert("export-hf", ckpt, back, "--adapter-only")
+    original = load_file(f"{adapter}/adapter_model.safetensors")
+    again = load_file(f"{back}/adapter_model.safetensors")
+    assert set(original) == set(again)
+    assert all(torch.equal(original[n], again[n]) for n in original)
