@@ -14,10 +14,14 @@ SwiGLU) built from a config (no downloads):
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 import torch
+from click.testing import CliRunner
 from plugtron.api import load_model
+from plugtron.cli.main import cli
 from plugtron.core.checkpoint import CheckpointReader
 from plugtron.core.config_flags import apply_values
 from plugtron.core.parallel.distributed import single_process
@@ -58,8 +62,12 @@ def _peft_logits(hf_dir: str, adapter_dir: str, batch: torch.Tensor) -> torch.Te
 
 
 def test_hook_transform_peft_adapter(base, tmp_path):
-    """An exported adapter loads in peft and gives plugtron's logits."""
-    hf_dir, _, ckpt = base
+    """An exported adapter loads in peft and gives plugtron's logits; ``plugtron generate``
+    of the fine-tune, its base moved and given with --pretrained-checkpoint, generates what
+    peft's model does (greedy)."""
+    hf_dir, _, imported = base
+    ckpt, moved = str(tmp_path / "base"), str(tmp_path / "moved")
+    shutil.copytree(imported, ckpt)
     config = config_from_dict(CheckpointReader(ckpt).config)
     apply_values(config, {
         "data": "mock", "seq_length": SEQ, "micro_batch_size": 2, "global_batch_size": 2,
@@ -79,6 +87,21 @@ def test_hook_transform_peft_adapter(base, tmp_path):
         ours = load_model(str(tmp_path / "ft"))(batch)[..., :VOCAB].float()
     theirs = _peft_logits(hf_dir, str(tmp_path / "adapter"), batch)
     torch.testing.assert_close(theirs, ours, rtol=0, atol=1e-5)
+
+    os.rename(ckpt, moved)
+    ask = ["generate", "--load", str(tmp_path / "ft"), "--prompt-ids", "5 17 33 2",
+           "--max-new-tokens", "6", "--greedy", "--json", "--device", "cpu"]
+    refused = CliRunner().invoke(cli, ask)
+    assert refused.exit_code == 2 and "--pretrained-checkpoint" in refused.output
+    result = CliRunner().invoke(cli, [*ask, "--pretrained-checkpoint", moved])
+    assert result.exit_code == 0, result.output
+    generated = json.loads(result.output.strip().splitlines()[-1])["tokens"]
+    model = peft.PeftModel.from_pretrained(transformers.LlamaForCausalLM.from_pretrained(hf_dir),
+                                           str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        expected = model.generate(input_ids=torch.tensor([[5, 17, 33, 2]]), max_new_tokens=6,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert generated == expected[0, 4:].tolist()
 
 
 @pytest.fixture(scope="module")
