@@ -169,6 +169,7 @@ def _edited(source: str, directory, config=None, drop=()) -> str:
     ({"bias": "all"}, (), "bias 'all'"),
     ({}, ("layers.0.self_attn.k_proj",), "no adapter for model.layers.0.self_attn.k_proj"),
     ({}, ("layers.1.mlp.down_proj",), "no adapter for model.layers.1.mlp.down_proj"),
+    ({"peft_type": "IA3"}, (), "peft_type 'IA3' is read by no installed model transform"),
 ])
 def test_what_plugtrons_lora_cannot_express_is_refused_naming_it(
         base, peft_adapter, tmp_path, config, drop, message):
@@ -203,3 +204,9 @@ def test_per_module_adapters_import_as_canonical_lora_and_export_back(base, tmp_
     again = load_file(f"{back}/adapter_model.safetensors")
     assert set(original) == set(again)
     assert all(torch.equal(original[n], again[n]) for n in original)
+
+
+def test_adapter_only_needs_a_run_with_a_transform_that_writes_one(base, tmp_path):
+    result = convert("export-hf", base[2], str(tmp_path / "out"), "--adapter-only",
+                     exit_code=2)
+    assert "this checkpoint's run applied none" in result.output
