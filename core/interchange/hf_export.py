@@ -145,7 +145,7 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None,
                                                      master=False))
     if adapter_only:
         with malformed(reader, "config.model"):
-            write_adapter(config, tensors, converter, out_dir)
+            write_adapter(config, tensors, converter, out_dir, dtype)
         reader.close()
         return out_dir
     if own.missing_master:

@@ -45,8 +45,10 @@ def linear_map(converter, config) -> HFLinearMap:
     return linears
 
 
-def write_adapter(config, tensors: Mapping, converter, out_dir: str) -> str:
-    """The adapter of the transform the checkpoint's run applied, as a PEFT directory."""
+def write_adapter(config, tensors: Mapping, converter, out_dir: str,
+                  dtype: torch.dtype | None = None) -> str:
+    """The adapter of the transform the checkpoint's run applied, as a PEFT directory (its
+    tensors cast to ``dtype`` when given)."""
     linears = linear_map(converter, config)
     pm = new_plugin_manager()
     names = register_transforms(pm, config)
@@ -68,7 +70,8 @@ def write_adapter(config, tensors: Mapping, converter, out_dir: str) -> str:
     with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
         json.dump(adapter_config, f, indent=2, sort_keys=True)
     # Each tensor its own storage: safetensors refuses shared ones (one A serves q, k and v).
-    save_file({k: v.detach().contiguous().clone() for k, v in weights.items()},
+    save_file({k: v.detach().to(dtype or v.dtype).contiguous().clone()
+               for k, v in weights.items()},
               os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out_dir
 

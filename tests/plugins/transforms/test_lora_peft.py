@@ -145,6 +145,9 @@ def test_hook_transform_from_peft_adapter(base, peft_adapter, tmp_path):
         load_file(f"{back}/adapter_model.safetensors")
     assert set(original) == set(again)
     assert all(torch.equal(original[n], again[n]) for n in original)
+    convert("export-hf", ckpt, str(tmp_path / "bf16"), "--adapter-only", "--dtype", "bfloat16")
+    cast = load_file(str(tmp_path / "bf16" / "adapter_model.safetensors"))
+    assert {t.dtype for t in cast.values()} == {torch.bfloat16}
 
 
 def _edited(source: str, directory, config=None, drop=()) -> str:
