@@ -185,9 +185,10 @@ def adapter_delta(tensors: Mapping, linear: str, weight: torch.Tensor, model) ->
     features = part_features(fused, linear, weight.shape[0], model)
     deltas = []
     for part in PARTS[fused]:
-        a_name = f"{linear}.adapter.adapter_{part}.linear_in.weight"
-        deltas.append(tensors[a_name.replace("linear_in", "linear_out")].float()
-                      @ tensors[a_name].float() if a_name in tensors
+        prefix = f"{linear}.adapter.adapter_{part}"
+        deltas.append(tensors[f"{prefix}.linear_out.weight"].float()
+                      @ tensors[f"{prefix}.linear_in.weight"].float()
+                      if f"{prefix}.linear_in.weight" in tensors
                       else torch.zeros(features[part], weight.shape[1]))
     return fuse_parts(fused, deltas, model, dim=0)
 
