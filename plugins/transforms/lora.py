@@ -19,6 +19,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 from plugtron.api import ConfigError, ConfigSection, hookimpl, opt
@@ -26,6 +27,9 @@ from plugtron.api import ConfigError, ConfigSection, hookimpl, opt
 from .lora_adapter import attach_adapter, parallel_kind
 from .lora_peft import from_peft, to_peft
 from .lora_split import CANONICAL, PARTS, SplitAdapter, fuse_parts, part_features
+
+#: The tensor-parallel view of an expert's adapter (whole on its ep rank): no collective.
+WHOLE = SimpleNamespace(tp_size=1, tp_rank=0, tp_group=None)
 
 NAME = "lora"
 ROLE = "model_transform"
@@ -139,16 +143,21 @@ class LoRA:
         modules = dict(module.named_modules())
         adapters = []
         for name, kind in chosen.items():
+            owner = parallel
             if getattr(modules[name].weight, "allreduce", True) is False:
-                raise ConfigError(f"--lora-target-modules: {name} is an expert's linear; LoRA "
-                                  f"on experts is not supported yet")
+                if parallel.etp_size > 1:
+                    raise ConfigError(f"--lora-target-modules: {name} is an expert's linear, "
+                                      f"split over expert tensor parallelism "
+                                      f"{parallel.etp_size}; LoRA on experts needs "
+                                      f"--expert-tensor-parallel-size 1")
+                owner = WHOLE  # each expert whole on its ep rank: the adapter's too
             fused = name.rpartition(".")[2]
             split = (partial(SplitAdapter, parts=parts[fused], model=config.model)
                      if fused in parts else None)
             adapters.append(attach_adapter(
                 modules[name], name, kind, split, rank=o.lora_rank, alpha=o.lora_alpha,
                 dropout=o.lora_dropout, seed=config.training.seed,
-                layer_backend=layer_backend, parallel=parallel))
+                layer_backend=layer_backend, parallel=owner))
         trained = {id(p) for adapter in adapters for p in adapter.parameters()}
         for param in module.parameters():
             if id(param) not in trained:

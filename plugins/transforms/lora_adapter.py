@@ -74,6 +74,7 @@ class LoRAAdapter(torch.nn.Module):
         tp, tp_rank = parallel.tp_size, parallel.tp_rank
         local_out, local_in = weight.shape
         column = kind == COLUMN
+        expert = getattr(weight, "allreduce", True) is False
         in_features = local_in if column else local_in * tp
         out_features = local_out * tp if column else local_out
         prefix = f"{name}.adapter"
@@ -97,12 +98,18 @@ class LoRAAdapter(torch.nn.Module):
         self.column, self.chunks = column, chunks
         self.scale = alpha / rank
         self.dropout = dropout
-        self.sequence_parallel = bool(getattr(layer_backend, "sequence_parallel", False))
+        # An expert's tokens are not split along the sequence (the dispatcher gathered them)
+        self.sequence_parallel = not expert and bool(getattr(layer_backend,
+                                                             "sequence_parallel", False))
         # The input differs across tp ranks (feature- or sequence-sharded): dropout draws from
         # the model-parallel stream; replicated input needs the same mask on every rank.
+        # An expert's adapter runs inside the experts' own (expert-parallel) RNG stream.
         self._dropout_rng = layer_backend.dropout_rng if (
-            not column or self.sequence_parallel) else contextlib.nullcontext
+            not expert and (not column or self.sequence_parallel)) else contextlib.nullcontext
         self._parallel = parallel
+        if expert:  # an expert's parameter: split over ep, gradients reduced over edp
+            for param in self.parameters():
+                setattr(param, "allreduce", False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self._parallel.tp_group
