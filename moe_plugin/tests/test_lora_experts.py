@@ -2,11 +2,12 @@
 ep 2 x dp 2, with the all-to-all and the all-gather dispatcher, trains like one process:
 losses and grad norms relative 1e-5 over 3 iterations, and the trained adapters, attention's
 and every expert's, within 1e-5 of one process's (gathered by global name). fp32, dropout 0.
-One pool of 2 ranks."""
+One pool of 2 ranks. Saved at ep 2, every expert's adapters load in one process bit for bit."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from plugtron.testing import assert_records_close, train_run
 
 from tests.distributed.dp_helpers import max_param_diff
@@ -36,3 +37,18 @@ def test_expert_adapters_at_ep_2_train_like_one_process(pool, dispatcher):
     assert all(b.abs().max() > 0 for b in trained_b)  # every expert's adapter trained
     assert max_param_diff({n: split.params[n] for n in adapters},
                           {n: one.params[n] for n in adapters}) < 1e-5
+
+
+def test_expert_adapters_saved_at_ep_2_load_in_one_process(pool, tmp_path):
+    """The checkpoint holds every expert's adapters by global name: ``load_model`` in one
+    process reads what the two ep ranks trained, bit for bit."""
+    from plugtron.api import load_model
+
+    save = str(tmp_path / "ckpt")
+    split = train_run({**FLAGS, "expert-model-parallel-size": 2, "dp": 2, "save": save}, 2,
+                      pool, gather_params=True)
+    assert split.params is not None
+    loaded = dict(load_model(save).module.named_parameters())
+    experts = [n for n in split.params if ".local_experts." in n and ".adapter." in n]
+    assert len(experts) == 32
+    assert all(torch.equal(loaded[n], split.params[n]) for n in experts)
