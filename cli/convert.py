@@ -30,13 +30,17 @@ def convert():
               help="Model plugin whose converter reads it, when several installed converters "
                    "read config.json's model_type (default: the one that declares it).")
 @click.option("--dtype", type=click.Choice(DTYPES), help="Cast the weights (default: keep).")
+@click.option("--peft-adapter", type=click.Path(exists=True, file_okay=False),
+              help="A PEFT adapter directory (adapter_config.json, adapter_model.safetensors) "
+                   "trained on HF_DIR: imported with the model, as the model transform that "
+                   "reads it (LoRA), whose flags are printed too.")
 @user_errors
-def import_hf(hf_dir, out_dir, model, dtype):
+def import_hf(hf_dir, out_dir, model, dtype, peft_adapter):
     """Write a weights-only plugtron checkpoint (iteration 0) from HF_DIR into OUT_DIR, and
     print the model flags to train or evaluate it with (--load OUT_DIR)."""
     from plugtron.core.interchange.hf import import_hf as run_import
 
-    path, config, flags = run_import(hf_dir, out_dir, model, _dtype(dtype))
+    path, config, flags = run_import(hf_dir, out_dir, model, _dtype(dtype), peft_adapter)
     _print_flags(path, config, flags)
 
 
@@ -57,6 +61,8 @@ def _print_flags(path, config, fixed: dict | None = None):
             continue
         if flag.is_flag:
             parts.append(flag.flag if value else (flag.negative or ""))
+        elif isinstance(value, list):
+            parts.append(f"{flag.flag} {','.join(map(str, value))}")
         elif value is not None:
             parts.append(f"{flag.flag} {value}")
     click.echo(f"wrote {path}")
@@ -75,14 +81,21 @@ def _print_flags(path, config, fixed: dict | None = None):
 @click.option("--drop", "drop", multiple=True, metavar="PART",
               help="Leave out an optional part the model's converter offers (e.g. mtp: the "
                    "multi-token prediction layers); repeatable.")
+@click.option("--adapter-only", is_flag=True,
+              help="Write the run's adapter (LoRA) as a PEFT adapter directory "
+                   "(adapter_config.json, adapter_model.safetensors) for the exported base "
+                   "model, instead of the model with the adapter merged in.")
 @user_errors
-def export_hf(checkpoint, out_dir, dtype, max_shard_size, drop):
+def export_hf(checkpoint, out_dir, dtype, max_shard_size, drop, adapter_only):
     """Write the model of CHECKPOINT (any layout; a directory of them: the newest) as a Hugging
     Face directory OUT_DIR: config.json and generation_config.json (with bos/eos/pad ids),
-    the tokenizer files when the checkpoint names a tokenizer, safetensors shards."""
+    the tokenizer files when the checkpoint names a tokenizer, safetensors shards; a model
+    transform's tensors (LoRA's adapters) merged in, or with --adapter-only written alone as
+    a PEFT adapter."""
     from plugtron.core.interchange.hf_export import export_hf as run_export
 
-    click.echo(f"wrote {run_export(checkpoint, out_dir, _dtype(dtype), max_shard_size, drop)}")
+    written = run_export(checkpoint, out_dir, _dtype(dtype), max_shard_size, drop, adapter_only)
+    click.echo(f"wrote {written}")
 
 
 

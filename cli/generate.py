@@ -188,7 +188,8 @@ def run_generation(request: dict, world=None) -> None:
 
     tp = request["tp"]
     device = request["device"] or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_model(request["load"], device=device, tp=tp, world=world)
+    model = load_model(request["load"], device=device, tp=tp, world=world,
+                       base=request.get("pretrained_checkpoint"))
     rank = int(os.environ.get("RANK", 0))
     tokenizer = _tokenizer(request["tokenizer_type"], request["tokenizer_model"],
                            model.vocab_size)
@@ -237,6 +238,9 @@ def run_generation(request: dict, world=None) -> None:
 @click.option("--nproc-per-node", type=click.IntRange(min=1), default=1, show_default=True,
               help="Launch this many local ranks (one per tp rank).")
 @click.option("--device", default=None, help="cpu or cuda (default: cuda when available).")
+@click.option("--pretrained-checkpoint", default=None,
+              help="The base model of a fine-tune's checkpoint that holds only its adapters, "
+                   "where the path the checkpoint recorded no longer holds it.")
 @user_errors
 def generate(load, prompts, prompt_file, prompt_ids, as_json, **values):
     """Continue prompts with the model of checkpoint --load, streaming the new text; a row

@@ -48,6 +48,27 @@ class Converter(Protocol):
         ...
 
 
+class HFLinearMap(Protocol):
+    """Which Hugging Face linear modules each of a model's linears is, for adapters that live
+    beside linears (PEFT's): plugtron fuses some that Hugging Face keeps apart (q, k and v
+    into ``linear_qkv``; a gated MLP's two input projections into ``linear_fc1``), always
+    along the output features. Names are full module names
+    (``decoder.layers.0.self_attention.linear_qkv`` -> ``model.layers.0.self_attn.q_proj``,
+    ...)."""
+
+    #: plugtron linear -> the Hugging Face modules its output features split into, in order.
+    modules: dict[str, list[str]]
+
+    def split(self, linear: str, rows: torch.Tensor) -> list[torch.Tensor]:
+        """A tensor laid out along ``linear``'s output features (dim 0) -> one per module of
+        ``modules[linear]``, each along that module's output features."""
+        ...
+
+    def fuse(self, linear: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of :meth:`split`."""
+        ...
+
+
 class ConverterExtras(Protocol):
     """Members a converter may add; the core looks each up with ``getattr`` and does without.
 
@@ -105,6 +126,13 @@ class ConverterExtras(Protocol):
     #: / export-megatron --drop PART``), ``{part: what it is}``: e.g. the GPT converters'
     #: ``"mtp"``, the multi-token prediction layers, which inference engines do not run.
     droppable_parts: dict[str, str]
+
+    def hf_linear_map(self, config: TrainConfig) -> HFLinearMap:
+        """The Hugging Face modules of the linears of the model ``config`` describes (PEFT
+        adapters: ``convert export-hf --adapter-only``, ``import-hf --peft-adapter``). Raise
+        ``ConfigError`` for a layout whose linears PEFT cannot address as plugtron's
+        (GPT-2's transposed ``Conv1D``); a converter without it writes and reads no adapters."""
+        ...
 
     def drop_part(self, config: TrainConfig, part: str) -> None:
         """Change the checkpoint's run ``config`` so that the model it describes lacks

@@ -33,6 +33,7 @@ import pluggy
 if TYPE_CHECKING:  # the types only: the contract imports nothing it describes
     import torch
     from plugtron.core.config import ConfigSection, TrainConfig
+    from plugtron.core.contracts.converter import HFLinearMap
     from plugtron.core.contracts.data_parallel import DataParallelChunk, DataParallelMemory
     from plugtron.core.contracts.layer_backend import LayerBackend
     from plugtron.core.contracts.model_info import ModelInfo
@@ -66,6 +67,10 @@ OPTIONAL_DRIVER_HOOKS: dict[str, str] = {
     "dataset_vocab_size": "dataset",
     # absent: a checkpoint of a run with the transform cannot be exported merged
     "transform_merged_tensors": "model_transform",
+    # absent: its checkpoints cannot be exported as a PEFT adapter
+    "transform_peft_adapter": "model_transform",
+    # asked of every installed transform by ``convert import-hf --peft-adapter``
+    "transform_from_peft_adapter": "model_transform",
 }
 
 #: Hooks that every selected model transform implements (the core calls one transform at a time,
@@ -210,6 +215,44 @@ def transform_merged_tensors(config: TrainConfig, tensors: Mapping[str, torch.Te
     process without process groups, once per transform the checkpoint's run applied, the last
     applied first, before the model's converter maps the tensors. A checkpoint of a transform
     without it is refused by the export, naming the transform.
+    """
+
+
+@hookspec(firstresult=True)
+def transform_peft_adapter(config: TrainConfig, tensors: Mapping[str, torch.Tensor],
+                           linears: HFLinearMap) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """Write this transform's tensors as a PEFT adapter of the plain model's Hugging Face export.
+
+    :param config: the ``TrainConfig`` the checkpoint was saved with.
+    :param tensors: the whole model's full tensors by global name, read on demand (as for
+        ``transform_merged_tensors``).
+    :param linears: the Hugging Face modules of the model's linears (the model's converter's
+        ``hf_linear_map``).
+    :returns: ``(adapter_config.json's object, {adapter_model.safetensors key: tensor})``, or
+        None when this transform has no PEFT form.
+
+    Optional. Called by ``plugtron convert export-hf --adapter-only`` in one process without
+    process groups, when the checkpoint's run applied this transform alone. Raise ``ConfigError``
+    for a setting PEFT cannot express.
+    """
+
+
+@hookspec(firstresult=True)
+def transform_from_peft_adapter(adapter_config: dict, tensors: Mapping[str, torch.Tensor],
+                                linears: HFLinearMap, base: Mapping[str, torch.Tensor]
+                                ) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """Read a PEFT adapter as this transform's tensors over an imported base model.
+
+    :param adapter_config: the adapter's ``adapter_config.json``.
+    :param tensors: the tensors of its ``adapter_model.safetensors`` by key.
+    :param linears: the Hugging Face modules of the base model's linears.
+    :param base: the imported base model's tensors by plugtron name (shapes to check against).
+    :returns: ``({flag: value} that apply this transform, {plugtron name: tensor})``, or None
+        when the adapter is not of this transform's kind (its ``peft_type``).
+
+    Optional. Called by ``plugtron convert import-hf --peft-adapter`` in one process without
+    process groups, on every installed model transform; the first answer wins. Raise ``ConfigError`` naming a setting of the adapter
+    this transform cannot express (exit 2).
     """
 
 

@@ -21,6 +21,7 @@ from plugtron.core.config import TrainConfig, derive_padded_vocab_size
 from plugtron.core.errors import CheckpointError, ConfigError
 from plugtron.core.interchange import hf_strict
 from plugtron.core.interchange.converters import converter_for_hf
+from plugtron.core.interchange.peft import read_adapter
 from plugtron.core.plugins import registry
 from plugtron.core.plugins.options import config_from_flags
 from safetensors import SafetensorError
@@ -114,10 +115,13 @@ def _resize_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def import_hf(hf_dir: str, out_dir: str, model: str | None = None,
-              dtype: torch.dtype | None = None) -> tuple[str, TrainConfig, dict]:
+              dtype: torch.dtype | None = None, peft_adapter: str | None = None
+              ) -> tuple[str, TrainConfig, dict]:
     """Convert a Hugging Face model directory into a weights-only plugtron checkpoint at
-    ``out_dir`` (iteration 0, no optimizer state). Returns (path, the run config it implies,
-    the converter's ``{flag: value}``)."""
+    ``out_dir`` (iteration 0, no optimizer state); with ``peft_adapter``, a PEFT adapter
+    directory trained on it, as the tensors of the model transform that reads it (peft.py).
+    Returns (path, the run config it implies, the converter's and the transform's
+    ``{flag: value}``)."""
     hf_config, hf_tensors = read_hf_dir(hf_dir)
     converter, model = converter_for_hf(model, hf_config)
     where = os.path.join(hf_dir, "config.json")
@@ -146,6 +150,14 @@ def import_hf(hf_dir: str, out_dir: str, model: str | None = None,
     if exported is not None:
         hf_strict.check_source_shapes(source, exported, m.vocab_size, hf_dir)
     hf_strict.check_model_shapes(tensors, expected, hf_dir)
+    if peft_adapter is not None:
+        adapter_flags, adapter_tensors = read_adapter(peft_adapter, converter, config, tensors)
+        flags = {**flags, **adapter_flags}
+        try:
+            config = config_from_flags({**flags, "model": model}, "the settings it implies")
+        except ConfigError as exc:
+            raise ConfigError(f"{peft_adapter}: {exc}") from None
+        tensors = {**tensors, **adapter_tensors}
     entries = []
     for name, tensor in sorted(tensors.items()):
         tensor = tensor.to(dtype) if dtype is not None else tensor

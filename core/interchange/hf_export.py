@@ -14,7 +14,10 @@ What it writes:
   checkpoint has them (``optim/<name>/main_param``), not the rounded model weights;
 * the plain model: the tensors of the run's model transforms folded back in (LoRA's adapters
   merged into their linears, hook ``transform_merged_tensors``); a fine-tune's checkpoint that
-  holds only what it trained is read over the base it names.
+  holds only what it trained is read over the base it names;
+* with ``adapter_only``, instead: the transform's adapter as a PEFT directory
+  (``adapter_config.json``, ``adapter_model.safetensors``; peft.py) for the Hugging Face export
+  of the plain base model.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from plugtron.core.interchange.converters import (
     run_export,
 )
 from plugtron.core.interchange.hf_write import DEFAULT_MAX_SHARD_SIZE, parse_size, write_weights
+from plugtron.core.interchange.peft import write_adapter
 from plugtron.core.plugins.options import config_from_dict
 from plugtron.core.plugins.tokenizers import build_tokenizer
 
@@ -117,7 +121,7 @@ def _write_json(out_dir: str, name: str, data: dict) -> None:
 
 
 def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None,
-              max_shard_size=None, drop=()) -> str:
+              max_shard_size=None, drop=(), adapter_only: bool = False) -> str:
     shard_bytes = parse_size(max_shard_size or DEFAULT_MAX_SHARD_SIZE)  # checked first
     reader = CheckpointReader(path)
     with malformed(reader, "config"):
@@ -139,6 +143,11 @@ def export_hf(path: str, out_dir: str, dtype: torch.dtype | None = None,
                                   f"changed since (its metadata differ)")
         tensors = Layered(tensors, CheckpointTensors(base_reader, config, converter.vocab_tensors,
                                                      master=False))
+    if adapter_only:
+        with malformed(reader, "config.model"):
+            write_adapter(config, tensors, converter, out_dir, dtype)
+        reader.close()
+        return out_dir
     if own.missing_master:
         print(f"note: {path} has no fp32 master copy of "
               f"{len(own.names) - len(own.master)} model tensor(s) (a weights-only "

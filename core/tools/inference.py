@@ -67,13 +67,15 @@ class LoadedModel(torch.nn.Module):
 
 
 def load_model(path: str, device: str | torch.device = "cpu", tp: int = 1, world=None,
-               model: str | None = None) -> LoadedModel:
+               model: str | None = None, base: str | None = None) -> LoadedModel:
     """Load the model of checkpoint ``path`` (or the newest complete one in a directory of
     them, or a Hugging Face model directory, imported strictly into the ``--load HF_DIR``
     cache by the converter that reads its model_type; ``model`` chooses between two that do)
     into this process, in eval mode: fp32, or bf16 when
     the run trained in bf16. ``tp`` > 1: this rank's shard of ``world`` (default: the
-    initialised one, of size tp)."""
+    initialised one, of size tp). ``base``: the base model of a fine-tune's checkpoint that
+    holds only what it trained (adapters), where the checkpoint's recorded path no longer
+    holds it (``--pretrained-checkpoint``; verified by its fingerprint)."""
 
     if hf_load.is_hf_dir(path):
         path = hf_load.import_cached(path, model)
@@ -81,7 +83,7 @@ def load_model(path: str, device: str | torch.device = "cpu", tp: int = 1, world
     config = config_from_dict(reader.config)
     reader.close()
     config.parallel, config.logging = ParallelConfig(), LoggingConfig()
-    config.checkpoint = CheckpointConfig(load=reader.path)
+    config.checkpoint = CheckpointConfig(load=reader.path, pretrained_checkpoint=base)
     config.training.fp16 = False  # fp16 weights are read into fp32
     if tp == 1:
         world = single_process(str(device))

@@ -46,12 +46,24 @@ def local_expert_ids(num_experts: int, ep_size: int, ep_rank: int) -> list[int]:
 
 
 class ExpertLinear(torch.nn.Module):
-    """A weight (and bias) only: the expert MLP does the maths, so both paths share them."""
+    """A weight (and bias): the grouped path reads them stacked; the looped path calls the
+    module, ``(output, None)`` as the layer backend's linears answer, so that what a model
+    transform hooks onto it (LoRA's adapters) runs. An expert with such hooks is computed
+    looped (:func:`transformed`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.weight = torch.nn.Parameter(weight)
         self.bias = torch.nn.Parameter(bias) if bias is not None else None
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, None]:
+        return linear(x, self.weight, bias), None
+
+
+def transformed(experts: list) -> bool:
+    """Whether a model transform hooked an expert's linear (its output is more than the
+    weight's): the grouped matmul, which reads the weights alone, would leave it out."""
+    return any(e.linear_fc1._forward_hooks or e.linear_fc2._forward_hooks for e in experts)
 
 
 def _expert_param(param: torch.nn.Parameter) -> None:
@@ -103,8 +115,8 @@ class ExpertMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Partial output over etp (summed by the dispatcher's combine)."""
-        h = self.activation(linear(x, self.linear_fc1.weight, self.linear_fc1.bias))
-        return linear(h, self.linear_fc2.weight, self.fc2_bias())
+        h = self.activation(self.linear_fc1(x, self.linear_fc1.bias)[0])
+        return self.linear_fc2(h, self.fc2_bias())[0]
 
 
 class SequentialMLP(torch.nn.Module):
@@ -128,7 +140,7 @@ class SequentialMLP(torch.nn.Module):
 
     def _compute(self, tokens, counts):
         experts = list(self.local_experts.values())
-        if self.grouped and sum(counts) > 0:
+        if self.grouped and sum(counts) > 0 and not transformed(experts):
             return grouped_forward(experts, tokens, counts)
         outputs = [expert(chunk) for expert, chunk in zip(experts, tokens.split(counts))]
         return torch.cat(outputs) if outputs else tokens

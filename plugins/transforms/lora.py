@@ -5,20 +5,31 @@ layer backend, the rest of the model frozen.
 ends in one of ``--lora-target-modules`` (Megatron-Core's names: ``linear_qkv``,
 ``linear_proj``, ``linear_fc1``, ``linear_fc2``; any column- or row-parallel linear of the
 backend by its name) gets an adapter, sharded to match it under tensor and sequence
-parallelism (lora_adapter.py); one adapter covers a fused projection (qkv, [gate; up]). Every
-other parameter of the chunk is frozen. Adapter parameters are named
+parallelism (lora_adapter.py); one adapter covers a fused projection (qkv, [gate; up]), or,
+with canonical LoRA's targets ``linear_q``, ``linear_k``, ``linear_v``, ``linear_fc1_gate``,
+``linear_fc1_up``, one adapter per projection (lora_split.py). Every other parameter of the
+chunk is frozen. Adapter parameters are named
 ``<linear>.adapter.linear_in.weight`` (A) and ``<linear>.adapter.linear_out.weight`` (B), as
 Megatron-Bridge names them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from functools import partial
+from types import SimpleNamespace
 
+import torch
 from plugtron.api import ConfigError, ConfigSection, hookimpl, opt
 
 from .lora_adapter import attach_adapter, parallel_kind
+from .lora_peft import from_peft, to_peft
+from .lora_split import CANONICAL, PARTS, SplitAdapter, fuse_parts, part_features
+
+#: The tensor-parallel view of an expert's adapter (whole on its ep rank): no collective.
+WHOLE = SimpleNamespace(tp_size=1, tp_rank=0, tp_group=None)
 
 NAME = "lora"
 ROLE = "model_transform"
@@ -49,6 +60,22 @@ def lora_options(config) -> LoRAOptions:
 def targets(options: LoRAOptions) -> list[str]:
     return [t.strip() for item in options.lora_target_modules for t in str(item).split(",")
             if t.strip()]
+
+
+def split_targets(names: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """(whole linears, {fused linear: its parts}) of the targets: canonical LoRA's names
+    (``linear_q`` ...) adapt parts of a fused linear, which is then not a target itself."""
+    parts: dict[str, list[str]] = {}
+    for name in names:
+        if name in CANONICAL:
+            fused, part = CANONICAL[name]
+            parts.setdefault(fused, []).append(part)
+    both = sorted(set(parts) & set(names))
+    if both:
+        raise ConfigError(f"--lora-target-modules names {both[0]} and its parts "
+                          f"({', '.join(t for t, (f, _) in CANONICAL.items() if f == both[0])}): "
+                          f"give one adapter on the fused linear, or one per part")
+    return [n for n in names if n not in CANONICAL], parts
 
 
 def _named(config) -> bool:
@@ -89,6 +116,7 @@ class LoRA:
             raise ConfigError(f"--lora-dropout must be in [0, 1), got {o.lora_dropout}")
         if not targets(o):
             raise ConfigError("--lora-target-modules names no module")
+        split_targets(targets(o))
         tp = config.parallel.tensor_model_parallel_size
         if o.lora_rank % tp:
             # the A of a column-parallel linear is split over its rank (Megatron-Bridge's way)
@@ -98,13 +126,16 @@ class LoRA:
     @hookimpl
     def transform_model_chunk(self, config, module, layer_backend, parallel):
         o = lora_options(config)
-        wanted = targets(o)
+        wanted, parts = split_targets(targets(o))
         linears = {name: kind for name, sub in module.named_modules()
                    if (kind := parallel_kind(sub)) is not None}
         chosen = {name: kind for name, kind in linears.items()
-                  if name.rpartition(".")[2] in wanted}
+                  if name.rpartition(".")[2] in wanted or name.rpartition(".")[2] in parts}
         whole_model = parallel.pp_size == 1 and not parallel.vp_size
-        missing = sorted(set(wanted) - {name.rpartition(".")[2] for name in chosen})
+        found = {name.rpartition(".")[2] for name in chosen}
+        missing = sorted(set(wanted) - found) + sorted(
+            t for t, (fused, _) in CANONICAL.items() if fused in parts and t in targets(o)
+            and fused not in found)
         if missing and whole_model:  # a pipeline stage may lack what another holds
             have = sorted({name.rpartition(".")[2] for name in linears})
             raise ConfigError(f"--lora-target-modules {', '.join(missing)}: the model has no "
@@ -112,13 +143,21 @@ class LoRA:
         modules = dict(module.named_modules())
         adapters = []
         for name, kind in chosen.items():
+            owner = parallel
             if getattr(modules[name].weight, "allreduce", True) is False:
-                raise ConfigError(f"--lora-target-modules: {name} is an expert's linear; LoRA "
-                                  f"on experts is not supported yet")
+                if parallel.etp_size > 1:
+                    raise ConfigError(f"--lora-target-modules: {name} is an expert's linear, "
+                                      f"split over expert tensor parallelism "
+                                      f"{parallel.etp_size}; LoRA on experts needs "
+                                      f"--expert-tensor-parallel-size 1")
+                owner = WHOLE  # each expert whole on its ep rank: the adapter's too
+            fused = name.rpartition(".")[2]
+            split = (partial(SplitAdapter, parts=parts[fused], model=config.model)
+                     if fused in parts else None)
             adapters.append(attach_adapter(
-                modules[name], name, kind, rank=o.lora_rank, alpha=o.lora_alpha,
+                modules[name], name, kind, split, rank=o.lora_rank, alpha=o.lora_alpha,
                 dropout=o.lora_dropout, seed=config.training.seed,
-                layer_backend=layer_backend, parallel=parallel))
+                layer_backend=layer_backend, parallel=owner))
         trained = {id(p) for adapter in adapters for p in adapter.parameters()}
         for param in module.parameters():
             if id(param) not in trained:
@@ -128,35 +167,62 @@ class LoRA:
     @hookimpl
     def transform_merged_tensors(self, config, tensors):
         o = lora_options(config)
-        return MergedLoRA(tensors, o.lora_alpha / o.lora_rank)
+        return MergedLoRA(tensors, o.lora_alpha / o.lora_rank, config.model)
+
+    @hookimpl
+    def transform_peft_adapter(self, config, tensors, linears):
+        return to_peft(config, lora_options(config), tensors, linears)
+
+    @hookimpl
+    def transform_from_peft_adapter(self, adapter_config, tensors, linears, base):
+        if adapter_config.get("peft_type") != "LORA":
+            return None
+        return from_peft(adapter_config, tensors, linears, base)
 
 
-#: Names of an adapter's matrices after their linear's module name.
+#: Names of an adapter's matrices after their linear's module name (canonical LoRA's parts:
+#: ``.adapter.adapter_<part>.linear_in.weight``).
 A_SUFFIX, B_SUFFIX = ".adapter.linear_in.weight", ".adapter.linear_out.weight"
+ADAPTER_TENSOR = re.compile(r"\.adapter\.(adapter_\w+\.)?linear_(in|out)\.weight$")
+
+
+def adapter_delta(tensors: Mapping, linear: str, weight: torch.Tensor, model) -> torch.Tensor:
+    """``B @ A`` of ``linear``'s adapter (fp32), its parts' fused as the linear's output."""
+    if linear + A_SUFFIX in tensors:
+        return tensors[linear + B_SUFFIX].float() @ tensors[linear + A_SUFFIX].float()
+    fused = linear.rpartition(".")[2]
+    features = part_features(fused, linear, weight.shape[0], model)
+    deltas = []
+    for part in PARTS[fused]:
+        prefix = f"{linear}.adapter.adapter_{part}"
+        deltas.append(tensors[f"{prefix}.linear_out.weight"].float()
+                      @ tensors[f"{prefix}.linear_in.weight"].float()
+                      if f"{prefix}.linear_in.weight" in tensors
+                      else torch.zeros(features[part], weight.shape[1]))
+    return fuse_parts(fused, deltas, model, dim=0)
 
 
 class MergedLoRA(Mapping):
     """The plain model's tensors: each adapted linear's weight with ``alpha / r * B @ A``
     added (in fp32, then its own dtype), the adapters left out; read as asked for."""
 
-    def __init__(self, tensors: Mapping, scale: float):
-        self.tensors, self.scale = tensors, scale
-        self.names = [n for n in tensors if not n.endswith((A_SUFFIX, B_SUFFIX))]
-        self.adapted = {n.removesuffix(A_SUFFIX) + ".weight" for n in tensors
-                        if n.endswith(A_SUFFIX)}
+    def __init__(self, tensors: Mapping, scale: float, model):
+        self.tensors, self.scale, self.model = tensors, scale, model
+        self.names = [n for n in tensors if not ADAPTER_TENSOR.search(n)]
+        self.adapted = {n[:ADAPTER_TENSOR.search(n).start()] + ".weight"  # type: ignore[union-attr]
+                        for n in tensors if ADAPTER_TENSOR.search(n)}
 
     def __getitem__(self, name):
-        if name.endswith((A_SUFFIX, B_SUFFIX)):
+        if ADAPTER_TENSOR.search(name):
             raise KeyError(name)
         weight = self.tensors[name]
         if name not in self.adapted:
             return weight
-        linear = name.removesuffix(".weight")
-        a, b = self.tensors[linear + A_SUFFIX], self.tensors[linear + B_SUFFIX]
-        return (weight.float() + self.scale * (b.float() @ a.float())).to(weight.dtype)
+        delta = adapter_delta(self.tensors, name.removesuffix(".weight"), weight, self.model)
+        return (weight.float() + self.scale * delta).to(weight.dtype)
 
     def __contains__(self, name):
-        return name in self.tensors and not str(name).endswith((A_SUFFIX, B_SUFFIX))
+        return name in self.tensors and not ADAPTER_TENSOR.search(str(name))
 
     def __iter__(self):
         return iter(self.names)

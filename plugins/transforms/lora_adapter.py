@@ -63,15 +63,23 @@ class LoRAAdapter(torch.nn.Module):
     """The low-rank update of one linear: ``linear_in`` is A, ``linear_out`` is B."""
 
     def __init__(self, base: torch.nn.Module, name: str, kind: str, *, rank: int, alpha: float,
-                 dropout: float, seed: int, layer_backend, parallel):
+                 dropout: float, seed: int, layer_backend, parallel,
+                 part: tuple[str, int] | None = None):
+        """``part``: ``(its name, its output features)``: the adapter of one projection of a
+        fused column-parallel ``base`` (canonical LoRA, lora_split.py), named
+        ``<name>.adapter.adapter_<part>``."""
         super().__init__()
         weight = base.weight
         assert isinstance(weight, torch.nn.Parameter)  # parallel_kind found it
         tp, tp_rank = parallel.tp_size, parallel.tp_rank
         local_out, local_in = weight.shape
         column = kind == COLUMN
+        expert = getattr(weight, "allreduce", True) is False
         in_features = local_in if column else local_in * tp
         out_features = local_out * tp if column else local_out
+        prefix = f"{name}.adapter"
+        if part is not None:
+            prefix, out_features = f"{prefix}.adapter_{part[0]}", part[1]
         if column and rank % tp:
             raise ConfigError(f"--lora-rank {rank}: the adapter of column-parallel {name} splits "
                               f"its rank over tp {tp}; give a multiple of {tp}")
@@ -79,23 +87,29 @@ class LoRAAdapter(torch.nn.Module):
             raise ConfigError(f"LoRA on row-parallel {name}: its output of {out_features} does "
                               f"not split over tp {tp}")
         # A: Xavier-normal (Megatron-Bridge's default), drawn whole by its global name
-        a_key = f"{name}.adapter.linear_in.weight"
+        a_key = f"{prefix}.linear_in.weight"
         a_full = normal_init(math.sqrt(2.0 / (in_features + rank)), seed, a_key)((rank,
                                                                                  in_features))
         a_dim = 0 if column else 1
         self.linear_in = _Weight(shard_of(a_full, a_dim, tp_rank, tp), a_dim)
-        chunks = getattr(weight, "partition_chunks", 1) if column else 1
+        chunks = getattr(weight, "partition_chunks", 1) if column and part is None else 1
         b_full = torch.zeros((out_features, rank))
         self.linear_out = _Weight(shard_of(b_full, 0, tp_rank, tp, chunks), 0, chunks)
         self.column, self.chunks = column, chunks
         self.scale = alpha / rank
         self.dropout = dropout
-        self.sequence_parallel = bool(getattr(layer_backend, "sequence_parallel", False))
+        # An expert's tokens are not split along the sequence (the dispatcher gathered them)
+        self.sequence_parallel = not expert and bool(getattr(layer_backend,
+                                                             "sequence_parallel", False))
         # The input differs across tp ranks (feature- or sequence-sharded): dropout draws from
         # the model-parallel stream; replicated input needs the same mask on every rank.
+        # An expert's adapter runs inside the experts' own (expert-parallel) RNG stream.
         self._dropout_rng = layer_backend.dropout_rng if (
-            not column or self.sequence_parallel) else contextlib.nullcontext
+            not expert and (not column or self.sequence_parallel)) else contextlib.nullcontext
         self._parallel = parallel
+        if expert:  # an expert's parameter: split over ep, gradients reduced over edp
+            for param in self.parameters():
+                setattr(param, "allreduce", False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         group = self._parallel.tp_group
@@ -121,19 +135,21 @@ def _add_adapter_output(module: torch.nn.Module, args: tuple, output):
     """Forward hook of an adapted linear: its ``(output, bias)`` plus the adapter's output."""
     out, bias = output
     adapter = module.adapter
-    assert isinstance(adapter, LoRAAdapter)
+    assert isinstance(adapter, torch.nn.Module)
     return out + adapter(args[0]), bias
 
 
-def attach_adapter(base: torch.nn.Module, name: str, kind: str, **options) -> LoRAAdapter:
+def attach_adapter(base: torch.nn.Module, name: str, kind: str, split=None,
+                   **options) -> torch.nn.Module:
     """Give ``base`` (module ``name`` of the chunk) an adapter as its child ``adapter`` and add
-    its output to every forward; the base keeps its own parameters and their names."""
+    its output to every forward; the base keeps its own parameters and their names. ``split``:
+    build the adapter with it instead (canonical LoRA's per-projection adapters)."""
     if kind == COLUMN and getattr(base, "gather_output", False):
         raise ConfigError(f"LoRA on {name}: a column-parallel linear that gathers its output is "
                           f"not supported")
     if kind == ROW and getattr(base, "input_is_parallel", True) is False:
         raise ConfigError(f"LoRA on {name}: a row-parallel linear that scatters its input is "
                           f"not supported")
-    base.adapter = LoRAAdapter(base, name, kind, **options)
+    base.adapter = (split or LoRAAdapter)(base, name, kind, **options)
     base.register_forward_hook(_add_adapter_output)
     return base.adapter

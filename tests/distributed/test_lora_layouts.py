@@ -3,12 +3,18 @@ row-parallel bases), tp 2 with sequence parallelism, pp 2 and dp 2 with the dist
 optimizer train like one process (relative 1e-5 on losses and grad norms over 3 iterations);
 the merged plain model computes the LoRA model's logits (1e-5); a checkpoint round trip resumes
 bitwise. So do pp 2 x vp 2, cp 2, fsdp2, full recompute at tp 2, zb-h1 and zbv. With a fused [gate; up] fc1 (SwiGLU), dropout 0, fp32; and the adapters trained under
-tp 2 with sequence parallelism equal one process's within 1e-5. One pool of 2 ranks."""
+tp 2 with sequence parallelism equal one process's within 1e-5, canonical LoRA's
+per-projection adapters (q, k, v; gate, up) included. One pool of 2 ranks."""
 
 from __future__ import annotations
 
 import pytest
-from plugtron.testing import assert_layouts_match, assert_transform_conforms, train_run
+from plugtron.testing import (
+    assert_layouts_match,
+    assert_records_close,
+    assert_transform_conforms,
+    train_run,
+)
 
 from tests.distributed.dp_helpers import max_param_diff
 
@@ -45,6 +51,26 @@ def test_lora_under_the_other_layouts_matches_one_process(pool):
         {"tp": 2, "recompute-granularity": "full", "recompute-method": "uniform",
          "recompute-num-layers": 1},
         {"pp": 2, "schedule": "zb-h1"}, {"pp": 2, "schedule": "zbv"}])
+
+
+CANONICAL = {**FLAGS, "num-query-groups": 2,
+             "lora-target-modules": "linear_q,linear_k,linear_v,linear_proj,linear_fc1_gate,"
+                                    "linear_fc1_up,linear_fc2"}
+
+
+def test_canonical_lora_under_tp_and_sp_trains_like_one_process(pool):
+    """Per-projection adapters of q, k, v (per query group under tp, as linear_qkv's shard
+    holds them) and of gate, up: losses, grad norms and the trained adapters equal one
+    process's (relative 1e-5 / 1e-5 absolute)."""
+    one = train_run(CANONICAL, 1, pool, gather_params=True)
+    split = train_run({**CANONICAL, "tp": 2, "sequence-parallel": True}, 2, pool,
+                      gather_params=True)
+    assert_records_close(split.records, one.records, 1e-5, "tp 2 sp against one process")
+    assert one.params is not None and split.params is not None
+    adapters = {name for name in one.params if ".adapter." in name}
+    assert len(adapters) == 2 * (3 + 1 + 2 + 1) * 2  # 2 layers x 7 projections x (A, B)
+    assert max_param_diff({n: split.params[n] for n in adapters},
+                          {n: one.params[n] for n in adapters}) < 1e-5
 
 
 MLA = {"model": "gpt", "multi-latent-attention": True, "q-lora-rank": 12, "kv-lora-rank": 8,

@@ -24,6 +24,7 @@ import torch
 from plugtron.api import ConfigError, TrainConfig
 from plugtron_gpt.gpt import hf_families
 from plugtron_gpt.gpt.hf_families import FAMILIES, family_config, family_flags, family_of
+from plugtron_gpt.gpt.hf_linears import LlamaLinears, fuse_qkv, split_qkv
 from plugtron_gpt.gpt.megatron_convert import export_megatron, import_megatron
 from plugtron_gpt.gpt.mtp import DROPPABLE, drop_mtp
 from plugtron_gpt.gpt.param_names import EMBEDDING, FINAL_NORM, OUTPUT, POSITIONS
@@ -42,29 +43,6 @@ def _attn(i: int) -> str:
 
 def _mlp(i: int) -> str:
     return f"{_layer(i)}.mlp"
-
-
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int,
-             groups: int) -> torch.Tensor:
-    """Separate q ``[heads*d, ...]``, k and v ``[groups*d, ...]`` into plugtron's per-group
-    layout ``[groups * (heads/groups + 2) * d, ...]``."""
-    rest = tuple(q.shape[1:])
-    d = q.shape[0] // heads
-    per = heads // groups
-    q = q.reshape(groups, per, d, *rest)
-    k = k.reshape(groups, 1, d, *rest)
-    v = v.reshape(groups, 1, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(groups * (per + 2) * d, *rest)
-
-
-def split_qkv(qkv: torch.Tensor, heads: int, groups: int):
-    """Inverse of :func:`fuse_qkv`."""
-    rest = tuple(qkv.shape[1:])
-    per = heads // groups
-    d = qkv.shape[0] // (groups * (per + 2))
-    x = qkv.reshape(groups, per + 2, d, *rest)
-    return (x[:, :per].reshape(heads * d, *rest), x[:, per].reshape(groups * d, *rest),
-            x[:, per + 1].reshape(groups * d, *rest))
 
 
 class _Readable(Protocol):
@@ -327,6 +305,23 @@ class GPTConverter:
 
     def drop_part(self, config, part: str) -> None:
         drop_mtp(config, part)
+
+    def hf_linear_map(self, config) -> LlamaLinears:
+        """Each layer's four linears as Llama's modules (PEFT adapters)."""
+        if hf_layout_of(config) == "gpt2":
+            raise ConfigError("GPT-2 keeps its linears as transposed Conv1D modules (fused "
+                              "c_attn): PEFT adapters are written and read for the Llama "
+                              "family's layout only")
+        m = config.model
+        modules = {}
+        for i in range(m.num_layers):
+            dst, a, p = f"model.layers.{i}", _attn(i), _mlp(i)
+            modules[f"{a}.linear_qkv"] = [f"{dst}.self_attn.{x}_proj" for x in "qkv"]
+            modules[f"{a}.linear_proj"] = [f"{dst}.self_attn.o_proj"]
+            modules[f"{p}.linear_fc1"] = [f"{dst}.mlp.gate_proj", f"{dst}.mlp.up_proj"]
+            modules[f"{p}.linear_fc2"] = [f"{dst}.mlp.down_proj"]
+        return LlamaLinears(modules, m.num_attention_heads,
+                            m.num_query_groups or m.num_attention_heads)
 
     # Shared with the converters of models that extend gpt (plugtron-moe's, which reach them
     # through the registry): one reading of HF's rotary settings, one writing of them.

@@ -125,11 +125,95 @@ def test_hook_transform_merged_tensors(tmp_path, monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_experts_are_refused_and_a_moe_model_takes_adapters_on_attention():
-    with pytest.raises(ConfigError, match=r"experts\.local_experts\.0\.linear_fc1 is an "
-                                          r"expert's linear; LoRA on experts is not supported"):
-        _chunk(num_experts=2, lora_rank=4)
-    chunk = _chunk(num_experts=2, lora_rank=4, lora_target_modules=["linear_qkv,linear_proj"])
-    adapted = {n.split(".adapter.")[0].rsplit(".", 1)[1] for n, _ in chunk.named_parameters()
-               if ".adapter." in n}
-    assert adapted == {"linear_qkv", "linear_proj"}
+def test_an_experts_linears_take_adapters_of_their_own_looped_or_grouped():
+    """Each routed expert's fc1 / fc2 gets its own adapter (an expert parameter, named by the
+    expert's global index); the expert computes ``base + alpha/r B A x`` by hand, and the
+    grouped path (which reads the weights alone) computes adapted experts looped."""
+    chunk = _chunk(num_experts=4, lora_rank=4, lora_alpha=8.0, swiglu=True)
+    trained = {n: p for n, p in chunk.named_parameters() if p.requires_grad}
+    experts = [n for n in trained if ".local_experts." in n]
+    assert len(experts) == 2 * 4 * 2 * 2  # 2 layers x 4 experts x (fc1, fc2) x (A, B)
+    assert all(getattr(trained[n], "allreduce", True) is False for n in experts)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name in experts:
+            if name.endswith("linear_out.weight"):
+                trained[name].normal_()
+    expert = dict(chunk.named_modules())["decoder.layers.0.mlp.experts.local_experts.2"]
+    x = torch.randn(5, expert.linear_fc1.weight.shape[1])
+    with torch.no_grad():
+        fc1 = expert.linear_fc1
+        h = F.linear(x, fc1.weight) + 2.0 * (x @ fc1.adapter.linear_in.weight.t()
+                                             @ fc1.adapter.linear_out.weight.t())
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        fc2 = expert.linear_fc2
+        by_hand = F.linear(h, fc2.weight) + 2.0 * (h @ fc2.adapter.linear_in.weight.t()
+                                                   @ fc2.adapter.linear_out.weight.t())
+        torch.testing.assert_close(expert(x), by_hand, rtol=1e-6, atol=1e-6)
+    tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    chunk.eval()
+    with torch.no_grad():
+        looped = chunk(tokens)
+        for module in chunk.modules():
+            if hasattr(module, "grouped"):
+                module.grouped = True
+        assert torch.equal(chunk(tokens), looped)
+
+
+def test_experts_split_over_expert_tensor_parallelism_are_refused():
+    config = tiny_config(num_experts=4, lora_rank=4, tensor_model_parallel_size=2)
+    with pytest.raises(ConfigError, match=r"local_experts\.0\.linear_fc1 is an expert's "
+                                          r"linear, split over expert tensor parallelism 2; "
+                                          r"LoRA on experts needs --expert-tensor-parallel-size 1"):
+        estimate_memory(config, 2)
+
+
+CANONICAL = {"lora_rank": 4, "lora_alpha": 8.0, "swiglu": True, "num_query_groups": 2,
+             "lora_target_modules": ["linear_q,linear_v,linear_fc1_up,linear_proj"]}
+
+
+def test_canonical_adapters_add_each_projection_at_its_place_and_merge():
+    """linear_q / linear_v / linear_fc1_up: one adapter per projection, its output at that
+    projection's rows of the fused output (q, k, v per query group, as the Hugging Face import
+    fuses them), nothing at k's or gate's; the merged weight computes the same."""
+    from plugtron.plugins.transforms.lora import MergedLoRA
+    from plugtron_gpt.gpt.hf_linears import split_qkv
+
+    config = tiny_config(**CANONICAL)
+    chunk = _chunk(**CANONICAL)
+    modules = dict(chunk.named_modules())
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, param in chunk.named_parameters():
+            if name.endswith("linear_out.weight"):
+                param.normal_()
+    heads, groups = config.model.num_attention_heads, 2
+    state = {k: v.detach() for k, v in chunk.state_dict().items()}
+    merged = MergedLoRA(state, 8.0 / 4, config.model)
+    for name, parts in (("decoder.layers.0.self_attention.linear_qkv", ("q", None, "v")),
+                        ("decoder.layers.1.mlp.linear_fc1", (None, "up"))):
+        linear = modules[name]
+        x = torch.randn(2, 5, linear.weight.shape[1])
+        with torch.no_grad():
+            added = (linear(x)[0] - F.linear(x, linear.weight)).reshape(10, -1).t()
+        pieces = split_qkv(added, heads, groups) if "qkv" in name else added.chunk(2)
+        for piece, part in zip(pieces, parts):
+            if part is None:
+                assert torch.equal(piece, torch.zeros_like(piece))
+                continue
+            adapter = getattr(linear.adapter, f"adapter_{part}")
+            by_hand = 2.0 * (x @ adapter.linear_in.weight.t() @ adapter.linear_out.weight.t())
+            torch.testing.assert_close(piece, by_hand.reshape(10, -1).t(), rtol=1e-5,
+                                       atol=1e-5)
+        with torch.no_grad():
+            torch.testing.assert_close(F.linear(x, merged[f"{name}.weight"]), linear(x)[0],
+                                       rtol=1e-5, atol=1e-5)
+    assert not [n for n in merged if "adapter" in n]
+
+
+def test_canonical_targets_and_their_fused_linear_together_are_refused():
+    with pytest.raises(ConfigError, match="names linear_qkv and its parts"):
+        validate(tiny_config(lora_rank=4, lora_target_modules=["linear_qkv,linear_q"]), 1)
+    with pytest.raises(ConfigError, match="is not a gated"):
+        _chunk(lora_rank=4, lora_target_modules=["linear_fc1_gate"])
