@@ -150,7 +150,7 @@ from plugtron.core.tools.estimate import estimate_memory
 from plugtron.core.tools.generation import InferenceState, generate
 from plugtron.core.tools.inference import load_model
 from plugtron.core.training.aux_losses import add_loss
-from plugtron.core.training.builder import model_dtype
+from plugtron.core.training.builder import model_dtype, reference_model
 from plugtron.core.training.data import collate
 from plugtron.core.training.optimizer import (
     OPTIMIZER_STATE_KEY,
@@ -217,7 +217,7 @@ __all__ = [
     "named_params", "no_weight_decay", "param_groups_for", "OPTIMIZER_STATE_KEY",
     "DistributedDataParallel", "BucketShard", "ParamShard", "LayerWiseOptimizer",
     "optimizer_shards_layer_wise", "optimizer_sharding_requested",
-    "DataParallelChunk", "DataParallelMemory", "model_dtype", "wants_sharded_gradients",
+    "DataParallelChunk", "DataParallelMemory", "model_dtype", "reference_model", "wants_sharded_gradients",
     "optimizer_takes_dtensor_params", "is_dtensor", "local_tensor", "full_tensor", "shard_like",
     # datasets and tokenizers
     "collate", "build_tokenizer", "tokenizer_for", "Tokenizer",

@@ -11,6 +11,7 @@ and loss on the chunk that holds the last (wherever the schedule's placement put
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import pluggy
@@ -86,6 +87,26 @@ def build_model(config: TrainConfig, parallel: ParallelContext, *,
                         mark_added_by_transform(tensor, name)
             chunks.append(module)
     return chunks
+
+
+def reference_model(config: TrainConfig, transforms: bool = False) -> torch.nn.Module:
+    """The whole model as one process builds it (no tp, pp, vp, cp or ep: every layer in one
+    chunk), on the meta device with a backend that builds anywhere: what a plugin checks its
+    names against before launch, where each pipeline stage holds only some layers (LoRA's
+    target modules). ``transforms``: also apply the run's model transforms."""
+    from plugtron.core.parallel.context import ParallelContext
+
+    whole = copy.deepcopy(config)
+    p = whole.parallel
+    p.tensor_model_parallel_size = p.pipeline_model_parallel_size = 1
+    p.context_parallel_size = p.expert_model_parallel_size = 1
+    p.virtual_pipeline_model_parallel_size = None
+    p.expert_tensor_parallel_size = None
+    p.sequence_parallel = False
+    parallel = ParallelContext.build(1, 0, create_groups=False)
+    with torch.device("meta"):
+        return build_model(whole, parallel, layer_backend=reference_backend(whole),
+                           transforms=transforms)[0]
 
 
 def reference_backend(config) -> str:

@@ -22,7 +22,7 @@ from functools import partial
 from types import SimpleNamespace
 
 import torch
-from plugtron.api import ConfigError, ConfigSection, hookimpl, opt
+from plugtron.api import ConfigError, ConfigSection, hookimpl, opt, reference_model
 
 from .lora_adapter import attach_adapter, parallel_kind
 from .lora_peft import from_peft, to_peft
@@ -117,6 +117,12 @@ class LoRA:
         if not targets(o):
             raise ConfigError("--lora-target-modules names no module")
         split_targets(targets(o))
+        p = config.parallel
+        if p.pipeline_model_parallel_size > 1 or p.virtual_pipeline_model_parallel_size:
+            # a pipeline stage may lack what another holds: the targets against every layer
+            whole = reference_model(config)
+            _check_targets(o, {name: kind for name, sub in whole.named_modules()
+                               if (kind := parallel_kind(sub)) is not None})
         tp = config.parallel.tensor_model_parallel_size
         if o.lora_rank % tp:
             # the A of a column-parallel linear is split over its rank (Megatron-Bridge's way)
@@ -131,15 +137,8 @@ class LoRA:
                    if (kind := parallel_kind(sub)) is not None}
         chosen = {name: kind for name, kind in linears.items()
                   if name.rpartition(".")[2] in wanted or name.rpartition(".")[2] in parts}
-        whole_model = parallel.pp_size == 1 and not parallel.vp_size
-        found = {name.rpartition(".")[2] for name in chosen}
-        missing = sorted(set(wanted) - found) + sorted(
-            t for t, (fused, _) in CANONICAL.items() if fused in parts and t in targets(o)
-            and fused not in found)
-        if missing and whole_model:  # a pipeline stage may lack what another holds
-            have = sorted({name.rpartition(".")[2] for name in linears})
-            raise ConfigError(f"--lora-target-modules {', '.join(missing)}: the model has no "
-                              f"such linear; its linears are {', '.join(have) or 'none'}")
+        if parallel.pp_size == 1 and not parallel.vp_size:  # else checked on the whole model
+            _check_targets(o, linears)
         modules = dict(module.named_modules())
         adapters = []
         for name, kind in chosen.items():
@@ -229,3 +228,17 @@ class MergedLoRA(Mapping):
 
     def __len__(self):
         return len(self.names)
+
+
+def _check_targets(o, linears: dict) -> None:
+    """Refuse target modules the model has no linear for (``linears``: name -> kind)."""
+    wanted, parts = split_targets(targets(o))
+    found = {name.rpartition(".")[2] for name in linears
+             if name.rpartition(".")[2] in wanted or name.rpartition(".")[2] in parts}
+    missing = sorted(set(wanted) - found) + sorted(
+        t for t, (fused, _) in CANONICAL.items() if fused in parts and t in targets(o)
+        and fused not in found)
+    if missing:
+        have = sorted({name.rpartition(".")[2] for name in linears})
+        raise ConfigError(f"--lora-target-modules {', '.join(missing)}: the model has no "
+                          f"such linear; its linears are {', '.join(have) or 'none'}")

@@ -101,6 +101,17 @@ def test_a_target_the_model_lacks_is_refused_naming_its_linears():
         estimate_memory(config, 1)
 
 
+@pytest.mark.parametrize("layout", [{"pp": 2}, {"pp": 2, "vp": 2, "num_layers": 4}])
+def test_a_target_the_model_lacks_is_refused_under_a_pipeline_too(layout):
+    """Each stage holds some layers only: the targets are checked against the whole model
+    before launch (a stage's chunk alone cannot tell), so a name no layer has is refused."""
+    config = tiny_config(lora_rank=4, lora_target_modules=["linear_nope"], **layout)
+    with pytest.raises(ConfigError, match="--lora-target-modules linear_nope: the model has no "
+                                          "such linear"):
+        validate(config, 2)
+    validate(tiny_config(lora_rank=4, **layout), 2)  # the default targets: every stage's
+
+
 #: A Llama-shaped tiny model, which Hugging Face export maps.
 LLAMA = {"position_embedding_type": "rope", "normalization": "RMSNorm", "swiglu": True,
          "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
