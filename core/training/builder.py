@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import pluggy
 import torch
 from plugtron.core.errors import PluginError
+from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.sharding import added_by_transform, mark_added_by_transform
 from plugtron.core.pipeline.layout import building_for
 from plugtron.core.plugins import registry
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
     import torch
     from plugtron.core.config import TrainConfig
     from plugtron.core.contracts.layer_backend import LayerBackend
-    from plugtron.core.parallel.context import ParallelContext
 
 
 def model_plugins_of(config: TrainConfig) -> pluggy.PluginManager:
@@ -94,8 +94,6 @@ def reference_model(config: TrainConfig, transforms: bool = False) -> torch.nn.M
     chunk), on the meta device with a backend that builds anywhere: what a plugin checks its
     names against before launch, where each pipeline stage holds only some layers (LoRA's
     target modules). ``transforms``: also apply the run's model transforms."""
-    from plugtron.core.parallel.context import ParallelContext
-
     whole = copy.deepcopy(config)
     p = whole.parallel
     p.tensor_model_parallel_size = p.pipeline_model_parallel_size = 1
