@@ -16,6 +16,7 @@ from plugtron.core.blocks.forward_context import (
     forward_context,
     use_forward_context,
 )
+from plugtron.core.blocks.gated_silu import silu_and_mul
 from plugtron.core.blocks.init import InitMethod, normal_init, scaled_normal_init
 from plugtron.core.blocks.layer_stack import ComposedLayer
 from plugtron.core.blocks.linear import linear
@@ -191,7 +192,7 @@ __all__ = [
     "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
     "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region", "sequence_parallel_linear", "linear",
-    "affine", "batched_linear", "grouped_linear", "deferred_layer_norm",
+    "affine", "batched_linear", "grouped_linear", "deferred_layer_norm", "silu_and_mul",
     "cpu_matrix_support",
     "set_tensor_parallel", "is_tensor_parallel", "shard_of", "block_sizes",
     "mark_sequence_parallel", "mark_fused_parts", "fused_part_rows", "gather_tp_shards",

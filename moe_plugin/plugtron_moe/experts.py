@@ -34,6 +34,7 @@ from plugtron.api import (
     scaled_normal_init,
     set_tensor_parallel,
     shard_of,
+    silu_and_mul,
 )
 
 from .options import expert_ffn_size
@@ -105,8 +106,7 @@ class ExpertMLP(torch.nn.Module):
 
     def _activation(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return silu_and_mul(x)
         return F.gelu(x, approximate=self.gelu_approximation)
 
     def fc2_bias(self) -> torch.Tensor | None:

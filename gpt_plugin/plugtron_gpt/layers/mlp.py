@@ -20,6 +20,7 @@ from plugtron.api import (
     recompute,
     recompute_module,
     scaled_normal_init,
+    silu_and_mul,
 )
 from plugtron_gpt.layers.activations import mlp_layer_bytes, mlp_weight_grad_bytes
 from plugtron_gpt.layers.attention import dropout
@@ -83,8 +84,7 @@ class MLP(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x, _ = self.linear_fc1(x)
         if self.swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
+            x = silu_and_mul(x)
         elif self.squared_relu:
             x = F.relu(x).square()
         else:
