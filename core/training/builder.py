@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import pluggy
 import torch
+from plugtron.core.config import padded_vocab_size
 from plugtron.core.errors import PluginError
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.sharding import added_by_transform, mark_added_by_transform
@@ -101,6 +102,11 @@ def reference_model(config: TrainConfig, transforms: bool = False) -> torch.nn.M
     p.virtual_pipeline_model_parallel_size = None
     p.expert_tensor_parallel_size = None
     p.sequence_parallel = False
+    m = whole.model
+    if m.padded_vocab_size is None:  # before launch the vocabulary may not be resolved yet:
+        # any size builds the same module names
+        m.padded_vocab_size = padded_vocab_size(
+            m.vocab_size or m.make_vocab_size_divisible_by, m.make_vocab_size_divisible_by, 1)
     parallel = ParallelContext.build(1, 0, create_groups=False)
     with torch.device("meta"):
         return build_model(whole, parallel, layer_backend=reference_backend(whole),
