@@ -10,6 +10,7 @@ never blocks. Error messages never describe a file outside the directory (not ev
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 
@@ -80,3 +81,17 @@ def read_small(path: str, limit: int = MAX_JSON_BYTES) -> bytes:
             raise CheckpointError(f"checkpoint file {path} is {size} bytes; a checkpoint JSON "
                                   f"file is at most {limit}")
         return f.read(limit + 1)
+
+
+def read_json_object(path: str, name: str):
+    """The JSON object in file ``name`` of directory ``path`` (a Hugging Face directory's
+    config, a PEFT adapter's): a plain regular file, small, holding an object."""
+    regular_file_size(path, name, path, name)
+    file = os.path.join(path, name)
+    try:
+        data = json.loads(read_small(file))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object")
+    return data

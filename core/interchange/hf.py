@@ -8,14 +8,17 @@ never imports a model). A converter implements :class:`Converter`.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import torch
 from plugtron.core.checkpoint import state, writer
 from plugtron.core.checkpoint.pieces import Box
-from plugtron.core.checkpoint.safe_files import check_plain_name, read_small, regular_file_size
+from plugtron.core.checkpoint.safe_files import (
+    check_plain_name,
+    read_json_object,
+    regular_file_size,
+)
 from plugtron.core.checkpoint.st_header import read_header
 from plugtron.core.config import TrainConfig, derive_padded_vocab_size
 from plugtron.core.errors import CheckpointError, ConfigError
@@ -34,19 +37,6 @@ def _plugin_info(role: str, name: str) -> dict:
             "version": info.version if info else None}
 
 
-def _hf_json(path: str, name: str):
-    """A JSON object file of a Hugging Face directory (checked: plain regular file)."""
-    regular_file_size(path, name, path, name)
-    file = os.path.join(path, name)
-    try:
-        data = json.loads(read_small(file))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file} must hold a JSON object")
-    return data
-
-
 def read_hf_dir(path: str) -> tuple[dict, dict]:
     """``config.json`` and every tensor of ``model.safetensors`` (or of the shards listed in
     ``model.safetensors.index.json``). The directory is untrusted: shard names must be plain
@@ -54,12 +44,12 @@ def read_hf_dir(path: str) -> tuple[dict, dict]:
     its size before it is loaded."""
     if not os.path.lexists(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path!r} has no config.json: not a Hugging Face model directory")
-    config = _hf_json(path, "config.json")
+    config = read_json_object(path, "config.json")
     index_name = "model.safetensors.index.json"
     if os.path.lexists(os.path.join(path, "model.safetensors")):
         names = ["model.safetensors"]
     elif os.path.lexists(os.path.join(path, index_name)):
-        weight_map = _hf_json(path, index_name).get("weight_map")
+        weight_map = read_json_object(path, index_name).get("weight_map")
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{os.path.join(path, index_name)}: field weight_map must be "
                                   f"an object of tensor name -> file name")
@@ -88,7 +78,7 @@ def special_token_flags(hf_dir: str, hf_config: dict) -> dict:
     plugtron flags. A list of eos ids (Llama 3) keeps its first: plugtron has one eod."""
     sources = [hf_config]
     if os.path.lexists(os.path.join(hf_dir, "generation_config.json")):
-        sources.append(_hf_json(hf_dir, "generation_config.json"))
+        sources.append(read_json_object(hf_dir, "generation_config.json"))
     flags = {}
     for key in SPECIAL_TOKENS:
         value = next((s[key] for s in sources if s.get(key) is not None), None)

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 
 import torch
-from plugtron.core.checkpoint.safe_files import read_small, regular_file_size
+from plugtron.core.checkpoint.safe_files import read_json_object, regular_file_size
 from plugtron.core.checkpoint.st_header import read_header
 from plugtron.core.contracts.converter import HFLinearMap
 from plugtron.core.errors import CheckpointError, ConfigError
@@ -84,13 +84,7 @@ def read_adapter_dir(path: str) -> tuple[dict, dict[str, torch.Tensor]]:
             raise CheckpointError(f"{path!r} has no {name}: not a PEFT adapter directory "
                                   f"(only safetensors adapters are read)")
         regular_file_size(path, name, path, name)
-    file = os.path.join(path, ADAPTER_CONFIG)
-    try:
-        adapter_config = json.loads(read_small(file))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file} is not valid JSON ({exc})") from None
-    if not isinstance(adapter_config, dict):
-        raise CheckpointError(f"{file} must hold a JSON object")
+    adapter_config = read_json_object(path, ADAPTER_CONFIG)
     weights = os.path.join(path, ADAPTER_WEIGHTS)
     read_header(weights)
     try:

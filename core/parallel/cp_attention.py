@@ -94,11 +94,6 @@ def context_parallel_attention(q, k, v, parallel, comm_type: str = "p2p",
                                 document_ids)
 
 
-def _order(docs, seq: int, cp: int, device) -> torch.Tensor:
-    """Sequence positions in chunk order (``[seq]``, or ``[b, seq]`` with documents)."""
-    return chunk_order(docs, seq, cp, device)
-
-
 def _docs_at(docs, positions):
     """Document numbers at ``positions`` (``[n]`` or ``[b, n]``), or None without documents."""
     if docs is None:
@@ -191,7 +186,7 @@ class _AllGatherAttention(torch.autograd.Function):
         seq = 2 * chunk * cp_size
         scale = 1.0 / math.sqrt(q.shape[-1])
         kv = _gather_kv(torch.stack([k, v]), group, cp_size)  # in chunk order
-        k_pos = _order(docs, seq, cp_size, q.device)
+        k_pos = chunk_order(docs, seq, cp_size, q.device)  # sequence positions in chunk order
         q_pos = rank_positions(k_pos, cp_rank, cp_size)
         q_doc, k_doc = _docs_at(docs, q_pos), _docs_at(docs, k_pos)
         out = torch.empty(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
@@ -206,7 +201,7 @@ class _AllGatherAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.cp_rank, ctx.cp_size, ctx.dropout = group, cp_rank, cp_size, dropout
-        ctx.docs = docs
+        ctx.docs, ctx.k_pos = docs, k_pos
         ctx.scale = scale
         return out
 
@@ -215,10 +210,8 @@ class _AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp_rank, cp_size = ctx.cp_rank, ctx.cp_size
         chunk = q.shape[2] // 2
-        seq = 2 * chunk * cp_size
         kv = _gather_kv(torch.stack([k, v]), ctx.group, cp_size)
-        docs = ctx.docs
-        k_pos = _order(docs, seq, cp_size, q.device)
+        docs, k_pos = ctx.docs, ctx.k_pos
         q_pos = rank_positions(k_pos, cp_rank, cp_size)
         q_doc, k_doc = _docs_at(docs, q_pos), _docs_at(docs, k_pos)
         grad_q = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -341,7 +334,7 @@ def all_to_all_attention(q, k, v, group, cp_size: int, dropout_p: float = 0.0,
                            for t in (q, k, v))  # in chunk order
     mask = None
     if document_ids is not None:
-        true_positions = _order(document_ids, seq, cp_size, q.device)
+        true_positions = chunk_order(document_ids, seq, cp_size, q.device)
         mask = _document_mask(_docs_at(document_ids, true_positions), true_positions)
     with _head_block_dropout_stream(dropout_p, q.device, comm.group_rank(group)):
         out = F.scaled_dot_product_attention(q_all.transpose(1, 2), k_all.transpose(1, 2),
@@ -398,7 +391,7 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
-        order = _order(docs, seq, cp, q.device)
+        order = chunk_order(docs, seq, cp, q.device)
         q_pos = rank_positions(order, rank, cp)
         q_doc = _docs_at(docs, q_pos)
         kv = torch.stack([k, v])
@@ -425,7 +418,7 @@ class _RingAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.ranks, ctx.rank, ctx.scale, ctx.dropout = group, ranks, rank, scale, dropout
-        ctx.docs = docs
+        ctx.docs, ctx.order = docs, order
         return out
 
     @staticmethod
@@ -433,8 +426,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, ranks, rank, scale = ctx.group, ctx.ranks, ctx.rank, ctx.scale
         cp, chunk = len(ranks), q.shape[2] // 2
-        seq = 2 * chunk * cp
-        order = _order(ctx.docs, seq, cp, q.device)
+        order = ctx.order
         q_pos = rank_positions(order, rank, cp)
         q_doc = _docs_at(ctx.docs, q_pos)
         grad_q = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
