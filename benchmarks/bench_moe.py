@@ -49,9 +49,43 @@ def _layer(config, parallel=None):
 
 
 def _once(layer, x) -> float:
+    # A dense output gradient, as the next layer hands back in training: ``out.sum()``'s is a
+    # broadcast (stride 0) tensor that sends the permutation's backward down slow paths.
     start = time.perf_counter()
-    layer(x).sum().backward()
+    out = layer(x)
+    out.backward(_output_grad(out.shape))
     return (time.perf_counter() - start) * 1000
+
+
+_GRADS: dict = {}
+
+
+def _output_grad(shape) -> torch.Tensor:
+    key = tuple(shape)
+    if key not in _GRADS:
+        _GRADS[key] = torch.randn(key, generator=torch.Generator().manual_seed(7))
+    return _GRADS[key]
+
+
+class ExpertsAlone(torch.nn.Module):
+    """The MoE layer's experts on its routed rows, without the norm, router, dispatch and
+    combine: with the dense MLP, what the matmuls' shapes alone cost (each expert multiplies
+    ~1/4 of the rows by 1/2 of the columns of the dense MLP's matmuls)."""
+
+    def __init__(self, layer, x):
+        super().__init__()
+        self.experts = layer.mlp.experts
+        with torch.no_grad():
+            mlp = layer.mlp
+            tokens = layer.pre_mlp_layernorm(x).view(-1, x.shape[-1])
+            mlp.router._seq_shape = (x.shape[1], x.shape[0])
+            probs, routing_map, _ = mlp.router(tokens)
+            dispatched = mlp.dispatcher.dispatch(tokens, probs, routing_map)
+        self.rows = dispatched.tokens.clone().requires_grad_()
+        self.counts = dispatched.tokens_per_expert
+
+    def forward(self, x):
+        return self.experts(self.rows, self.counts)
 
 
 def _alternating(layers: dict, x, rounds: int) -> dict:
@@ -70,7 +104,10 @@ def _alternating(layers: dict, x, rounds: int) -> dict:
 
 def layer_timings(rounds: int) -> dict:
     """``{variant: (median ms, median ratio to dense)}``."""
+    from plugtron.core.blocks.cpu_allocator import keep_freed_memory
+
     torch.set_num_threads(1)
+    keep_freed_memory()  # as the training loop does on CPU
     x = torch.randn(1, TOKENS, HIDDEN, requires_grad=True)
     layers = {}
     for name, flags in (("dense (ffn 2x expert)", {"num-experts": None,
@@ -78,6 +115,7 @@ def layer_timings(rounds: int) -> dict:
                         ("looped", {}), ("grouped", {"moe-grouped-gemm": True})):
         torch.manual_seed(0)
         layers[name] = _layer(_config(**flags))
+    layers["looped experts alone"] = ExpertsAlone(layers["looped"], x)
     return _alternating(layers, x, rounds)
 
 
@@ -216,6 +254,7 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     _hookimpls()
+    load = os.getloadavg()[0]
     start = time.time()
     layers = layer_timings(args.rounds)
     dispatch = dispatcher_timings(args.rounds)
@@ -225,8 +264,8 @@ def main() -> None:
     lines = [f"\n## MoE, second pass: alternating rounds, balance over seeds "
              f"({time.strftime('%Y-%m-%d')})\n",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-             f"torch {torch.__version__}, 1 thread per rank, shared with other engineers' "
-             f"runs (noisy). Command: `python benchmarks/bench_moe.py --steps {args.steps} "
+             f"torch {torch.__version__}, 1 thread per rank, load average "
+             f"{load:.1f} at the start. Command: `python benchmarks/bench_moe.py --steps {args.steps} "
              f"--rounds {args.rounds}` (took {took:.0f} s).\n",
              f"One layer, hidden {HIDDEN}, {EXPERTS} experts top-2, expert ffn {FFN} (SwiGLU), "
              f"{TOKENS} tokens, forward + backward; {args.rounds} rounds, the variants taking "
@@ -234,14 +273,18 @@ def main() -> None:
              "| variant | ms | / dense |", "|---|---|---|"]
     lines += [f"| {name} | {ms:.1f} | {ratio:.2f} |" for name, (ms, ratio) in layers.items()]
     grouped = layers["grouped"][1] / layers["looped"][1]
+    alone = layers["looped experts alone"][1]
     lines += [f"\nMoE (looped) / dense with the same active parameters: "
               f"**{layers['looped'][1]:.2f}x** (goal <= 1.1x, issue 39); grouped: "
-              f"{layers['grouped'][1]:.2f}x, grouped / looped {grouped:.2f} (torch's grouped mm, "
-              f"which on CPU loops matmuls over the experts itself; torch.stack of the experts' "
-              f"weights each forward, and its backward, cost about 1.1 ms of the gap measured "
-              f"alone, which one 3-D parameter for the experts, as Megatron's GroupedMLP holds "
-              f"them, would remove; the rest is inside torch's CPU grouped mm, not profiled "
-              f"further).\n",
+              f"{layers['grouped'][1]:.2f}x, grouped / looped {grouped:.2f}. The experts alone "
+              f"(their matmuls, activations and the split of their rows; no norm, router, "
+              f"dispatch or combine) are {alone:.2f}x dense: each expert's matmuls have about a "
+              f"quarter of the rows and half the columns of the dense MLP's, and one CPU "
+              f"thread runs them slower per FLOP. The rest, "
+              f"{layers['looped'][0] - layers['looped experts alone'][0]:.1f} ms, is the router "
+              f"and the permutation (the dense layer has the same norm): copies of the [tokens x top-k, hidden] rows "
+              f"(gather in, weighted scatter-add out, and both in backward), memory-bound "
+              f"passes that a GPU fuses into its permutation kernels.\n",
               f"Dispatchers at ep 2 (2 gloo ranks, {TOKENS // 2} tokens each, slower rank, "
               f"alternating): " + ", ".join(f"{d} {ms:.1f} ms ({r:.2f}x allgather)"
                                            for d, (ms, r) in dispatch.items()) + ".\n",

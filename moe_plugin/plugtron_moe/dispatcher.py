@@ -58,6 +58,8 @@ from plugtron.api import (
     scatter_to_sequence_parallel_region,
 )
 
+from .weighted_combine import weighted_row_sum
+
 
 @dataclass
 class Dispatched:
@@ -138,21 +140,18 @@ class TokenDispatcher:
                                                                           list[int]]:
         """``(token rows, expert ids, counts)`` of the routed pairs of ``experts``, expert by
         expert, tokens in order within each (Megatron's permutation order)."""
-        rows, cols, counts = [], [], []
-        for e in experts:
-            idx = routing_map[:, e].nonzero().squeeze(1)
-            rows.append(idx)
-            cols.append(torch.full_like(idx, e))
-            counts.append(int(idx.numel()))
-        return torch.cat(rows), torch.cat(cols), counts
+        ids = torch.as_tensor(list(experts), device=routing_map.device)
+        # one nonzero over the [experts, tokens] map lists the pairs expert-major, tokens in
+        # order: the per-expert loop's order, in one pass
+        picked, rows = routing_map.index_select(1, ids).t().nonzero(as_tuple=True)
+        counts = torch.bincount(picked, minlength=len(ids)).tolist()
+        return rows, ids[picked], counts
 
     @staticmethod
     def weighted_sum(rows: torch.Tensor, cols: torch.Tensor, probs: torch.Tensor,
                      output: torch.Tensor, num_tokens: int) -> torch.Tensor:
         """``out[t] = sum over pairs (t, e) of probs[t, e] x output[pair]``."""
-        weights = probs[rows, cols].unsqueeze(-1).to(output.dtype)
-        out = output.new_zeros(num_tokens, output.shape[-1])
-        return out.index_add(0, rows, output * weights)
+        return weighted_row_sum(output, probs[rows, cols].to(output.dtype), rows, num_tokens)
 
 
 def load_dispatcher(name: str) -> type:
