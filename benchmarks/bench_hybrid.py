@@ -107,25 +107,42 @@ def fwd_bwd(layer, x):
 
 
 def bench_layer(seqs, repeats: int, batch: int = 1) -> list[dict]:
+    """Per sequence: tokens/s of both sides and their ratio, in torch's default floating-point
+    mode; ``flushed``: the ratio again with denormal numbers flushed to zero (FTZ/DAZ) for both.
+    The decays of a chunked scan are exponentials of long negative sums, so both sides meet
+    denormals, and the CPU's microcode handles each one slowly: transformers' scan more than
+    plugtron's (its step took 1.5-2.5x longer with them than without on this machine)."""
     rows = []
     for seq in seqs:
-        ours, theirs = layer_pair(seq)
-        x = torch.randn(batch, seq, ours.parts[0].norm.weight.shape[0], requires_grad=True)
-        times = {"plugtron": [], "transformers": []}
-        fwd_bwd(ours, x)(), fwd_bwd(theirs, x)()  # warm-up
-        for _ in range(repeats):  # alternate, so drifts of a shared machine hit both
-            times["plugtron"].append(timed_once(fwd_bwd(ours, x)))
-            times["transformers"].append(timed_once(fwd_bwd(theirs, x)))
-        # Per-round ratios (same moment of the machine for both), then their median.
-        ratio = statistics.median(t / o for o, t in zip(times["plugtron"],
-                                                        times["transformers"]))
-        med = {k: statistics.median(v) for k, v in times.items()}
-        tokens = batch * seq
-        rows.append({"seq": seq, "plugtron": tokens / med["plugtron"],
-                     "transformers": tokens / med["transformers"], "ratio": ratio})
-        print(f"layer seq {seq}: plugtron {rows[-1]['plugtron']:.0f} tok/s, transformers "
-              f"{rows[-1]['transformers']:.0f} tok/s, ratio {rows[-1]['ratio']:.2f}", flush=True)
+        row = _layer_row(seq, repeats, batch)
+        torch.set_flush_denormal(True)
+        try:
+            row["flushed"] = _layer_row(seq, repeats, batch)["ratio"]
+        finally:
+            torch.set_flush_denormal(False)  # torch's default
+        rows.append(row)
+        print(f"layer seq {seq}: plugtron {row['plugtron']:.0f} tok/s, transformers "
+              f"{row['transformers']:.0f} tok/s, ratio {row['ratio']:.2f}, with denormals "
+              f"flushed {row['flushed']:.2f}", flush=True)
     return rows
+
+
+def _layer_row(seq: int, repeats: int, batch: int) -> dict:
+    torch.manual_seed(0)  # the same weights and input in both modes and every run
+    ours, theirs = layer_pair(seq)
+    x = torch.randn(batch, seq, ours.parts[0].norm.weight.shape[0], requires_grad=True)
+    times = {"plugtron": [], "transformers": []}
+    fwd_bwd(ours, x)(), fwd_bwd(theirs, x)()  # warm-up
+    for _ in range(repeats):  # alternate, so drifts of a shared machine hit both
+        times["plugtron"].append(timed_once(fwd_bwd(ours, x)))
+        times["transformers"].append(timed_once(fwd_bwd(theirs, x)))
+    # Per-round ratios (same moment of the machine for both), then their median.
+    ratio = statistics.median(t / o for o, t in zip(times["plugtron"],
+                                                    times["transformers"]))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tokens = batch * seq
+    return {"seq": seq, "plugtron": tokens / med["plugtron"],
+            "transformers": tokens / med["transformers"], "ratio": ratio}
 
 
 # --------------------------------------------------------------------------- 2. hybrid vs GPT
@@ -241,10 +258,18 @@ def report(args, layer_rows, models, scaling_rows, plotted) -> str:
              f"{SIZES['mamba-chunk-size']}; medians of {args.repeats} rounds, the two sides "
              f"alternating (layer ratio: median of per-round ratios). Load average at the "
              f"start: {os.getloadavg()[0]:.1f} (a machine shared by other work: noisy).\n",
-             "| seq | plugtron M layer tokens/s | transformers Mamba2Block tokens/s | ratio |",
-             "|---|---|---|---|"]
+             "| seq | plugtron M layer tokens/s | transformers Mamba2Block tokens/s | ratio | "
+             "ratio, denormals flushed |",
+             "|---|---|---|---|---|"]
     lines += [f"| {r['seq']} | {r['plugtron']:,.0f} | {r['transformers']:,.0f} | "
-              f"{r['ratio']:.2f} |" for r in layer_rows]
+              f"{r['ratio']:.2f} | {r['flushed']:.2f} |" for r in layer_rows]
+    if layer_rows:
+        lines += ["", "Ratio: torch's default floating-point mode, what a user runs. Flushed: "
+                  "both sides again with `torch.set_flush_denormal(True)` (denormal numbers "
+                  "read and written as zero), which takes away the CPU's slow handling of the "
+                  "denormals the scans' decays produce (exponentials of long negative sums); "
+                  "transformers' scan meets more of them. The layers' weights and input are "
+                  "seeded, the same in both modes."]
     if models:
         lines += ["", "| model (seq 2048) | parameters | tokens/s | peak memory (MiB) |",
                   "|---|---|---|---|"]
