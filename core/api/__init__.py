@@ -127,6 +127,7 @@ from plugtron.core.parallel.tensor_parallel import (
 )
 from plugtron.core.parallel.vocab_parallel import (
     VocabParallelEmbedding,
+    parallel_linear_cross_entropy,
     parallel_logits,
     vocab_parallel_cross_entropy,
 )
@@ -200,6 +201,7 @@ __all__ = [
     "record_max_logits", "mark_qk_clip_rows",
     "apply_rotary", "rotary_freqs", "rotary_freqs_at", "yarn_attention_factor", "yarn_mscale",
     "VocabParallelEmbedding", "parallel_logits", "vocab_parallel_cross_entropy",
+    "parallel_linear_cross_entropy",
     "RNGStatesTracker", "model_parallel_rng_tracker", "EXPERT_PARALLEL_RNG",
     # context parallelism
     "context_parallel_attention", "ring_attention", "all_gather_attention",

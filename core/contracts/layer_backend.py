@@ -32,6 +32,7 @@ from plugtron.core.parallel import tensor_parallel as tpc
 from plugtron.core.parallel.random import model_parallel_rng_tracker
 from plugtron.core.parallel.vocab_parallel import (
     VocabParallelEmbedding,
+    parallel_linear_cross_entropy,
     parallel_logits,
     vocab_parallel_cross_entropy,
 )
@@ -145,6 +146,19 @@ class LayerBackend(ABC):
         cross entropy (with its label-smoothing definition) on the gathered logits."""
         return vocab_parallel_cross_entropy(logits, labels, self.parallel.tp_group, vocab_size,
                                             label_smoothing)
+
+    def output_losses(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                      vocab_size: int, label_smoothing: float = 0.0) -> torch.Tensor:
+        """The output layer and :meth:`cross_entropy` in one: per-token loss ``[b, s]`` (fp32)
+        of the final hidden states (as :meth:`output_logits` takes them) against the
+        vocab-sharded output weight, computed in chunks of tokens so that the logits never
+        exist whole and the backward's passes over them stay in cache (what
+        ``--cross-entropy-loss-fusion`` selects; ``plugtron.api.parallel_linear_cross_entropy``).
+        The same loss as ``cross_entropy(output_logits(hidden, weight, True), ...)`` up to fp32
+        rounding. A backend with a fused kernel of its own overrides it."""
+        return parallel_linear_cross_entropy(hidden, weight, labels, self.parallel.tp_group,
+                                             self.sequence_parallel, vocab_size,
+                                             label_smoothing)
 
     def scatter_to_sequence_parallel(self, hidden: torch.Tensor) -> torch.Tensor:
         """Shard replicated activations along the sequence under SP (identity otherwise)."""

@@ -6,7 +6,9 @@ Shared by every layer backend (plain torch, nothing backend-specific):
 * :class:`VocabParallelEmbedding`: the embedding lookup over a vocabulary shard;
 * :func:`parallel_logits`: the output layer (gathers the SP sequence, keeps logits sharded);
 * :func:`vocab_parallel_cross_entropy`: the loss without gathering the logits: the row max, the
-  target logit and the sum of exponentials are reduced across the group. Padded columns (global
+  target logit and the sum of exponentials are reduced across the group;
+* :func:`parallel_linear_cross_entropy`: the output layer and that loss in chunks of tokens,
+  never holding the logits whole (``--cross-entropy-loss-fusion``). Padded columns (global
   index >= ``vocab_size``) are treated as absent: they never win the max and take no
   probability mass, and they get a zero gradient.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from plugtron.core.blocks.linear import linear
+from plugtron.core.blocks.linear_cross_entropy import linear_cross_entropy
 from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.parallel import comm
 from plugtron.core.parallel import tensor_parallel as tpc
@@ -107,6 +110,23 @@ def parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, group, sequence_
     if not parallel_output:
         logits = tpc.gather_from_tensor_parallel_region(logits, group)
     return logits
+
+
+def parallel_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor,
+                                  labels: torch.Tensor, group, sequence_parallel: bool,
+                                  vocab_size: int, label_smoothing: float = 0.0) -> torch.Tensor:
+    """Per-token loss ``[b, s]`` (fp32) of the output layer (this rank's vocabulary shard
+    ``weight``) and the cross entropy together, in chunks of tokens, the logits never whole
+    (:func:`plugtron.core.blocks.linear_cross_entropy.linear_cross_entropy`). ``hidden``
+    ``[b, s, h]`` as :func:`parallel_logits` takes it (sequence-sharded under SP)."""
+    if sequence_parallel:
+        hidden = tpc.gather_from_sequence_parallel_region(hidden, group, 1)
+    else:
+        hidden = tpc.copy_to_tensor_parallel_region(hidden, group)
+    start, _ = vocab_range(weight.shape[0] * comm.group_size(group), comm.group_rank(group),
+                           comm.group_size(group))
+    return linear_cross_entropy(hidden, weight, labels, vocab_size=vocab_size,
+                                label_smoothing=label_smoothing, group=group, vocab_start=start)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -2,7 +2,8 @@
 
 * each autograd collective's forward and backward on known inputs;
 * vocab-parallel cross entropy against torch on the gathered logits (label smoothing, padded
-  vocabulary, shards that are all padding) and its gradient;
+  vocabulary, shards that are all padding) and its gradient; the same for the output layer and
+  cross entropy in chunks of tokens (``--cross-entropy-loss-fusion``), with and without SP;
 * the local backend's linear layers, and its output layer with a bias, against a plain linear;
 * the model-parallel random stream: different across tp ranks, the default one shared;
 * training: tp {1, 2, 4} x SP x GQA/MHA x tied/untied, 10 iterations against the single-process
@@ -21,7 +22,11 @@ from plugtron.core.parallel import tensor_parallel as tpc
 from plugtron.core.parallel.context import ParallelContext
 from plugtron.core.parallel.random import model_parallel_rng_tracker
 from plugtron.core.parallel.sharding import full_named_tensors, is_tensor_parallel, shard_of
-from plugtron.core.parallel.vocab_parallel import vocab_parallel_cross_entropy, vocab_range
+from plugtron.core.parallel.vocab_parallel import (
+    parallel_linear_cross_entropy,
+    vocab_parallel_cross_entropy,
+    vocab_range,
+)
 
 from tests.distributed.harness import worker_cache
 from tests.utils import tiny_config, train_in_process
@@ -228,6 +233,49 @@ def test_vocab_parallel_cross_entropy_single_rank_and_bf16():
         assert same_dtype and loss_dtype == torch.float32
 
 
+def _linear_cross_entropy(rank, world_size, tp, vocab, smoothing, sp):
+    ctx = _ctx(rank, world_size, tp)
+    padded, hidden_size, seq = 32, 8, 8
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(2, seq, hidden_size, generator=gen)
+    weight = torch.randn(padded, hidden_size, generator=gen)
+    weight[vocab:] = 5.0  # padding rows that would win everything if they counted
+    labels = torch.randint(0, vocab, (2, seq), generator=gen)
+    labels[0, :min(vocab, seq)] = torch.arange(min(vocab, seq)) * (vocab // seq or 1)
+    weights = torch.rand(2, seq, generator=gen)
+
+    ref_hidden, ref_weight = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy((ref_hidden @ ref_weight.t())[..., :vocab].reshape(-1, vocab),
+                          labels.reshape(-1), reduction="none",
+                          label_smoothing=smoothing).view(2, seq)
+    (ref * weights).sum().backward()
+
+    start, end = vocab_range(padded, ctx.tp_rank, tp)
+    rows = slice(ctx.tp_rank * seq // tp, (ctx.tp_rank + 1) * seq // tp)
+    mine = (hidden[:, rows] if sp else hidden).clone().requires_grad_()
+    shard = weight[start:end].clone().requires_grad_()
+    loss = parallel_linear_cross_entropy(mine, shard, labels, ctx.tp_group, sp, vocab,
+                                         smoothing)
+    (loss * weights).sum().backward()
+    want_hidden = ref_hidden.grad[:, rows] if sp else ref_hidden.grad
+    return ((loss - ref).abs().max().item(), (mine.grad - want_hidden).abs().max().item(),
+            (shard.grad - ref_weight.grad[start:end]).abs().max().item())
+
+
+@pytest.mark.parametrize("tp,vocab,smoothing,sp", [
+    (4, 27, 0.0, False), (4, 27, 0.1, True), (2, 27, 0.2, True),
+    (4, 10, 0.1, False),  # tp ranks 2 and 3 hold only padding
+])
+def test_linear_cross_entropy_matches_torch_on_whole_logits(pool, tp, vocab, smoothing, sp):
+    """The output layer and its loss in chunks, over vocabulary shards: the loss, the hidden
+    states' gradient (summed over tp, reduce-scattered under SP) and each shard's weight
+    gradient as torch computes them from the whole logits."""
+    for loss_err, hidden_err, weight_err in pool.run(_linear_cross_entropy, tp, vocab,
+                                                     smoothing, sp):
+        assert loss_err < 1e-5 and hidden_err < 1e-5 and weight_err < 1e-5, (
+            loss_err, hidden_err, weight_err)
+
+
 # --------------------------------------------------------------------------- layers
 
 
@@ -411,6 +459,16 @@ def test_gathered_logits_and_label_smoothing(pool, references):
     equals the tp 1 run of the vocab-parallel loss."""
     overrides = _overrides("gqa", "tied", "smooth", tp=2, sequence_parallel=True,
                            parallel_output=False)
+    _compare(pool.run(_train, overrides), references[("gqa", "tied", "smooth")],
+             tiny_config().model.vocab_size)
+
+
+@pytest.mark.parametrize("tp,sp", [(2, True), (4, False)])
+def test_fused_output_loss_training_matches_single_process(pool, references, tp, sp):
+    """--cross-entropy-loss-fusion at tp 2 + SP and tp 4: the same training as the unfused
+    tp 1 run, within the matrix's tolerances (label smoothing on)."""
+    overrides = _overrides("gqa", "tied", "smooth", tp=tp, sequence_parallel=sp,
+                           cross_entropy_loss_fusion=True)
     _compare(pool.run(_train, overrides), references[("gqa", "tied", "smooth")],
              tiny_config().model.vocab_size)
 

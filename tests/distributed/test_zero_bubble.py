@@ -50,6 +50,13 @@ def test_zb_h1_matches_1f1b_under_tp_2_and_sequence_parallel(pool):
              pool)
 
 
+def test_zbv_with_the_fused_output_loss_matches_1f1b(pool):
+    # the output layer's weight gradient, recomputed from the chunks' logits at W; the V
+    # shape puts the loss on rank 0, the one that also holds the tied embedding
+    _compare({"pp": 2, "cross-entropy-loss-fusion": True, "global-batch-size": 8}, "zbv",
+             pool)
+
+
 def test_weights_deferred_past_other_backwards_match_1f1b_with_overlapped_dp_reduce(pool):
     # dp 2 with --overlap-grad-reduce and small buckets: a bucket is reduced only after the
     # last W of its weights, which here runs after every I

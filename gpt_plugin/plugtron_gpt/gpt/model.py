@@ -157,9 +157,15 @@ class GPTModel(torch.nn.Module):
             vocab = self.output_weight().shape[0]
             stored += shape.residual(h) + shape.residual(2, 4)  # final norm input and stats
             stored += shape.tensor(h)  # output layer input (gathered under sp)
-            stored += shape.tensor(vocab, 4) + shape.tensor(1, 8)  # softmax, labels
-            # from I to W: the final norm's, and the output layer's input and logits' gradient
-            held += 2 * shape.residual(h) + shape.tensor(h) + shape.tensor(vocab)
+            if m.cross_entropy_loss_fusion:  # log-partitions, labels and their shard's own
+                stored += shape.tensor(1, 4) + shape.tensor(2, 8) + shape.tensor(1, 1)
+                # from I to W: the final norm's, the output layer's input, what W recomputes
+                # the logits' gradient from (log-partitions and the tokens' gradients)
+                held += 2 * shape.residual(h) + shape.tensor(h) + shape.tensor(2, 4)
+            else:
+                stored += shape.tensor(vocab, 4) + shape.tensor(1, 8)  # softmax, labels
+                # from I to W: the final norm's, the output layer's input, the logits' gradient
+                held += 2 * shape.residual(h) + shape.tensor(h) + shape.tensor(vocab)
             if self.mtp is not None:
                 mtp = sum(mtp_layer_bytes(layer, shape, m.normalization, vocab)
                           for layer in self.mtp.layers)
@@ -192,6 +198,9 @@ class GPTModel(torch.nn.Module):
     def _token_losses(self, hidden, labels):
         """Per-token cross entropy ``[b, s]`` of the output layer on ``hidden``."""
         m = self.config.model
+        if m.cross_entropy_loss_fusion:
+            return self.backend.output_losses(hidden, self.output_weight(), labels,
+                                              m.vocab_size, m.label_smoothing)
         logits = self.backend.output_logits(hidden, self.output_weight(), m.parallel_output)
         if not m.parallel_output:
             return F.cross_entropy(logits[..., :m.vocab_size].float().flatten(0, 1),

@@ -11,6 +11,7 @@ from plugtron.api import (
     load_layer_types,
     loss_closure,
 )
+from plugtron_gpt.gpt.loss_options import SECTION as LOSS_SECTION
 from plugtron_gpt.gpt.model import GPTModel, gpt_layer_symbols
 from plugtron_gpt.gpt.mtp import SECTION as MTP_SECTION
 from plugtron_gpt.gpt.mtp import validate_mtp
@@ -38,7 +39,7 @@ class GPTPlugin:
 
     @hookimpl
     def plugtron_config_sections(self):
-        return [MTP_SECTION]
+        return [MTP_SECTION, LOSS_SECTION]
 
     @hookimpl
     def plugtron_validate(self, config):

@@ -4,6 +4,7 @@ layers by pattern). Forward step and loss are the GPT model's."""
 from __future__ import annotations
 
 from plugtron.api import ModelInfo, hookimpl
+from plugtron_gpt.gpt.loss_options import SECTION as LOSS_SECTION
 from plugtron_gpt.gpt.plugin import MAIN_LOSS, GPTPlugin
 from plugtron_gpt.hybrid.model import HybridModel
 from plugtron_gpt.hybrid.options import SECTION
@@ -13,7 +14,7 @@ from plugtron_gpt.hybrid.sizes import hybrid_architecture, validate_hybrid
 class HybridPlugin(GPTPlugin):
     @hookimpl
     def plugtron_config_sections(self):
-        return [SECTION]
+        return [SECTION, LOSS_SECTION]
 
     @hookimpl
     def plugtron_validate(self, config):

@@ -161,6 +161,14 @@ def test_whole_chunk_bytes_are_what_autograd_saves():
     assert_activation_bytes_match(model, shape, tokens, labels=tokens, rel=0.05)
 
 
+def test_whole_chunk_bytes_with_the_fused_output_loss():
+    """--cross-entropy-loss-fusion keeps no logits: one log-partition per token and the labels."""
+    config, model, shape = _tiny_gpt(cross_entropy_loss_fusion=True)
+    tokens = torch.randint(0, config.model.vocab_size, (shape.micro_batch_size,
+                                                        shape.seq_length))
+    assert_activation_bytes_match(model, shape, tokens, labels=tokens, rel=0.05)
+
+
 def test_whole_chunk_bytes_with_multi_token_prediction():
     """Two MTP depths on the chunk (issue 27): their layers, norms, projections and losses."""
     config, model, shape = _tiny_gpt(position_embedding_type="rope", mtp_num_layers=2)
@@ -398,8 +406,9 @@ def _tensors_held_by(fn, seen: set, depth: int = 0) -> int:
     return total
 
 
-@pytest.mark.parametrize("flags", [{}, {"swiglu": True, "normalization": "RMSNorm"}],
-                         ids=["plain", "swiglu-rms"])
+@pytest.mark.parametrize("flags", [{}, {"swiglu": True, "normalization": "RMSNorm"},
+                                   {"cross_entropy_loss_fusion": True}],
+                         ids=["plain", "swiglu-rms", "fused-loss"])
 def test_what_a_split_backward_keeps_until_w_is_what_the_estimate_says(flags):
     # the estimate counts a microbatch from its I to its W with weight_grad_bytes: what the
     # deferred weight gradients hold (inputs and output gradients), held to the real closures
