@@ -167,7 +167,8 @@ class GPTModel(torch.nn.Module):
                 # from I to W: the final norm's, the output layer's input, the logits' gradient
                 held += 2 * shape.residual(h) + shape.tensor(h) + shape.tensor(vocab)
             if self.mtp is not None:
-                mtp = sum(mtp_layer_bytes(layer, shape, m.normalization, vocab)
+                mtp = sum(mtp_layer_bytes(layer, shape, m.normalization, vocab,
+                                          m.cross_entropy_loss_fusion)
                           for layer in self.mtp.layers)
                 stored += mtp
                 held += mtp  # what their deferred weights keep: counted as what they store

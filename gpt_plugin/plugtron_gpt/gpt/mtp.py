@@ -176,13 +176,16 @@ class MultiTokenPrediction(torch.nn.Module):
         return out
 
 
-def mtp_layer_bytes(layer: torch.nn.Module, shape, normalization: str, vocab: int) -> int:
+def mtp_layer_bytes(layer: torch.nn.Module, shape, normalization: str, vocab: int,
+                    fused_loss: bool = False) -> int:
     """What one depth keeps for backward per microbatch (``plugtron estimate``): its two input
     norms, ``eh_proj``'s input, its decoder layer, its final norm, and the output layer's input
-    and fp32 softmax with the shifted labels and mask."""
+    and fp32 softmax (with ``fused_loss``, ``--cross-entropy-loss-fusion``: one log-sum-exp
+    and the label's shard position per token instead) with the shifted labels and mask."""
     h = layer.get_parameter("enorm.weight").shape[0]
     total = 2 * norm_bytes(shape, h, normalization) + shape.residual(2 * h)
     composed: Any = layer.get_submodule("mtp_model_layer")  # a ComposedLayer
     total += int(composed.activation_bytes(shape))
     total += norm_bytes(shape, h, normalization) + shape.tensor(h)
-    return total + shape.tensor(vocab, 4) + shape.tensor(3, 8)
+    loss = shape.tensor(1, 4) + shape.tensor(1, 9) if fused_loss else shape.tensor(vocab, 4)
+    return total + loss + shape.tensor(3, 8)

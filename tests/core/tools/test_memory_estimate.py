@@ -169,9 +169,11 @@ def test_whole_chunk_bytes_with_the_fused_output_loss():
     assert_activation_bytes_match(model, shape, tokens, labels=tokens, rel=0.05)
 
 
-def test_whole_chunk_bytes_with_multi_token_prediction():
+@pytest.mark.parametrize("fused", [False, True], ids=["", "fused-loss"])
+def test_whole_chunk_bytes_with_multi_token_prediction(fused):
     """Two MTP depths on the chunk (issue 27): their layers, norms, projections and losses."""
-    config, model, shape = _tiny_gpt(position_embedding_type="rope", mtp_num_layers=2)
+    config, model, shape = _tiny_gpt(position_embedding_type="rope", mtp_num_layers=2,
+                                     cross_entropy_loss_fusion=fused)
     tokens = torch.randint(0, config.model.vocab_size, (shape.micro_batch_size,
                                                         shape.seq_length))
     assert_activation_bytes_match(model, shape, tokens, labels=tokens,
