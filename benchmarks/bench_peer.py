@@ -34,7 +34,20 @@ FLAGS = {"num-layers": 4, "hidden-size": 256, "num-attention-heads": 4, "num-que
          "attention-dropout": 0.0}
 
 
-ANALYSIS = ("What bounds it here (torch.profiler, three steps of each, 2 threads): both sides run the same kernels for the same time (matmuls 2.27 against 2.25 s, flash attention, log-softmax, the elementwise ops); plugtron's fused projections ([q; k; v] and [gate; up]) make fewer, larger matmuls but their backward concatenated the parts' gradients (105 cats, 47 ms a step, 3.5%); the gated MLP's half of that now writes in place (plugtron.api.silu_and_mul, 1.1 of 5.0 ms per call saved, bit for bit), the qkv split's cannot without the attention kernel writing its gradients into one buffer. The issue's 1.1x would need kernels the peer does not run: torch.compile of the layers is slower on this CPU (0.85x in bf16, \"Half precision on a CPU with AMX\" above) and the elementwise ops are ~15% of the step. The issue's 0.87-0.94 was measured on an AVX-512 EPYC; here plugtron is at 0.98.")
+ANALYSIS = ("What bounds it here (torch.profiler, three steps of each, 2 threads): both sides run "
+            "the same kernels for the same time (matmuls 2.27 against 2.25 s, flash attention, "
+            "log-softmax, the elementwise ops); plugtron's fused projections ([q; k; v] and "
+            "[gate; up]) make fewer, larger matmuls but their backward concatenated the parts' "
+            "gradients (105 cats, 47 ms a step, 3.5%); the gated MLP's half of that writes in "
+            "place (plugtron.api.silu_and_mul), the qkv split's cannot without the attention "
+            "kernel writing its gradients into one buffer. `--cross-entropy-loss-fusion` runs "
+            "the output layer and its loss in chunks of tokens, 0.83x their unfused time "
+            "(core/blocks/linear_cross_entropy.py), worth 1-4% of this step (vocabulary 4096: "
+            "the output layer is about a seventh of the step's matmul work), which brings plugtron to the "
+            "peer or just past it. The issue's 1.1x would need kernels the peer does not run: "
+            "torch.compile of the layers is slower on this CPU (0.85x in bf16, \"Half precision "
+            "on a CPU with AMX\" above) and the elementwise ops are ~15% of the step. The "
+            "issue's 0.87-0.94 was measured on an AVX-512 EPYC.")
 
 
 #: plugtron's runs, each against the peer in rounds of its own: the defaults, and with the
