@@ -60,6 +60,18 @@ def test_forward_and_backward_are_finite_at_a_length_off_the_chunk():
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_the_fused_output_loss_is_the_hybrid_models_option_too():
+    flags = {"hybrid-layer-pattern": "M*", "num-layers": 2}
+    tokens = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    losses = []
+    for fused in (False, True):
+        torch.manual_seed(0)
+        config, model, _ = build(**flags, **{"cross-entropy-loss-fusion": fused})
+        assert config.model.cross_entropy_loss_fusion is fused
+        losses.append(model(tokens, labels=tokens))
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+
+
 def test_pattern_segments_place_layers():
     assert chunk_of("M*-|M", 2, 0, None, None) == range(0, 3)
     assert chunk_of("M*-|M", 2, 1, None, None) == range(3, 4)

@@ -46,8 +46,10 @@ def _shift(t):
     return torch.cat([t[:, 1:], torch.zeros_like(t[:, :1])], dim=1)
 
 
-def test_losses_and_gradients_equal_the_written_out_objective():
-    model = _model()
+@pytest.mark.parametrize("fused", [False, True], ids=["", "fused-loss"])
+def test_losses_and_gradients_equal_the_written_out_objective(fused):
+    # --cross-entropy-loss-fusion: each depth's output layer and loss in chunks, the same sums
+    model = _model({**FLAGS, "cross-entropy-loss-fusion": fused})
     params = [p for _, p in model.named_parameters()]
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 128, (2, 16), generator=g)
