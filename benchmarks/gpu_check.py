@@ -53,16 +53,24 @@ def losses() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 on both sides
     torch.backends.cudnn.allow_tf32 = False
     runs = {}
-    for device in ("cpu", "cuda"):
+    # CUDA with the output layer and loss fused (--cross-entropy-loss-fusion) against the same
+    # CPU run too: the chunked loss's CUDA path
+    for device, fused in (("cpu", False), ("cuda", False), ("cuda", True)):
         config = tiny_config(train_iters=10, swiglu=True, num_query_groups=2,
-                             normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0)
+                             normalization="RMSNorm", hidden_dropout=0.0, attention_dropout=0.0,
+                             cross_entropy_loss_fusion=fused)
         records, _ = train_in_process(config, world=single_process(device))
-        runs[device] = [r["lm_loss"] for r in records]
-    worst = max(abs(g - c) / abs(c) for g, c in zip(runs["cuda"], runs["cpu"]))
-    ok = worst <= 1e-4
-    print(f"| tiny GPT fp32, 10 iterations | CUDA vs CPU losses: largest relative difference "
-          f"{worst:.1e} (tolerance 1e-4) | {'ok' if ok else 'FAILED'} |")
-    return 0 if ok else 1
+        runs[device, fused] = [r["lm_loss"] for r in records]
+    failed = 0
+    for fused in (False, True):
+        worst = max(abs(g - c) / abs(c)
+                    for g, c in zip(runs["cuda", fused], runs["cpu", False]))
+        ok = worst <= 1e-4
+        failed |= not ok
+        what = "CUDA with --cross-entropy-loss-fusion" if fused else "CUDA"
+        print(f"| tiny GPT fp32, 10 iterations | {what} vs CPU losses: largest relative "
+              f"difference {worst:.1e} (tolerance 1e-4) | {'ok' if ok else 'FAILED'} |")
+    return 1 if failed else 0
 
 
 def mfu(backend: str, iters: int = 20) -> int:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one-GPU check, prepared to run with no editing on a machine with one CUDA GPU (about 8
-# minutes): every test that needs CUDA (the te backend, te's split backward, MoE's CUDA paths),
+# minutes): every test that needs CUDA (the te backend, te's split backward, MoE's CUDA paths,
+# the fused output loss),
 # a tiny model's losses on CUDA against CPU, and the bf16 MFU of a ~1B GPT with the local and te
 # backends against the GPU's peak. Prints a markdown table for benchmarks/RESULTS.md; exit 1 if
 # any part failed. transformer-engine is optional: without it the te rows say so.
@@ -19,7 +20,8 @@ echo "|---|---|---|"
 out="$(OMP_NUM_THREADS=4 timeout 240 "$PY" -m pytest -q -rs -p no:cacheprovider \
   tests/plugins/layer_backends/test_te_backend.py \
   tests/plugins/layer_backends/test_te_split_backward.py \
-  tests/distributed/test_te_split_backward.py moe_plugin/tests/test_moe_plugin.py 2>&1)"
+  tests/distributed/test_te_split_backward.py moe_plugin/tests/test_moe_plugin.py \
+  tests/core/blocks/test_linear_cross_entropy.py 2>&1)"
 rc=$?
 summary="$(printf '%s\n' "$out" | tail -1)"
 skips="$(printf '%s\n' "$out" | grep -c '^SKIPPED' || true)"

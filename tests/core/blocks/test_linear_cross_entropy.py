@@ -14,13 +14,17 @@ from plugtron.core.contracts import weight_grads as wgrad
 VOCAB, PADDED, HIDDEN, TOKENS = 50, 64, 16, 1100  # 1100 tokens: three chunks of 512
 
 
-def _inputs(dtype=torch.float32, seed=0):
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_check.sh runs it)"))]
+
+
+def _inputs(dtype=torch.float32, seed=0, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(2, TOKENS // 2, HIDDEN, generator=gen).to(dtype).requires_grad_()
-    weight = (torch.randn(PADDED, HIDDEN, generator=gen) * 0.5).to(dtype).requires_grad_()
-    labels = torch.randint(0, VOCAB, (2, TOKENS // 2), generator=gen)
-    token_grads = torch.rand(2, TOKENS // 2, generator=gen)  # a loss mask's weights, say
-    return hidden, weight, labels, token_grads
+    hidden = torch.randn(2, TOKENS // 2, HIDDEN, generator=gen).to(device, dtype)
+    weight = (torch.randn(PADDED, HIDDEN, generator=gen) * 0.5).to(device, dtype)
+    labels = torch.randint(0, VOCAB, (2, TOKENS // 2), generator=gen).to(device)
+    token_grads = torch.rand(2, TOKENS // 2, generator=gen).to(device)  # a loss mask's weights
+    return hidden.requires_grad_(), weight.requires_grad_(), labels, token_grads
 
 
 def _reference(hidden, weight, labels, token_grads, smoothing):
@@ -37,9 +41,10 @@ def test_chunks_cover_the_tokens_with_at_least_the_minimum():
     assert lce.chunk_tokens(8192, 4096, 32768) == 1024  # as many logits as hidden elements
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_matches_torch_on_the_whole_logits(smoothing):
-    hidden, weight, labels, token_grads = _inputs()
+def test_matches_torch_on_the_whole_logits(smoothing, device):
+    hidden, weight, labels, token_grads = _inputs(device=device)
     want_loss, want_hidden, want_weight = _reference(hidden, weight, labels, token_grads,
                                                      smoothing)
     hidden.grad = weight.grad = None
@@ -54,11 +59,12 @@ def test_matches_torch_on_the_whole_logits(smoothing):
     assert not weight.grad[VOCAB:].any()  # padded rows take no part
 
 
-def test_bf16_as_close_to_fp64_as_torchs_bf16_path():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_as_close_to_fp64_as_torchs_bf16_path(device):
     """bf16 hidden states and weight: gradients in bf16, the loss in fp32, each as close to the
     fp64 computation as torch's loss on bf16 logits is (within a factor 2 of its error, relative
     to the largest entry)."""
-    hidden, weight, labels, token_grads = _inputs(torch.bfloat16)
+    hidden, weight, labels, token_grads = _inputs(torch.bfloat16, device=device)
     torch_loss, torch_hidden, torch_weight = (t.clone() for t in _reference(
         hidden, weight, labels, token_grads, 0.0))
     hidden.grad = weight.grad = None
