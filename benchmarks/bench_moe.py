@@ -265,7 +265,8 @@ def main() -> None:
              f"({time.strftime('%Y-%m-%d')})\n",
              f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
              f"torch {torch.__version__}, 1 thread per rank, load average "
-             f"{load:.1f} at the start. Command: `python benchmarks/bench_moe.py --steps {args.steps} "
+             f"{load:.1f} at the start. Command: `python benchmarks/bench_moe.py "
+             f"--steps {args.steps} "
              f"--rounds {args.rounds}` (took {took:.0f} s).\n",
              f"One layer, hidden {HIDDEN}, {EXPERTS} experts top-2, expert ffn {FFN} (SwiGLU), "
              f"{TOKENS} tokens, forward + backward; {args.rounds} rounds, the variants taking "
@@ -282,7 +283,8 @@ def main() -> None:
               f"quarter of the rows and half the columns of the dense MLP's, and one CPU "
               f"thread runs them slower per FLOP. The rest, "
               f"{layers['looped'][0] - layers['looped experts alone'][0]:.1f} ms, is the router "
-              f"and the permutation (the dense layer has the same norm): copies of the [tokens x top-k, hidden] rows "
+              f"and the permutation (the dense layer has the same norm): copies of the "
+              f"[tokens x top-k, hidden] rows "
               f"(gather in, weighted scatter-add out, and both in backward), memory-bound "
               f"passes that a GPU fuses into its permutation kernels.\n",
               f"Dispatchers at ep 2 (2 gloo ranks, {TOKENS // 2} tokens each, slower rank, "

@@ -9,18 +9,18 @@ a time, keeps only each token's log-partition (``log sum exp``), and the backwar
 chunk's logits again, turns them into the logits' gradient in place (``softmax - one-hot``,
 times the token's gradient) and applies the output layer's two backward matmuls to it. One
 extra matmul (the logits again) buys fewer passes, none over the whole logits, no allocation of
-their size, and a saved tensor of one float per token instead of one per vocabulary entry. The output layer and its loss, forward and
-backward, take 0.83x the time of the unfused ones (2048 tokens, hidden 256, vocabulary 4096,
-fp32, two CPU threads, median of 12 alternating pairs; about 4% of the step of
-benchmarks/bench_peer.py's model, RESULTS.md "The peer").
+their size, and a saved tensor of one float per token instead of one per vocabulary entry. The
+output layer and its loss, forward and backward, take 0.83x the time of the unfused ones (2048
+tokens, hidden 256, vocabulary 4096, fp32, two CPU threads, median of 12 alternating pairs;
+about 4% of the step of benchmarks/bench_peer.py's model, RESULTS.md "The peer").
 
 Under tensor parallelism ``weight`` is this rank's vocabulary shard: each token's log sum exp
 over the shard, its target logit and (for label smoothing) its sum of logits are reduced over
-``group`` after the last chunk (a max, then one sum), and the input gradient each rank returns is its
-vocabulary shard's part, which the caller's entry into the tensor-parallel region sums (as for
-``parallel_logits``). Padded vocabulary rows (global index at or beyond ``vocab_size``) take no
-part and get a zero gradient. In a split backward (zero-bubble schedules) the weight's gradient
-waits for ``W``, which computes the chunks' logits once more.
+``group`` after the last chunk (a max, then one sum), and the input gradient each rank returns
+is its vocabulary shard's part, which the caller's entry into the tensor-parallel region sums
+(as for ``parallel_logits``). Padded vocabulary rows (global index at or beyond
+``vocab_size``) take no part and get a zero gradient. In a split backward (zero-bubble
+schedules) the weight's gradient waits for ``W``, which computes the chunks' logits once more.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from plugtron.core.contracts import weight_grads as wgrad
 from plugtron.core.parallel import comm
 
 #: Fewest tokens per chunk: below this a chunk's matmul reads the whole weight for too little
-#: work (256 and 1024 measured 3-4% slower than 512 at hidden 256, vocabulary 4096). Above it a chunk holds about as many logits as the hidden states have elements
-#: (``tokens x hidden / vocabulary`` tokens), Liger's rule for large vocabularies.
+#: work (256 and 1024 measured 3-4% slower than 512 at hidden 256, vocabulary 4096). Above it a
+#: chunk holds about as many logits as the hidden states have elements (``tokens x hidden /
+#: vocabulary`` tokens), Liger's rule for large vocabularies.
 MIN_CHUNK_TOKENS = 512
 
 
@@ -40,6 +41,11 @@ def chunk_tokens(tokens: int, hidden: int, vocab: int) -> int:
     """Tokens per chunk for ``tokens`` hidden states of width ``hidden`` against ``vocab``
     logit columns (this rank's)."""
     return max(1, min(tokens, max(MIN_CHUNK_TOKENS, -(-tokens * hidden // max(vocab, 1)))))
+
+
+def _chunks(tokens: int, step: int):
+    """``(begin, end)`` of each chunk of ``step`` tokens."""
+    return ((begin, min(begin + step, tokens)) for begin in range(0, tokens, step))
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -55,8 +61,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         step = chunk_tokens(tokens, hidden.shape[1], real)
         if real == 0:  # a shard of padding only
             stats[0] = float("-inf")
-        for begin in range(0, tokens if real else 0, step):
-            end = min(begin + step, tokens)
+        for begin, end in _chunks(tokens if real else 0, step):
             logits = (hidden[begin:end] @ w.t()).float()
             torch.logsumexp(logits, dim=-1, out=stats[0, begin:end])
             stats[1, begin:end] = logits.gather(1, local[begin:end, None]).squeeze(1)
@@ -116,8 +121,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
         def weight_gradient() -> torch.Tensor:
             out = accumulated()
-            for begin in range(0, hidden.shape[0], step):
-                end = min(begin + step, hidden.shape[0])
+            for begin, end in _chunks(hidden.shape[0], step):
                 add_weight_grad(out, logits_grad(begin, end), begin, end)
             return out.to(weight.dtype)
 
@@ -126,8 +130,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.zeros_like(hidden) if needs_input else None
         grad_weight = accumulated() if needs_weight and not deferred else None
         if real > 0 and (needs_input or grad_weight is not None):
-            for begin in range(0, hidden.shape[0], step):
-                end = min(begin + step, hidden.shape[0])
+            for begin, end in _chunks(hidden.shape[0], step):
                 grad = logits_grad(begin, end)
                 if grad_hidden is not None and direct:
                     torch.mm(grad, w, out=grad_hidden[begin:end])
